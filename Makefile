@@ -1,0 +1,48 @@
+# Two commands set everything up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-fast lint format bench bench-smoke cluster-up cluster-down clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned to the CPU build that pip finds locally, so the
+# project's `torch>=2.6` range does not pull a multi-GB CUDA build on a CPU machine.
+# Set TORCH_SPEC= (empty) to let pip choose, e.g. on a GPU box.
+TORCH_SPEC ?= torch==2.13.0
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	bash cluster/demo.sh
+
+test: install
+	bash tests/run.sh
+
+lint: install
+	$(VENV)/bin/ruff check app jobs tests bench
+	$(VENV)/bin/ruff format --check app jobs tests bench
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format app jobs tests bench
+	$(VENV)/bin/ruff check --fix app jobs tests bench
+
+bench: install
+	$(PY) -m bench.run_all
+
+cluster-up: install
+	bash cluster/start.sh
+
+cluster-down:
+	bash cluster/stop.sh
+
+clean:
+	rm -rf outputs build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,95 @@
+"""What every job entry point shares: arguments, exit codes, the summary line, Ray connection.
+
+Exit codes: 0 ok, 1 bad input or a failed run, 2 bad config/usage or no cluster, 3 the export gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from app.config import Config, ConfigError, load_config
+
+
+class UserError(Exception):
+    """Bad input the user can fix (missing file, bad column, ...): a one-line message, exit 1."""
+
+    exit_code = 1
+
+
+class NoClusterError(UserError):
+    exit_code = 2
+
+
+def parser(stage: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m jobs.{stage}", description=description)
+    p.add_argument("--config", required=True, help="workload YAML, e.g. configs/digits.yaml")
+    p.add_argument("--summary-file", help="also write the JSON summary to this file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
+    return p
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("RAYTORCH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def fail(message: str, code: int) -> NoReturn:
+    print(message.splitlines()[0] if message else "failed", file=sys.stderr)
+    sys.exit(code)
+
+
+def run_job(args: argparse.Namespace, body: Callable[[Config], dict[str, Any]]) -> None:
+    """Load the config, run `body`, print its summary as the last stdout line."""
+    setup_logging()
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        fail(str(e), 2)
+    try:
+        summary = body(config)
+    except ConfigError as e:
+        fail(str(e), 2)
+    except UserError as e:
+        fail(f"error: {e}", e.exit_code)
+    emit(summary, args.summary_file)
+
+
+def emit(summary: dict[str, Any], summary_file: str | None) -> None:
+    line = json.dumps(summary, sort_keys=True, default=str)
+    if summary_file:
+        from app import storage
+
+        storage.write_bytes(summary_file if "://" in summary_file else os.path.abspath(summary_file), (line + "\n").encode())
+    sys.stderr.flush()
+    print(line, flush=True)
+
+
+def connect_ray(require_cluster: bool = False) -> None:
+    """Join RAY_ADDRESS or a running local cluster; else start a local Ray for this process.
+
+    Jobs that leave something running (deploy) pass require_cluster and fail with exit 2 instead.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
+        return
+    except (ConnectionError, RuntimeError) as e:
+        if require_cluster:
+            raise NoClusterError(
+                "no running Ray cluster found "
+                f"({str(e).splitlines()[0][:120]}); start one with `make cluster-up` "
+                "(cluster/start.sh) or `ray start --head`, or set RAY_ADDRESS"
+            ) from None
+    ray.init()

@@ -1,0 +1,256 @@
+"""Typed configuration: one YAML per workload plus dotted `section.key=value` overrides.
+
+Every key is declared here; an unknown key or a bad value fails before any work starts with one line
+naming the key (`ConfigError`, exit code 2 in the jobs).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SOURCES = ("digits", "breast_cancer", "wine", "imagefolder", "table", "synthetic_text", "synthetic_image")
+# Relative output paths resolve against this folder (default: the current directory). `ray job
+# submit` runs jobs inside a temporary copy of the working dir, so the cluster scripts set it.
+ROOT_ENV = "RAYTORCH_ROOT"
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is one line naming the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: Literal[SOURCES] = "digits"  # type: ignore[valid-type]
+    path: str | None = None
+    label_column: str = "label"
+    feature_columns: list[str] | None = None
+    text_column: str | None = None
+    labels: list[str] | None = None  # declared label set; rows outside it are refused
+    val_fraction: float = Field(0.2, gt=0, lt=1)
+    test_fraction: float = Field(0.0, ge=0, lt=1)
+    seed: int = 0
+    output: str = "outputs/data/{workload}"
+    rows_per_shard: int = Field(1000, ge=1)
+    # Generators and image folders.
+    num_rows: int = Field(4000, ge=10)
+    num_classes: int = Field(4, ge=2, le=64)
+    image_size: int = Field(16, ge=4, le=512)
+
+    @model_validator(mode="after")
+    def _fractions(self) -> DataConfig:
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError("val_fraction + test_fraction must leave at least 10% for training")
+        if self.source in ("imagefolder", "table") and not self.path:
+            raise ValueError(f"data.path is required for source {self.source!r}")
+        return self
+
+
+class ModelConfig(_Section):
+    # A registered family (cnn, mlp, transformer) or "pkg.module:callable".
+    name: str = "cnn"
+    channels: list[int] = Field(default_factory=lambda: [32, 64])
+    hidden: list[int] = Field(default_factory=lambda: [128, 64])
+    dim: int = Field(64, ge=8)
+    layers: int = Field(2, ge=1)
+    heads: int = Field(4, ge=1)
+    ff_dim: int = Field(128, ge=8)
+    max_length: int = Field(32, ge=4)
+    vocab_size: int = Field(2000, ge=32)
+    dropout: float = Field(0.1, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.dim % self.heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})")
+        return self
+
+
+class FaultInjection(_Section):
+    """Test-only: make `rank` raise once at the start of `epoch` (1-based)."""
+
+    rank: int = Field(ge=0)
+    epoch: int = Field(ge=1)
+
+
+class TrainConfig(_Section):
+    run_name: str | None = None  # default: "<workload>-<timestamp>"; an existing name resumes
+    storage_path: str = "outputs/runs"
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    # Fractional CPUs so Ray Data's read/map tasks still fit beside the workers on 2 cores.
+    cpus_per_worker: float = Field(0.5, gt=0)
+    gpus_per_worker: float = Field(1.0, ge=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = "PACK"
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)  # per worker
+    lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_fraction: float = Field(0.05, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    grad_accum_steps: int = Field(1, ge=1)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    torch_threads: int = Field(1, ge=1)
+    shuffle_buffer: int = Field(2000, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_metric: str = "val_accuracy"
+    checkpoint_mode: Literal["max", "min"] = "max"
+    max_failures: int = Field(0, ge=-1)
+    fail_at: FaultInjection | None = None
+    log_every_steps: int = Field(20, ge=1)
+
+
+class ExportConfig(_Section):
+    registry: str = "outputs/registry"
+    name: str | None = None  # default: the workload name
+    opset: int = Field(17, ge=13)
+    quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static for conv nets
+    calibration_batches: int = Field(8, ge=1)
+    max_accuracy_drop: float = 1.0  # percentage points; negative demands int8 beat fp32
+    parity_tolerance: float = Field(1e-3, gt=0)
+    parity_rows: int = Field(256, ge=1)
+    latency_repeats: int = Field(30, ge=3)
+
+
+class AutoscalingConfig(_Section):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    look_back_period_s: float = Field(5.0, gt=0)
+
+
+class ServeConfig(_Section):
+    app_name: str = "models"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    variant: Literal["fp32", "int8"] = "int8"
+    # Name of an environment variable holding the API key; when set there, every model route
+    # needs `Authorization: Bearer <key>`. Required when `host` is not loopback.
+    api_key_env: str = "RAYTORCH_API_KEY"
+    max_request_rows: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    replica_cpus: float = Field(0.5, gt=0)
+    replica_gpus: float = Field(0.0, ge=0)
+    ingress_cpus: float = Field(0.25, gt=0)
+    ingress_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> ServeConfig:
+        # A replica never holds more than max_ongoing_requests requests, so a larger batch
+        # could never fill and would only add wait.
+        if self.max_batch_size > self.max_ongoing_requests:
+            raise ValueError(
+                f"serve.max_batch_size ({self.max_batch_size}) must not exceed "
+                f"serve.max_ongoing_requests ({self.max_ongoing_requests})"
+            )
+        if self.autoscaling.min_replicas > self.autoscaling.max_replicas:
+            raise ValueError("serve.autoscaling.min_replicas must not exceed max_replicas")
+        return self
+
+
+class Config(_Section):
+    workload: str = Field("digits", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @property
+    def data_output(self) -> str:
+        return resolve_uri(self.data.output.format(workload=self.workload))
+
+    @property
+    def storage_path(self) -> str:
+        return resolve_uri(self.train.storage_path)
+
+    @property
+    def registry(self) -> str:
+        return resolve_uri(self.export.registry)
+
+    @property
+    def artifact_name(self) -> str:
+        return self.export.name or self.workload
+
+    def run_name(self) -> str:
+        return self.train.run_name or f"{self.workload}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def resolve_uri(uri: str) -> str:
+    """A URI with a scheme stays as is; a local path becomes absolute (under $RAYTORCH_ROOT)."""
+    if "://" in uri:
+        return uri
+    path = Path(uri).expanduser()
+    if not path.is_absolute():
+        path = Path(os.environ.get(ROOT_ENV) or os.getcwd()) / path
+    return str(path)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        raw.setdefault("workload", Path(path).stem)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected section.key=value")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict):
+            msg += f" (got {err['input']!r})"
+        where = f"{loc}: " if loc else ""
+        raise ConfigError(f"config error: {where}{msg}") from None
+
+
+def dump(config: Config) -> dict[str, Any]:
+    return config.model_dump(mode="json")

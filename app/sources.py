@@ -1,0 +1,271 @@
+"""Raw data sources: each returns the source's rows unchanged plus what describes them.
+
+Row values stay raw (pixels, numbers, text, label names): every transform belongs to the fitted
+preprocessor, so that serving accepts exactly what the source held.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from app.cli import UserError
+from app.config import DataConfig
+
+Kind = Literal["image", "tabular", "text"]
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
+IMAGE_COLUMN = "image"
+TEXT_COLUMN = "text"
+
+
+@dataclass
+class SourceData:
+    frame: pd.DataFrame  # feature columns + data.label_column
+    kind: Kind
+    feature_columns: list[str]
+    label_column: str
+    image_shape: tuple[int, int, int] | None = None  # (channels, height, width) of flat pixels
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+def load_source(cfg: DataConfig) -> SourceData:
+    loaders = {
+        "digits": _sklearn,
+        "breast_cancer": _sklearn,
+        "wine": _sklearn,
+        "imagefolder": _imagefolder,
+        "table": _table,
+        "synthetic_text": _synthetic_text,
+        "synthetic_image": _synthetic_image,
+    }
+    data = loaders[cfg.source](cfg)
+    if data.frame.empty:
+        raise UserError(f"data source {cfg.source!r} produced no rows")
+    _check_labels(data, cfg.labels)
+    return data
+
+
+def _check_labels(data: SourceData, declared: list[str] | None) -> None:
+    labels = data.frame[data.label_column]
+    if labels.isna().any():
+        row = int(np.flatnonzero(labels.isna().to_numpy())[0])
+        raise UserError(f"column {data.label_column!r}: missing label in row {row}")
+    if declared is None:
+        return
+    bad = ~labels.astype(str).isin(declared)
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        where = data.frame.attrs.get("row_origin", {}).get(row, f"row {row}")
+        raise UserError(
+            f"column {data.label_column!r}: label {labels.iloc[row]!r} at {where} is not in "
+            f"data.labels {declared}"
+        )
+
+
+# --- scikit-learn's bundled datasets (real data that ships with the package) -------------------
+
+
+def _sklearn(cfg: DataConfig) -> SourceData:
+    from sklearn import datasets
+
+    bunch = getattr(datasets, f"load_{cfg.source}")()
+    names = [str(n) for n in bunch.target_names]
+    labels = [names[t] for t in bunch.target]
+    description = {"source": cfg.source, "origin": f"sklearn.datasets.load_{cfg.source}"}
+    if cfg.source == "digits":
+        # 8x8 grey images, pixel values 0..16, kept flat as the source holds them.
+        pixels = bunch.data.astype(np.float32)
+        frame = pd.DataFrame({IMAGE_COLUMN: list(pixels), cfg.label_column: labels})
+        return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, 8, 8), description)
+    columns = [_column_name(n) for n in bunch.feature_names]
+    frame = pd.DataFrame(bunch.data, columns=columns)
+    frame[cfg.label_column] = labels
+    return SourceData(frame, "tabular", columns, cfg.label_column, None, description)
+
+
+def _column_name(name: str) -> str:
+    return "_".join(name.replace("/", " ").replace("(", " ").replace(")", " ").split())
+
+
+# --- an image folder: one subfolder of PNG/JPEG files per class ---------------------------------
+
+
+def _imagefolder(cfg: DataConfig) -> SourceData:
+    from PIL import Image, UnidentifiedImageError
+
+    root = _existing_path(cfg.path)
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if not classes:
+        raise UserError(f"{root}: no class subfolders (expected one folder of images per class)")
+    size = cfg.image_size
+    rows, labels = [], []
+    for label in classes:
+        for path in sorted(glob.glob(os.path.join(root, label, "*"))):
+            if not path.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            try:
+                with Image.open(path) as img:
+                    # Decoding to a fixed size is part of reading the source; values stay 0..255.
+                    pixels = np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8)
+            except (UnidentifiedImageError, OSError) as e:
+                raise UserError(f"{path}: unreadable image ({e})") from None
+            rows.append(pixels.transpose(2, 0, 1).reshape(-1).astype(np.float32))
+            labels.append(label)
+    if not rows:
+        raise UserError(f"{root}: no PNG or JPEG images found in {classes}")
+    frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
+    description = {"source": "imagefolder", "path": root, "classes": classes, "image_size": size}
+    return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (3, size, size), description)
+
+
+# --- CSV / JSONL / Parquet files with declared columns ----------------------------------------
+
+
+def _table(cfg: DataConfig) -> SourceData:
+    files = _table_files(_existing_path(cfg.path))
+    frames = []
+    for path in files:
+        frame = _read_table(path)
+        _check_columns(frame, path, cfg)
+        frame.attrs["file"] = path
+        frames.append(frame)
+    text = cfg.text_column
+    features = [text] if text else (cfg.feature_columns or _infer_features(frames[0], cfg))
+    origins: dict[int, str] = {}
+    offset = 0
+    for frame in frames:
+        for col in features:
+            _check_dtype(frame, col, frame.attrs["file"], is_text=bool(text))
+        origins.update({offset + i: f"{frame.attrs['file']} row {i}" for i in range(len(frame))})
+        offset += len(frame)
+    combined = pd.concat([f[[*features, cfg.label_column]] for f in frames], ignore_index=True)
+    combined[cfg.label_column] = combined[cfg.label_column].astype(str)
+    combined.attrs["row_origin"] = origins
+    kind: Kind = "text" if text else "tabular"
+    description = {"source": "table", "path": cfg.path, "files": [os.path.basename(f) for f in files]}
+    return SourceData(combined, kind, features, cfg.label_column, None, description)
+
+
+def _table_files(root: str) -> list[str]:
+    if os.path.isfile(root):
+        files = [root]
+    else:
+        files = sorted(
+            p for p in glob.glob(os.path.join(root, "**", "*"), recursive=True)
+            if p.lower().endswith(TABLE_EXTENSIONS)
+        )
+    if not files:
+        raise UserError(f"{root}: no CSV, JSONL or Parquet files")
+    return files
+
+
+def _read_table(path: str) -> pd.DataFrame:
+    try:
+        if path.lower().endswith(".csv"):
+            frame = pd.read_csv(path)
+        elif path.lower().endswith((".jsonl", ".json")):
+            frame = pd.read_json(path, lines=True)
+        else:
+            frame = pd.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - any parser error becomes one line naming the file
+        raise UserError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if frame.empty:
+        raise UserError(f"{path}: no rows")
+    return frame
+
+
+def _check_columns(frame: pd.DataFrame, path: str, cfg: DataConfig) -> None:
+    declared = [cfg.text_column] if cfg.text_column else (cfg.feature_columns or [])
+    for col in [*declared, cfg.label_column]:
+        if col not in frame.columns:
+            raise UserError(f"{path}: missing column {col!r} (has {list(frame.columns)})")
+    if declared:
+        extra = [c for c in frame.columns if c not in (*declared, cfg.label_column)]
+        if extra:
+            raise UserError(
+                f"{path}: unexpected column {extra[0]!r} (declare it in data.feature_columns "
+                "or remove it from the file)"
+            )
+
+
+def _infer_features(frame: pd.DataFrame, cfg: DataConfig) -> list[str]:
+    return [c for c in frame.columns if c != cfg.label_column]
+
+
+def _check_dtype(frame: pd.DataFrame, col: str, path: str, is_text: bool) -> None:
+    values = frame[col]
+    if is_text:
+        bad = ~values.map(lambda v: isinstance(v, str))
+        expected = "text"
+    else:
+        numeric = pd.to_numeric(values, errors="coerce")
+        bad = numeric.isna() | ~np.isfinite(numeric.astype(float).fillna(0))
+        expected = "a finite number"
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise UserError(f"{path}: column {col!r} row {row}: expected {expected}, got {values.iloc[row]!r}")
+    if not is_text:
+        frame[col] = values.astype(np.float64)
+
+
+def _existing_path(path: str | None) -> str:
+    if not path or not os.path.exists(path):
+        raise UserError(f"data.path {path!r} does not exist")
+    return path
+
+
+# --- deterministic generators: learnable but not trivial ---------------------------------------
+
+FILLER = [f"w{i}" for i in range(300)]
+
+
+def _synthetic_text(cfg: DataConfig) -> SourceData:
+    """Sentences of common filler words with a few topic keywords; one topic per class.
+
+    Each class owns 12 keywords; a sentence carries 2-4 of its own class's keywords and, in 40% of
+    rows, one keyword of another class as a distractor, so a model must weigh evidence rather than
+    spot one token.
+    """
+    rng = np.random.default_rng(cfg.seed)
+    k = cfg.num_classes
+    keywords = [[f"topic{c}_{j}" for j in range(12)] for c in range(k)]
+    texts, labels = [], []
+    for _ in range(cfg.num_rows):
+        c = int(rng.integers(k))
+        words = list(rng.choice(FILLER, size=int(rng.integers(6, 20))))
+        signal = list(rng.choice(keywords[c], size=int(rng.integers(2, 5))))
+        if rng.random() < 0.4:
+            other = int((c + rng.integers(1, k)) % k)
+            signal.append(str(rng.choice(keywords[other])))
+        for w in signal:
+            words.insert(int(rng.integers(len(words) + 1)), w)
+        texts.append(" ".join(words))
+        labels.append(f"class_{c}")
+    frame = pd.DataFrame({TEXT_COLUMN: texts, cfg.label_column: labels})
+    description = {"source": "synthetic_text", "seed": cfg.seed, "num_rows": cfg.num_rows}
+    return SourceData(frame, "text", [TEXT_COLUMN], cfg.label_column, None, description)
+
+
+def _synthetic_image(cfg: DataConfig) -> SourceData:
+    """Grey images with a class-specific oriented bar at a random offset, plus noise (0..255)."""
+    rng = np.random.default_rng(cfg.seed)
+    size, k = cfg.image_size, cfg.num_classes
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    rows, labels = [], []
+    for _ in range(cfg.num_rows):
+        c = int(rng.integers(k))
+        angle = np.pi * c / k
+        cx, cy = rng.uniform(size * 0.3, size * 0.7, size=2)
+        dist = np.abs((xx - cx) * np.sin(angle) - (yy - cy) * np.cos(angle))
+        img = 200.0 * (dist < size / 10) + rng.normal(30, 25, size=(size, size))
+        rows.append(np.clip(img, 0, 255).astype(np.uint8).reshape(-1).astype(np.float32))
+        labels.append(f"class_{c}")
+    frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
+    description = {"source": "synthetic_image", "seed": cfg.seed, "num_rows": cfg.num_rows}
+    return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, size, size), description)

@@ -1,0 +1,13 @@
+"""python -m jobs.prepare --config configs/digits.yaml [section.key=value ...]"""
+
+from app.cli import parser, run_job
+from app.prepare import prepare
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("prepare", "Turn a data source into Parquet shards plus a manifest.").parse_args(argv)
+    run_job(args, prepare)
+
+
+if __name__ == "__main__":
+    main()

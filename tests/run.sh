@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs the whole suite; pytest's exit 5 ("no tests collected") counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit "$rc"
