@@ -1,0 +1,89 @@
+"""Evaluate: accuracy, per-class precision/recall/F1 and the confusion matrix on held-out rows.
+
+Runs on the driver without Ray: shards stream one at a time through the checkpoint's own
+preprocessor. The held-out split is `test` when the dataset has one, else `val`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from app import storage
+from app.checkpoint import load_checkpoint
+from app.config import Config
+from app.data import iter_shards
+from app.prepare import read_manifest, split_files
+from app.preprocess import Preprocessor
+
+log = logging.getLogger(__name__)
+Predict = Callable[[dict[str, np.ndarray]], np.ndarray]  # model inputs -> logits
+EVALUATION_FILE = "evaluation.json"
+
+
+def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
+    loaded = load_checkpoint(checkpoint_uri)
+    manifest = read_manifest(config.data_output)
+    split = "test" if "test" in manifest["splits"] else "val"
+    batches = labeled_batches(config, loaded.preprocessor, split, manifest)
+    y_true, y_pred = predictions(torch_predict(loaded.model), batches)
+    metrics = classification_metrics(y_true, y_pred, loaded.preprocessor.labels)
+    metrics["split"] = split
+    storage.write_json(storage.join(checkpoint_uri, EVALUATION_FILE), metrics)
+    log.info("evaluate: accuracy %.4f on %d %s rows", metrics["accuracy"], metrics["rows"], split)
+    return {"stage": "evaluate", "checkpoint": checkpoint_uri, "metrics": metrics}
+
+
+def labeled_batches(
+    config: Config, pre: Preprocessor, split: str, manifest: dict[str, Any] | None = None, batch_rows: int = 512
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """(model inputs, label indices) for one split, shard by shard."""
+    output = config.data_output
+    manifest = manifest or read_manifest(output)
+    for frame in iter_shards(split_files(output, manifest, split)):
+        for start in range(0, len(frame), batch_rows):
+            part = frame.iloc[start : start + batch_rows]
+            batch = pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
+            labels = batch.pop("label")
+            yield batch, labels
+
+
+def torch_predict(model: torch.nn.Module) -> Predict:
+    @torch.no_grad()
+    def predict(inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return model(**{k: torch.from_numpy(v) for k, v in inputs.items()}).float().numpy()
+
+    return predict
+
+
+def predictions(predict: Predict, batches) -> tuple[np.ndarray, np.ndarray]:
+    y_true, y_pred = [], []
+    for inputs, labels in batches:
+        y_pred.append(predict(inputs).argmax(1))
+        y_true.append(labels)
+    return np.concatenate(y_true), np.concatenate(y_pred)
+
+
+def classification_metrics(y_true: np.ndarray, y_pred: np.ndarray, labels: list[str]) -> dict[str, Any]:
+    k = len(labels)
+    confusion = np.zeros((k, k), dtype=np.int64)
+    np.add.at(confusion, (y_true, y_pred), 1)
+    tp = np.diag(confusion).astype(float)
+    precision = np.divide(tp, confusion.sum(0), out=np.zeros(k), where=confusion.sum(0) > 0)
+    recall = np.divide(tp, confusion.sum(1), out=np.zeros(k), where=confusion.sum(1) > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(k), where=(precision + recall) > 0)
+    return {
+        "accuracy": float(tp.sum() / max(len(y_true), 1)),
+        "rows": int(len(y_true)),
+        "macro_f1": float(f1.mean()),
+        "per_class": {
+            name: {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]), "support": int(confusion[i].sum())}
+            for i, name in enumerate(labels)
+        },
+        "labels": labels,
+        "confusion_matrix": confusion.tolist(),
+    }

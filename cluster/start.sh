@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# Start a local Ray head node for raytorch (`make cluster-up`), safe by default:
+#   - token authentication on (RAY_AUTH_MODE=token); the token lives in a mode-600 file and is
+#     never printed;
+#   - the dashboard (and the Jobs API on it) binds 127.0.0.1; Serve is told to use 127.0.0.1:8000
+#     by cluster/serve.yaml and the deploy job;
+#   - Serve's high-throughput mode is switched on in the environment Ray starts with, since Serve
+#     reads it in the controller and replica processes the cluster spawns;
+#   - idempotent: a running cluster is left alone;
+#   - returns only once the Jobs API really accepts submissions.
+#
+# Environment (all optional):
+#   RAYTORCH_BIND_HOST       dashboard / Serve host (default 127.0.0.1). A non-loopback address is
+#                            refused (exit 2) unless token auth is on and RAYTORCH_API_KEY is set.
+#   RAYTORCH_API_KEY         API key the Serve app requires (Authorization: Bearer ...).
+#   RAYTORCH_TOKEN_FILE      Ray auth token file (default ~/.ray/auth_token, Ray's own default).
+#   RAY_AUTH_MODE            token (default) or disabled (loopback only).
+#   RAYTORCH_NUM_CPUS        --num-cpus;  RAYTORCH_NUM_GPUS: --num-gpus
+#   RAYTORCH_METRICS_PORT    --metrics-export-port (default 8080)
+#   RAYTORCH_DASHBOARD_PORT  --dashboard-port (default 8265);  RAYTORCH_GCS_PORT: --port (6379)
+#   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1 and
+#                            RAY_SERVE_ENABLE_HA_PROXY=1; 0 leaves Serve's defaults.
+#   RAYTORCH_ROOT            where jobs resolve relative output paths (default: the repo root).
+#   RAYTORCH_RAY_START_ARGS  extra arguments for `ray start` (word-split).
+#   RAYTORCH_READY_TIMEOUT_S how long to wait for the Jobs API (default 60).
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+
+die() {
+    local code="$1"
+    shift
+    echo "cluster/start.sh: error: $*" >&2
+    exit "$code"
+}
+log() { echo "cluster/start.sh: $*" >&2; }
+
+if [[ -x "$REPO_ROOT/.venv/bin/ray" ]]; then
+    RAY="$REPO_ROOT/.venv/bin/ray"
+    PY="$REPO_ROOT/.venv/bin/python"
+else
+    RAY="ray"
+    PY="python3"
+fi
+
+BIND_HOST="${RAYTORCH_BIND_HOST:-127.0.0.1}"
+AUTH_MODE="${RAY_AUTH_MODE:-token}"
+TOKEN_FILE="${RAYTORCH_TOKEN_FILE:-$HOME/.ray/auth_token}"
+DEFAULT_TOKEN_FILE="$HOME/.ray/auth_token"
+DASHBOARD_PORT="${RAYTORCH_DASHBOARD_PORT:-8265}"
+GCS_PORT="${RAYTORCH_GCS_PORT:-6379}"
+METRICS_PORT="${RAYTORCH_METRICS_PORT:-8080}"
+SERVE_FAST="${RAYTORCH_SERVE_FAST:-1}"
+READY_TIMEOUT_S="${RAYTORCH_READY_TIMEOUT_S:-60}"
+
+# --- 1. Refuse unsafe settings before anything starts. -------------------------------------
+case "$AUTH_MODE" in
+    token | disabled) ;;
+    *) die 2 "RAY_AUTH_MODE must be 'token' or 'disabled' (got '$AUTH_MODE')" ;;
+esac
+
+is_loopback() {
+    case "$1" in
+        127.* | localhost | ::1 | "[::1]") return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+if ! is_loopback "$BIND_HOST"; then
+    if [[ "$AUTH_MODE" != "token" ]]; then
+        die 2 "refusing to bind $BIND_HOST (not loopback) with RAY_AUTH_MODE=$AUTH_MODE;" \
+            "public binds need RAY_AUTH_MODE=token and RAYTORCH_API_KEY set."
+    fi
+    if [[ -z "${RAYTORCH_API_KEY:-}" ]]; then
+        die 2 "refusing to bind $BIND_HOST (not loopback) without an API key for Serve;" \
+            "set RAYTORCH_API_KEY (and keep RAY_AUTH_MODE=token), or use RAYTORCH_BIND_HOST=127.0.0.1."
+    fi
+fi
+if [[ "$AUTH_MODE" == "disabled" ]]; then
+    log "WARNING: RAY_AUTH_MODE=disabled: anyone who can reach 127.0.0.1 can run code on this cluster."
+fi
+[[ "$SERVE_FAST" == "0" || "$SERVE_FAST" == "1" ]] ||
+    die 2 "RAYTORCH_SERVE_FAST must be 0 or 1 (got '$SERVE_FAST')"
+for var in DASHBOARD_PORT GCS_PORT METRICS_PORT READY_TIMEOUT_S; do
+    [[ "${!var}" =~ ^[0-9]+$ ]] || die 2 "$var must be a number (got '${!var}')"
+done
+for var in RAYTORCH_NUM_CPUS RAYTORCH_NUM_GPUS; do
+    [[ -z "${!var:-}" || "${!var}" =~ ^[0-9]+$ ]] || die 2 "$var must be an integer (got '${!var}')"
+done
+
+# --- 2. The token: Ray reads RAY_AUTH_TOKEN, then RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token. --
+export RAY_AUTH_MODE="$AUTH_MODE"
+if [[ "$AUTH_MODE" == "token" ]]; then
+    if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+        log "using the token in \$RAY_AUTH_TOKEN"
+    else
+        if [[ ! -s "$TOKEN_FILE" ]]; then
+            mkdir -p "$(dirname "$TOKEN_FILE")"
+            chmod 700 "$(dirname "$TOKEN_FILE")" 2>/dev/null || true
+            tmp="$(mktemp "$TOKEN_FILE.XXXXXX")"
+            (umask 077 && "$PY" -c 'import secrets, sys; sys.stdout.write(secrets.token_hex(32))' >"$tmp")
+            chmod 600 "$tmp"
+            mv -f "$tmp" "$TOKEN_FILE"
+            log "generated a new auth token in $TOKEN_FILE (mode 600)"
+        fi
+        chmod 600 "$TOKEN_FILE"
+        if [[ "$TOKEN_FILE" != "$DEFAULT_TOKEN_FILE" ]]; then
+            export RAY_AUTH_TOKEN_PATH="$TOKEN_FILE"
+        fi
+    fi
+fi
+
+# --- 3. Environment the cluster's processes inherit. ----------------------------------------
+export RAYTORCH_ROOT="${RAYTORCH_ROOT:-$REPO_ROOT}"
+if [[ "$SERVE_FAST" == "1" ]]; then
+    export RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+    # HAProxy ingress. NOTE: it makes Serve's *default* HTTP host 0.0.0.0 (and ignores
+    # RAY_SERVE_DEFAULT_HTTP_HOST), so every Serve start must name its host explicitly
+    # (cluster/serve.yaml and the deploy job do).
+    export RAY_SERVE_ENABLE_HA_PROXY=1
+else
+    export RAY_SERVE_DEFAULT_HTTP_HOST="$BIND_HOST"
+fi
+
+DASHBOARD_URL="http://127.0.0.1:$DASHBOARD_PORT"
+if ! is_loopback "$BIND_HOST" && [[ "$BIND_HOST" != "0.0.0.0" && "$BIND_HOST" != "::" ]]; then
+    DASHBOARD_URL="http://$BIND_HOST:$DASHBOARD_PORT"
+fi
+
+# --- 4. Start the head node unless one is already running. ----------------------------------
+if "$RAY" status >/dev/null 2>&1; then
+    log "a Ray cluster is already running; not starting another (run 'make cluster-down' first" \
+        "to restart it with this script's settings)"
+else
+    args=(start --head
+        --port "$GCS_PORT"
+        --dashboard-host "$BIND_HOST"
+        --dashboard-port "$DASHBOARD_PORT"
+        --metrics-export-port "$METRICS_PORT"
+        --include-dashboard true
+        --disable-usage-stats)
+    if is_loopback "$BIND_HOST"; then
+        # Keep the GCS, raylet and object manager on loopback too: a laptop cluster.
+        args+=(--node-ip-address 127.0.0.1)
+    fi
+    [[ -n "${RAYTORCH_NUM_CPUS:-}" ]] && args+=(--num-cpus "$RAYTORCH_NUM_CPUS")
+    [[ -n "${RAYTORCH_NUM_GPUS:-}" ]] && args+=(--num-gpus "$RAYTORCH_NUM_GPUS")
+    if [[ -n "${RAYTORCH_RAY_START_ARGS:-}" ]]; then
+        # shellcheck disable=SC2206  # word splitting is intended
+        args+=($RAYTORCH_RAY_START_ARGS)
+    fi
+    log "starting a Ray head node (dashboard on $BIND_HOST:$DASHBOARD_PORT, auth: $AUTH_MODE," \
+        "serve fast mode: $SERVE_FAST, RAYTORCH_ROOT=$RAYTORCH_ROOT)"
+    # ray start's own output goes to stderr: it never contains the token.
+    "$RAY" "${args[@]}" >&2 || die 1 "'ray start --head' failed (see the output above)"
+fi
+
+# --- 5. Wait until the Jobs API accepts submissions. ----------------------------------------
+# `GET /api/jobs/` answering 200 proves the dashboard is up and the token is accepted; a job
+# submission additionally needs the head node's dashboard agent to have registered itself in the
+# GCS (otherwise "No available agent to submit job"), so the probe checks that as well.
+log "waiting for the Jobs API at $DASHBOARD_URL (up to ${READY_TIMEOUT_S}s)"
+"$PY" - "$DASHBOARD_URL" "$GCS_PORT" "$READY_TIMEOUT_S" <<'EOF' || die 1 "the Jobs API did not become ready; see /tmp/ray/session_latest/logs/dashboard*.log"
+from __future__ import annotations
+
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+url, gcs_port, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+headers = {}
+if os.environ.get("RAY_AUTH_MODE") == "token":
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    if not token:
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+        token = Path(path).read_text().strip()
+    headers["Authorization"] = f"Bearer {token}"
+
+
+def jobs_api_ok() -> str | None:
+    request = urllib.request.Request(f"{url}/api/jobs/", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            sys.exit(f"the dashboard refused the token (HTTP {e.code}): is this cluster using another token?")
+        return f"HTTP {e.code}"
+    except OSError as e:
+        return str(e)
+
+
+def agent_registered() -> str | None:
+    try:
+        from ray._private import ray_constants
+        from ray._raylet import GcsClient
+        from ray.dashboard import consts
+    except ImportError:  # no private API to check with: the HTTP answer has to do
+        return None
+    try:
+        gcs = GcsClient(address=f"127.0.0.1:{gcs_port}")
+        head = gcs.internal_kv_get(
+            ray_constants.KV_HEAD_NODE_ID_KEY, namespace=ray_constants.KV_NAMESPACE_JOB, timeout=5
+        )
+        if not head:
+            return "head node id not in the GCS yet"
+        key = f"{consts.DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX}{head.decode()}".encode()
+        if not gcs.internal_kv_get(key, namespace=ray_constants.KV_NAMESPACE_DASHBOARD, timeout=5):
+            return "dashboard agent not registered yet"
+        return None
+    except Exception as e:  # noqa: BLE001 - keep polling on any transient GCS error
+        return f"{type(e).__name__}: {e}"
+
+
+deadline = time.monotonic() + timeout_s
+reason = "not checked"
+while time.monotonic() < deadline:
+    reason = jobs_api_ok() or agent_registered()
+    if reason is None:
+        sys.exit(0)
+    time.sleep(1)
+sys.exit(f"Jobs API not ready after {timeout_s:.0f}s: {reason}")
+EOF
+
+# --- 6. How to use it. ----------------------------------------------------------------------
+echo "Ray cluster is up."
+echo "  Dashboard / Jobs API: $DASHBOARD_URL"
+echo "  Metrics (Prometheus): http://127.0.0.1:$METRICS_PORT (see cluster/monitoring/)"
+echo "  Serve HTTP (once deployed): http://127.0.0.1:8000 (cluster/serve.yaml)"
+if [[ "$AUTH_MODE" == "token" ]]; then
+    echo "  Token auth is ON. In each shell that talks to the cluster:"
+    echo "    export RAY_AUTH_MODE=token"
+    if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+        echo "    export RAY_AUTH_TOKEN=...   # the token you provided"
+    elif [[ "$TOKEN_FILE" != "$DEFAULT_TOKEN_FILE" ]]; then
+        echo "    export RAY_AUTH_TOKEN_PATH=$TOKEN_FILE"
+    else
+        echo "  The token is in $TOKEN_FILE (mode 600), where Ray clients look by default."
+    fi
+    echo "  HTTP clients send 'Authorization: Bearer <token>'; the browser dashboard asks for it once."
+fi
+echo "  Submit:  RAY_AUTH_MODE=$AUTH_MODE $RAY job submit --address $DASHBOARD_URL \\"
+echo "             --runtime-env cluster/runtime_env.yaml --working-dir . -- python -m jobs.pipeline --config configs/digits.yaml"
+echo "  Deploy:  RAY_AUTH_MODE=$AUTH_MODE serve deploy cluster/serve.yaml --address $DASHBOARD_URL"
+echo "  Stop:    make cluster-down"
