@@ -53,6 +53,8 @@ def labeled_batches(
 
 
 def torch_predict(model: torch.nn.Module) -> Predict:
+    model.eval()
+
     @torch.no_grad()
     def predict(inputs: dict[str, np.ndarray]) -> np.ndarray:
         return model(**{k: torch.from_numpy(v) for k, v in inputs.items()}).float().numpy()

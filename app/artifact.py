@@ -1,0 +1,182 @@
+"""The artifact: what export writes and the only thing serving loads.
+
+    <artifact>/manifest.json      name, version, sha256 of every other file, versions, lineage
+    <artifact>/model.onnx         fp32, self-contained (no external data)
+    <artifact>/model.int8.onnx    int8 (onnxruntime quantization)
+    <artifact>/preprocessor.json  the fitted preprocessor
+    <artifact>/schema.json        input/output tensors and label names
+    <artifact>/report.json        parity, accuracy, size and latency of each variant
+
+Opening an artifact verifies every sha256 before anything is parsed, refuses missing, altered or
+truncated files by name, never unpickles, and refuses ONNX external-data references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app import storage
+from app.cli import UserError
+from app.preprocess import Preprocessor
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+MODEL_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
+LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
+
+
+class ArtifactError(UserError):
+    """An artifact that must not be loaded; the message names the file."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def resolve(uri: str) -> str:
+    """An artifact version folder, or `<registry>/<name>/latest` -> the version it points at."""
+    uri = uri.rstrip("/")
+    if storage.exists(storage.join(uri, MANIFEST)):
+        return uri
+    fs, path = storage.filesystem(uri)
+    import pyarrow.fs as pafs
+
+    if os.path.basename(uri) == LATEST and fs.get_file_info(path).type == pafs.FileType.File:
+        version = storage.read_bytes(uri).decode().strip()
+        return storage.join(uri.rsplit("/", 1)[0], version)
+    if not storage.exists(uri):
+        raise ArtifactError(f"{uri}: no such artifact")
+    raise ArtifactError(f"{uri}: {MANIFEST} is missing")
+
+
+def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
+    """Read every listed file once, check its sha256 and size; return the verified bytes."""
+    verified: dict[str, bytes] = {}
+    for rel, expected in sorted(manifest["files"].items()):
+        path = os.path.normpath(os.path.join(folder, rel))
+        if os.path.dirname(os.path.relpath(path, folder)).startswith(".."):
+            raise ArtifactError(f"{rel}: path leaves the artifact folder")
+        if not os.path.isfile(path):
+            raise ArtifactError(f"{rel}: missing from {folder}")
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != expected["size"]:
+            raise ArtifactError(f"{rel}: size {len(data)} != {expected['size']} in the manifest (truncated or altered)")
+        if sha256_bytes(data) != expected["sha256"]:
+            raise ArtifactError(f"{rel}: sha256 mismatch (altered)")
+        verified[rel] = data
+    return verified
+
+
+def check_no_external_data(name: str, model_bytes: bytes) -> None:
+    import onnx
+
+    model = onnx.load_model_from_string(model_bytes)
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            raise ArtifactError(f"{name}: refers to external data; artifacts must be self-contained")
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        raise ArtifactError(f"{MANIFEST}: missing from {folder}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest["files"]  # noqa: B018 - must exist
+    except (ValueError, KeyError):
+        raise ArtifactError(f"{MANIFEST}: unreadable or without a 'files' list") from None
+    return manifest
+
+
+@dataclass
+class Artifact:
+    uri: str
+    manifest: dict[str, Any]
+    schema: dict[str, Any]
+    report: dict[str, Any]
+    preprocessor: Preprocessor
+    models: dict[str, bytes]  # variant -> verified ONNX bytes
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["version"])
+
+    def session(self, variant: str, threads: int = 1):
+        return create_session(self.models[variant], threads)
+
+
+def open_artifact(uri: str) -> Artifact:
+    uri = resolve(uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = storage.download_dir(uri, tmp)
+        manifest = read_manifest(folder)
+        files = verify_files(folder, manifest)
+    for variant, name in MODEL_FILES.items():
+        if name not in files:
+            raise ArtifactError(f"{name}: not listed in the manifest of {uri} ({variant} variant)")
+        check_no_external_data(name, files[name])
+    return Artifact(
+        uri=uri,
+        manifest=manifest,
+        schema=json.loads(files["schema.json"]),
+        report=json.loads(files["report.json"]),
+        preprocessor=Preprocessor.from_json(files["preprocessor.json"].decode()),
+        models={v: files[n] for v, n in MODEL_FILES.items()},
+    )
+
+
+def verify(uri: str) -> dict[str, Any]:
+    """`jobs.export --verify`: the integrity check alone."""
+    artifact = open_artifact(uri)
+    return {"stage": "verify", "artifact": artifact.uri, "ok": True, "files": sorted(artifact.manifest["files"])}
+
+
+# --- ONNX Runtime sessions -------------------------------------------------------------------
+
+
+def providers() -> list[str]:
+    """CUDA when a GPU is really usable, else CPU (onnxruntime-gpu lists CUDA even without one)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" in available and _gpu_present():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _gpu_present() -> bool:
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+def create_session(model_bytes: bytes, threads: int = 1):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = max(1, threads)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model_bytes, options, providers=providers())
+    except Exception as e:  # noqa: BLE001 - a broken CUDA setup must not stop a CPU replica
+        if providers() == ["CPUExecutionProvider"]:
+            raise
+        log.warning("CUDA session failed (%s); falling back to CPU", e)
+        return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def run_logits(session, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    return session.run(["logits"], inputs)[0]

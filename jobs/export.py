@@ -1,0 +1,41 @@
+"""python -m jobs.export --config configs/digits.yaml --checkpoint URI
+python -m jobs.export --verify ARTIFACT_URI      (integrity check alone: exit 0 intact, 1 if not)"""
+
+import sys
+
+from app.cli import UserError, emit, parser, run_job, setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--verify" in argv:
+        verify_only(argv)
+        return
+    p = parser("export", "Export a checkpoint to a verified ONNX fp32 + int8 artifact.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')")
+    args = p.parse_args(argv)
+    from app.export import export
+
+    run_job(args, lambda config: export(config, args.checkpoint))
+
+
+def verify_only(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m jobs.export --verify")
+    p.add_argument("--verify", required=True, metavar="URI")
+    p.add_argument("--summary-file")
+    args = p.parse_args(argv)
+    setup_logging()
+    from app.artifact import verify
+
+    try:
+        summary = verify(args.verify)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    emit(summary, args.summary_file)
+
+
+if __name__ == "__main__":
+    main()
