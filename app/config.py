@@ -149,6 +149,10 @@ class ServeConfig(_Section):
     replica_gpus: float = Field(0.0, ge=0)
     ingress_cpus: float = Field(0.25, gt=0)
     ingress_replicas: int = Field(1, ge=1)
+    # The ingress only parses and forwards, so it can hold many requests at once; Serve's
+    # default (5) would make it the bottleneck.
+    ingress_max_ongoing_requests: int = Field(256, ge=1)
+    health_check_period_s: float = Field(10.0, gt=0)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     @model_validator(mode="after")

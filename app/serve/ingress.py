@@ -1,0 +1,250 @@
+"""The HTTP API: Open Inference Protocol v2 and a simple JSON API over the model replicas.
+
+Routes (see DESIGN.md): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
+(also under /versions/{version}), /v1/models, /v1/models/{name}:predict.
+Every error is a JSON body naming the problem: {"error": ...}; never a traceback, never a 500
+for bad input; 413 for oversize bodies, 503 when the model's bounded queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import __version__
+from app.config import ServeConfig
+from app.serve.protocol import BINARY_HEADER, RequestError, check_content_type, decode_v1, decode_v2, encode_v2
+
+log = logging.getLogger("ray.serve")
+PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_key(cfg: ServeConfig) -> str | None:
+    key = os.environ.get(cfg.api_key_env) or None
+    if key is None and not is_loopback(cfg.host):
+        raise RuntimeError(
+            f"serve.host={cfg.host} listens beyond loopback: set an API key in ${cfg.api_key_env} "
+            "on the cluster (requests then need Authorization: Bearer <key>)"
+        )
+    return key
+
+
+class ModelRouter:
+    """What the routes need from the models: a name -> DeploymentHandle map plus error mapping."""
+
+    def __init__(self, handles: dict[str, Any]):
+        self.handles = handles
+
+    def get(self, name: str) -> Any:
+        handle = self.handles.get(name)
+        if handle is None:
+            raise RequestError(404, f"model {name!r} not found (deployed: {sorted(self.handles)})")
+        return handle
+
+    async def call(self, name: str, method: str, *args: Any) -> Any:
+        from ray.serve.exceptions import BackPressureError
+
+        handle = self.get(name)
+        try:
+            return await getattr(handle, method).remote(*args)
+        except BackPressureError:
+            raise RequestError(503, f"model {name!r} is overloaded (queue full); retry later") from None
+
+
+def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> FastAPI:
+    api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
+    key = api_key(cfg)
+
+    def error(status: int, message: str, request_id: str = "") -> JSONResponse:
+        headers = {"x-request-id": request_id} if request_id else None
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    @api.middleware("http")
+    async def guard(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        start = time.perf_counter()
+        if key and request.url.path not in PUBLIC_PATHS:
+            auth = request.headers.get("authorization", "")
+            if not auth:
+                return error(401, "missing Authorization: Bearer <api key>", request_id)
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                return error(403, "invalid API key", request_id)
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > cfg.max_body_bytes:
+            return error(413, f"body of {length} bytes exceeds serve.max_body_bytes={cfg.max_body_bytes}", request_id)
+        try:
+            response = await call_next(request)
+        except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON
+            log.exception("request %s failed", request_id)
+            response = error(500, "internal error; see the replica log", request_id)
+        response.headers["x-request-id"] = request_id
+        model = request.path_params.get("name", "") if hasattr(request, "path_params") else ""
+        if metrics is not None:
+            metrics.observe(model or "-", response.status_code, 1000 * (time.perf_counter() - start))
+        return response
+
+    @api.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        log.info("request %s: %d %s", getattr(request.state, "request_id", "-"), exc.status, exc.message)
+        return error(exc.status, exc.message)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error(400, str(exc.errors()[0].get("msg", "invalid request")))
+
+    async def body(request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise RequestError(413, f"body exceeds serve.max_body_bytes={cfg.max_body_bytes}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_rows(n: int) -> None:
+        if n > cfg.max_request_rows:
+            raise RequestError(413, f"{n} rows exceed serve.max_request_rows={cfg.max_request_rows}")
+
+    async def model_metadata(name: str) -> dict[str, Any]:
+        return await router.call(name, "metadata")
+
+    # --- Open Inference Protocol v2 ---------------------------------------------------------
+
+    @api.get("/v2")
+    async def server_metadata():
+        return {"name": "raytorch", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    @api.get("/v2/health/live")
+    async def live():
+        return {"live": True}
+
+    @api.get("/v2/health/ready")
+    async def ready():
+        try:
+            await asyncio.gather(*(model_metadata(n) for n in router.handles))
+        except Exception as e:  # noqa: BLE001 - not ready is an answer, not a crash
+            return error(503, f"not ready: {type(e).__name__}")
+        return {"ready": True}
+
+    @api.get("/v2/models/{name}")
+    @api.get("/v2/models/{name}/versions/{version}")
+    async def v2_model(name: str, version: str | None = None):
+        meta = await model_metadata(name)
+        check_version(meta, version)
+        schema = meta["schema"]
+        return {
+            "name": name,
+            "versions": [meta["version"]],
+            "platform": "onnxruntime_onnx",
+            "inputs": schema["inputs"],
+            "outputs": schema["outputs"],
+            "parameters": {"labels": schema["labels"], "variant": meta["variant"]},
+        }
+
+    @api.get("/v2/models/{name}/ready")
+    @api.get("/v2/models/{name}/versions/{version}/ready")
+    async def v2_model_ready(name: str, version: str | None = None):
+        meta = await model_metadata(name)
+        check_version(meta, version)
+        return {"name": name, "ready": True}
+
+    @api.post("/v2/models/{name}/infer")
+    @api.post("/v2/models/{name}/versions/{version}/infer")
+    async def v2_infer(name: str, request: Request, version: str | None = None):
+        router.get(name)
+        header_length = request.headers.get(BINARY_HEADER)
+        check_content_type(request.headers.get("content-type"), binary=header_length is not None)
+        parsed = decode_v2(await body(request), header_length)
+        shape = parsed["tensor"]["shape"]
+        check_rows(shape[0] if shape else 0)
+        result = await infer(name, {"protocol": "v2", "tensor": parsed["tensor"]}, request)
+        if version is not None and version != result["version"]:
+            raise RequestError(404, f"model {name!r} version {version!r} is not deployed (live: {result['version']})")
+        content, headers = encode_v2(
+            name, result["version"], parsed["id"], result["labels"], np.asarray(result["probabilities"]),
+            parsed["binary_outputs"],
+        )
+        return Response(content=content, headers=headers)
+
+    # --- simple JSON ------------------------------------------------------------------------
+
+    @api.get("/v1/models")
+    async def v1_models():
+        metas = await asyncio.gather(*(model_metadata(n) for n in sorted(router.handles)))
+        return {"models": [{k: m[k] for k in ("name", "version", "variant", "artifact", "manifest")} for m in metas]}
+
+    @api.post("/v1/models/{name}:predict")
+    async def v1_predict(name: str, request: Request):
+        router.get(name)
+        check_content_type(request.headers.get("content-type"), binary=False)
+        instances = decode_v1(await body(request))
+        check_rows(len(instances))
+        result = await infer(name, {"protocol": "v1", "instances": instances}, request)
+        names = result["label_names"]
+        return {
+            "model_name": name,
+            "model_version": result["version"],
+            "predictions": [
+                {"label": label, "probabilities": dict(zip(names, map(float, probs), strict=True))}
+                for label, probs in zip(result["labels"], result["probabilities"], strict=True)
+            ],
+        }
+
+    async def infer(name: str, payload: dict[str, Any], request: Request) -> dict[str, Any]:
+        result = await router.call(name, "infer", payload)
+        if "error" in result:
+            raise RequestError(result["status"], result["error"])
+        log.info("request %s: model %s v%s %d rows", request.state.request_id, name, result["version"], len(result["labels"]))
+        return result
+
+    def check_version(meta: dict[str, Any], version: str | None) -> None:
+        if version is not None and version != meta["version"]:
+            raise RequestError(404, f"model {meta['name']!r} version {version!r} is not deployed (live: {meta['version']})")
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def not_found(path: str):
+        return error(404, f"no route /{path}")
+
+    return api
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        self.requests = Counter("raytorch_requests_total", description="HTTP requests by model and status", tag_keys=("model", "code"))
+        self.latency = Histogram(
+            "raytorch_request_latency_ms", description="request latency (ms)",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000], tag_keys=("model",),
+        )
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        self.requests.inc(tags={"model": model, "code": str(code)})
+        self.latency.observe(latency_ms, tags={"model": model})

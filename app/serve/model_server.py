@@ -1,0 +1,137 @@
+"""One model's replica: a verified artifact in ONNX Runtime behind Serve's dynamic batching.
+
+`infer` validates one request against the artifact's schema (bad input comes back as an error
+value, never an exception, so a replica never dies of a request), then waits in `@serve.batch`
+for other requests; the batch is preprocessed with the artifact's fitted preprocessor (the code
+training used) and run in one ONNX Runtime call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from app.artifact import Artifact, open_artifact, run_logits
+from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
+
+log = logging.getLogger("ray.serve")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class ModelServer:
+    def __init__(self, artifact_uri: str, max_batch_size: int, batch_wait_timeout_s: float, threads: int):
+        self.artifact: Artifact = open_artifact(artifact_uri)
+        self.threads = threads
+        self.variant = "int8"
+        self.session = self.artifact.session(self.variant, threads)
+        self.infer_batch.set_max_batch_size(max_batch_size)
+        self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self._metrics = _ReplicaMetrics(self.artifact.name)
+        log.info("model %s version %s loaded from %s", self.artifact.name, self.artifact.version, self.artifact.uri)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """`user_config: {variant: fp32|int8}` switches the ONNX model without a redeploy."""
+        variant = user_config.get("variant", "int8")
+        if variant not in self.artifact.models:
+            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        if variant != self.variant or self.session is None:
+            self.session = self.artifact.session(variant, self.threads)
+            self.variant = variant
+            log.info("model %s now serves the %s variant", self.artifact.name, variant)
+
+    def check_health(self) -> None:
+        # Fails when the session can no longer run: Serve then replaces this replica.
+        sample = self._sample()
+        run_logits(self.session, self.artifact.preprocessor.features(sample))
+
+    def metadata(self) -> dict[str, Any]:
+        a = self.artifact
+        return {
+            "name": a.name,
+            "version": a.version,
+            "variant": self.variant,
+            "artifact": a.uri,
+            "schema": a.schema,
+            "manifest": {k: v for k, v in a.manifest.items() if k != "files"},
+            "replica_pid": os.getpid(),
+        }
+
+    async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """request: {"protocol": "v2", "tensor": {...}} or {"protocol": "v1", "instances": [...]}."""
+        try:
+            rows = self._rows(request)
+        except RequestError as e:
+            return {"error": e.message, "status": e.status}
+        labels, probabilities = await self.infer_batch(rows)
+        return {
+            "labels": labels,
+            "probabilities": probabilities,
+            "version": self.artifact.version,
+            "label_names": self.artifact.preprocessor.labels,
+            "replica_pid": os.getpid(),
+        }
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def infer_batch(self, requests: list[Any]) -> list[tuple[list[str], np.ndarray]]:
+        pre = self.artifact.preprocessor
+        counts = [len(r) for r in requests]
+        if pre.kind == "text":
+            raw: Any = [text for r in requests for text in r]
+        else:
+            raw = np.concatenate(requests)
+        self._metrics.batch_rows.observe(len(raw), tags=self._metrics.tags)
+        probabilities = softmax(run_logits(self.session, pre.features(raw)))
+        names = np.asarray(pre.labels, dtype=object)[probabilities.argmax(1)].tolist()
+        out, start = [], 0
+        for n in counts:
+            out.append((names[start : start + n], probabilities[start : start + n]))
+            start += n
+        return out
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _rows(self, request: dict[str, Any]) -> Any:
+        schema = self.artifact.schema
+        pre = self.artifact.preprocessor
+        spec = schema["inputs"][0]
+        if request["protocol"] == "v1":
+            return v1_rows(request["instances"], pre.kind, pre.feature_columns, pre.num_features)
+        tensor = request["tensor"]
+        if tensor["name"] != spec["name"]:
+            raise RequestError(400, f"inputs[0].name: expected {spec['name']!r}, got {tensor['name']!r}")
+        if spec["datatype"] == "BYTES":
+            if tensor["datatype"] != "BYTES":
+                raise RequestError(400, f"inputs[0].datatype: expected BYTES (text), got {tensor['datatype']!r}")
+            rows = text_rows(list(tensor["data"]), "inputs[0].data")
+            if len(rows) != math.prod(tensor["shape"]):
+                raise RequestError(400, f"inputs[0].shape: {tensor['shape']} does not match {len(rows)} strings")
+            return rows
+        return numeric_rows(tensor["data"], "inputs[0]", pre.num_features, tensor["datatype"], tensor["shape"])
+
+    def _sample(self) -> Any:
+        pre = self.artifact.preprocessor
+        return ["health check"] if pre.kind == "text" else np.zeros((1, pre.num_features), np.float32)
+
+
+class _ReplicaMetrics:
+    def __init__(self, model: str):
+        from ray.util.metrics import Gauge, Histogram
+
+        self.tags = {"model": model}
+        self.batch_rows = Histogram(
+            "raytorch_batch_size", description="rows per ONNX Runtime batch",
+            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], tag_keys=("model",),
+        )
+        # Each live replica reports 1 under its own tag; the sum over replicas is the count.
+        self.replicas = Gauge("raytorch_replicas", description="live model replicas", tag_keys=("model", "replica"))
+        self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})
