@@ -30,6 +30,7 @@ from app.preprocess import Preprocessor
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MODEL_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
+REQUIRED_FILES = (*MODEL_FILES.values(), "preprocessor.json", "schema.json", "report.json")
 LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
 
 
@@ -125,9 +126,10 @@ def open_artifact(uri: str) -> Artifact:
         folder = storage.download_dir(uri, tmp)
         manifest = read_manifest(folder)
         files = verify_files(folder, manifest)
-    for variant, name in MODEL_FILES.items():
+    for name in REQUIRED_FILES:
         if name not in files:
-            raise ArtifactError(f"{name}: not listed in the manifest of {uri} ({variant} variant)")
+            raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
+    for name in MODEL_FILES.values():
         check_no_external_data(name, files[name])
     return Artifact(
         uri=uri,

@@ -25,7 +25,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Numbers are accepted for text fields (labels "0".."9", run_name=2024) as their text.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class DataConfig(_Section):
@@ -217,7 +218,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {path}: not valid YAML{where}: {problem}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping")
         raw.setdefault("workload", Path(path).stem)

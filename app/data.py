@@ -49,6 +49,7 @@ def load_split(config: Config, split: str, preprocessor: Preprocessor, manifest:
     """A lazy Ray Dataset of model-ready batches for one split (nothing is read until consumed)."""
     import ray.data
 
+    quiet_progress()
     output = config.data_output
     manifest = manifest or read_manifest(output)
     files = split_files(output, manifest, split)
@@ -61,3 +62,13 @@ def load_split(config: Config, split: str, preprocessor: Preprocessor, manifest:
         batch_size=256,
         zero_copy_batch=True,
     )
+
+
+def quiet_progress() -> None:
+    """Per-epoch progress bars of Ray Data drown the job log; the train loop logs progress itself."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.enable_operator_progress_bars = False
+    ctx.print_on_execution_start = False

@@ -55,7 +55,8 @@ def _check_labels(data: SourceData, declared: list[str] | None) -> None:
     labels = data.frame[data.label_column]
     if labels.isna().any():
         row = int(np.flatnonzero(labels.isna().to_numpy())[0])
-        raise UserError(f"column {data.label_column!r}: missing label in row {row}")
+        where = data.frame.attrs.get("row_origin", {}).get(row, f"row {row}")
+        raise UserError(f"column {data.label_column!r}: missing label at {where}")
     if declared is None:
         return
     bad = ~labels.astype(str).isin(declared)
@@ -137,6 +138,10 @@ def _table(cfg: DataConfig) -> SourceData:
         frames.append(frame)
     text = cfg.text_column
     features = [text] if text else (cfg.feature_columns or _infer_features(frames[0], cfg))
+    for frame in frames[1:]:
+        missing = [c for c in features if c not in frame.columns]
+        if missing:
+            raise UserError(f"{frame.attrs['file']}: missing column {missing[0]!r} (the first file has it)")
     origins: dict[int, str] = {}
     offset = 0
     for frame in frames:
@@ -170,7 +175,7 @@ def _read_table(path: str) -> pd.DataFrame:
         if path.lower().endswith(".csv"):
             frame = pd.read_csv(path)
         elif path.lower().endswith((".jsonl", ".json")):
-            frame = pd.read_json(path, lines=True)
+            frame = pd.read_json(path, lines=True, precise_float=True, dtype=False, convert_dates=False)
         else:
             frame = pd.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - any parser error becomes one line naming the file

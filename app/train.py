@@ -48,6 +48,9 @@ def train(config: Config) -> dict[str, Any]:
     run_dir = storage.join(config.storage_path, run_name)
     manifest = read_manifest(config.data_output)
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
+    from app.models import build_model
+
+    build_model(config.model, preprocessor)  # a model that cannot take this data fails here, not in a worker
     connect_ray()
     datasets = {split: load_split(config, split, preprocessor, manifest) for split in ("train", "val")}
     t = config.train
@@ -141,6 +144,7 @@ def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
         "precision": t.precision,
         "epoch": meta["epoch"],
         "resume_history": meta.get("resume_history", []),
+        "worker_nodes": meta.get("worker_nodes", []),
         "metrics": meta["metrics"],
     }
 
@@ -178,6 +182,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     state.model = model
     device = ray.train.torch.get_device()
     metrics_sink = TrainMetrics(loop_config["run_dir"]) if rank == 0 else None
+    state.worker_nodes = gather_node_ids(world)
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
@@ -206,6 +211,7 @@ class TrainState:
         self.config = config
         self.epoch, self.step = 0, 0
         self.resume_history: list[int] = []
+        self.worker_nodes: list[str] = []
 
     @classmethod
     def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
@@ -337,6 +343,18 @@ def all_reduce_sums(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def gather_node_ids(world: int) -> list[str]:
+    """The Ray node of every rank, in rank order (recorded so placement can be checked)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    if world == 1 or not dist.is_initialized():
+        return [node]
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, node)
+    return [str(n) for n in nodes]
+
+
 def report(state: TrainState, metrics: dict[str, Any], preprocessor: Preprocessor, config: Config, rank: int) -> None:
     """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint."""
     import ray.train
@@ -350,6 +368,7 @@ def report(state: TrainState, metrics: dict[str, Any], preprocessor: Preprocesso
         "step": state.step,
         "metrics": metrics,
         "resume_history": state.resume_history,
+        "worker_nodes": state.worker_nodes,
         "preprocessor": preprocessor.to_json(),
         "torch_version": torch.__version__,
     }

@@ -39,6 +39,9 @@ log() { echo "cluster/start.sh: $*" >&2; }
 if [[ -x "$REPO_ROOT/.venv/bin/ray" ]]; then
     RAY="$REPO_ROOT/.venv/bin/ray"
     PY="$REPO_ROOT/.venv/bin/python"
+    # Job entrypoints (`ray job submit -- python -m jobs...`) resolve `python` through the PATH
+    # the cluster started with: make it the project's environment.
+    export PATH="$REPO_ROOT/.venv/bin:$PATH"
 else
     RAY="ray"
     PY="python3"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from app.config import ModelConfig
+from app.config import ConfigError, ModelConfig
 from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
@@ -53,17 +53,17 @@ def resolve(name: str) -> Builder:
         return REGISTRY[name]
     module_name, sep, attr = name.partition(":")
     if not sep:
-        raise ValueError(f"model.name: unknown model {name!r} (known: {sorted(REGISTRY)}, or 'pkg.module:callable')")
+        raise ConfigError(f"config error: model.name: unknown model {name!r} (known: {sorted(REGISTRY)}, or 'pkg.module:callable')")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"model.name: cannot load {name!r} ({e})") from None
+        raise ConfigError(f"config error: model.name: cannot load {name!r} ({e})") from None
 
 
 def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     expected = ACCEPTS.get(cfg.name)
     if expected and expected != pre.kind:
-        raise ValueError(f"model.name: {cfg.name!r} takes {expected} data, but the dataset is {pre.kind}")
+        raise ConfigError(f"config error: model.name: {cfg.name!r} takes {expected} data, but the dataset is {pre.kind}")
     return resolve(cfg.name)(cfg, pre)
 
 

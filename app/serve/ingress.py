@@ -25,7 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.config import ServeConfig
-from app.serve.protocol import BINARY_HEADER, RequestError, check_content_type, decode_v1, decode_v2, encode_v2
+from app.serve.protocol import (
+    BINARY_HEADER,
+    RequestError,
+    check_content_type,
+    decode_v1,
+    decode_v2,
+    encode_v2,
+)
 
 log = logging.getLogger("ray.serve")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")

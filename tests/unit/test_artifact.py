@@ -1,0 +1,322 @@
+"""app/export.py + app/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from unit_helpers import PYTHON, REPO, sha256_of, snapshot, staging_leftovers
+
+from app import checkpoint
+from app.artifact import LATEST, MANIFEST, ArtifactError, open_artifact, resolve, verify
+from app.config import dump
+from app.data import fit_preprocessor
+from app.evaluate import labeled_batches, torch_predict
+from app.export import GateError, export, gate, next_version
+from app.models import build_model
+from app.prepare import prepare
+
+pytestmark = pytest.mark.unit
+
+FILES = {
+    "manifest.json",
+    "model.onnx",
+    "model.int8.onnx",
+    "preprocessor.json",
+    "schema.json",
+    "report.json",
+}
+FAST_EXPORT = [
+    "model.channels=[4,8]",
+    "export.max_accuracy_drop=100",
+    "export.latency_repeats=3",
+    "export.parity_rows=32",
+    "export.calibration_batches=1",
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, config_maker):
+    """Prepared digits, a checkpoint of an untrained small CNN, and one published artifact."""
+    root = tmp_path_factory.mktemp("artifact")
+    config = config_maker(root, *FAST_EXPORT)
+    prepare(config)
+    pre = fit_preprocessor(config)
+    torch.manual_seed(0)
+    model = build_model(config.model, pre)
+    meta = {
+        "config": dump(config),
+        "epoch": 1,
+        "step": 10,
+        "metrics": {"val_accuracy": 0.1},
+        "resume_history": [],
+        "preprocessor": pre.to_json(),
+    }
+    ckpt = str(root / "checkpoint")
+    checkpoint.save(ckpt, model, {"step": 10, "rng": checkpoint.rng_state()}, meta)
+    summary = export(config, ckpt)
+    return {
+        "root": root,
+        "config": config,
+        "checkpoint": ckpt,
+        "summary": summary,
+        "model": model,
+        "pre": pre,
+    }
+
+
+@pytest.fixture
+def copy(built, tmp_path):
+    """A private copy of the published version folder, free to tamper with."""
+    target = tmp_path / "artifact"
+    shutil.copytree(built["summary"]["artifact"], target)
+    return target
+
+
+def registry_of(built) -> Path:
+    return Path(built["config"].registry)
+
+
+# --- what export publishes ----------------------------------------------------------------------
+
+
+def test_export_publishes_version_one_with_a_full_manifest(built):
+    summary = built["summary"]
+    registry = registry_of(built)
+    assert summary["stage"] == "export"
+    assert summary["artifact"] == str(registry / "digits" / "1")
+    folder = Path(summary["artifact"])
+    assert {p.name for p in folder.iterdir()} == FILES
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["name"] == "digits" and manifest["version"] == "1"
+    assert manifest["source_checkpoint"] == built["checkpoint"]
+    assert set(manifest["versions"]) >= {"torch", "ray", "onnx"}
+    # Every file but the manifest itself, by relative path, with its real sha256 and size.
+    assert set(manifest["files"]) == FILES - {MANIFEST}
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == sha256_of(folder / name)
+        assert entry["size"] == (folder / name).stat().st_size
+    report = json.loads((folder / "report.json").read_text())
+    assert report == summary["report"]
+    assert report["parity"]["max_abs_diff"] <= built["config"].export.parity_tolerance
+    assert report["quantization"]["method"] == "static"  # as configs/digits.yaml asks
+    assert (registry / "digits" / LATEST).read_text().strip() == "1"
+    assert staging_leftovers(registry) == []
+
+
+def test_open_artifact_gives_working_sessions(built):
+    art = open_artifact(built["summary"]["artifact"])
+    assert (art.name, art.version) == ("digits", "1")
+    assert art.preprocessor.to_json() == built["pre"].to_json()
+    assert art.schema["labels"] == [str(d) for d in range(10)]
+    assert art.schema["inputs"][0]["shape"] == [-1, 64]
+    inputs, _ = next(labeled_batches(built["config"], art.preprocessor, "val", batch_rows=16))
+    expected = torch_predict(built["model"])(inputs)
+    fp32 = art.session("fp32").run(["logits"], inputs)[0]
+    int8 = art.session("int8").run(["logits"], inputs)[0]
+    assert fp32.shape == int8.shape == (16, 10)
+    np.testing.assert_allclose(fp32, expected, atol=1e-3)
+    assert np.isfinite(int8).all()
+
+
+def test_latest_pointer_resolves_and_advances(built, tmp_path):
+    registry = tmp_path / "registry"
+    shutil.copytree(registry_of(built), registry)
+    latest = str(registry / "digits" / LATEST)
+    assert resolve(latest) == str(registry / "digits" / "1")
+    assert open_artifact(latest).uri == str(registry / "digits" / "1")
+    # A second export into this registry becomes version 2 and moves the pointer.
+    config = built["config"].model_copy(deep=True)
+    config.export.registry = str(registry)
+    assert next_version(str(registry), "digits") == 2
+    summary = export(config, built["checkpoint"])
+    assert summary["artifact"] == str(registry / "digits" / "2")
+    assert (registry / "digits" / LATEST).read_text().strip() == "2"
+    assert open_artifact(latest).version == "2"
+    assert open_artifact(str(registry / "digits" / "1")).version == "1"  # old one still whole
+
+
+# --- refusing damaged artifacts -----------------------------------------------------------------
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def remove(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "name"),
+    [
+        (flip_byte, "model.onnx"),
+        (truncate, "model.int8.onnx"),
+        (remove, "schema.json"),
+        (flip_byte, "preprocessor.json"),
+        (truncate, "report.json"),
+    ],
+)
+def test_damaged_file_is_refused_by_name(copy, damage, name):
+    damage(copy / name)
+    with pytest.raises(ArtifactError) as info:
+        open_artifact(str(copy))
+    message = str(info.value)
+    assert message.startswith(f"{name}:"), message
+    assert "\n" not in message
+
+
+def test_file_dropped_from_manifest_and_folder_is_refused_by_name(copy):
+    manifest = json.loads((copy / MANIFEST).read_text())
+    del manifest["files"]["schema.json"]
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    (copy / "schema.json").unlink()
+    with pytest.raises(ArtifactError, match="schema.json"):
+        open_artifact(str(copy))
+
+
+def test_missing_or_broken_manifest_is_refused(copy):
+    (copy / MANIFEST).write_text("{not json")
+    with pytest.raises(ArtifactError, match=MANIFEST):
+        open_artifact(str(copy))
+    (copy / MANIFEST).unlink()
+    with pytest.raises(ArtifactError, match=MANIFEST):
+        open_artifact(str(copy))
+
+
+def test_manifest_path_escaping_the_folder_is_refused(copy):
+    (copy.parent / "outside.txt").write_text("hi")
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"]["../outside.txt"] = {
+        "sha256": sha256_of(copy.parent / "outside.txt"),
+        "size": 2,
+    }
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="leaves the artifact folder"):
+        open_artifact(str(copy))
+
+
+def test_no_such_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="no such artifact"):
+        open_artifact(str(tmp_path / "nothing"))
+
+
+def test_verify_reports_every_file(built):
+    result = verify(built["summary"]["artifact"])
+    assert result["ok"] is True
+    assert result["files"] == sorted(FILES - {MANIFEST})
+
+
+# --- python -m jobs.export --verify -------------------------------------------------------------
+
+
+def run_verify(uri: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "jobs.export", "--verify", uri],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+
+
+def test_verify_cli_exit_0_when_intact(copy, tmp_path):
+    proc = run_verify(str(copy), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is True and summary["artifact"] == str(copy)
+
+
+def test_verify_cli_exit_1_naming_the_tampered_file(copy, tmp_path):
+    flip_byte(copy / "model.onnx")
+    proc = run_verify(str(copy), tmp_path)
+    assert proc.returncode == 1
+    assert "model.onnx" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.strip() == ""
+
+
+# --- the accuracy gate --------------------------------------------------------------------------
+
+
+def test_gate_firing_publishes_nothing(built):
+    registry = registry_of(built)
+    before = snapshot(registry)
+    config = built["config"].model_copy(deep=True)
+    config.export.max_accuracy_drop = -1  # int8 must beat fp32 by a point: it does not
+    with pytest.raises(GateError) as info:
+        export(config, built["checkpoint"])
+    assert info.value.exit_code == 3
+    assert "export.max_accuracy_drop" in str(info.value)
+    assert snapshot(registry) == before
+    assert sorted(os.listdir(registry / "digits")) == ["1", LATEST]
+    assert staging_leftovers(registry) == []
+
+
+def report(parity: float, fp32: float, int8: float) -> dict:
+    return {
+        "parity": {"max_abs_diff": parity},
+        "accuracy": {"onnx_fp32": fp32, "onnx_int8": int8},
+        "accuracy_drop_points": 100 * (fp32 - int8),
+    }
+
+
+def test_gate_rules():
+    gate(report(1e-5, 0.90, 0.895), parity_tolerance=1e-3, max_drop=1.0)  # 0.5 points: fine
+    with pytest.raises(GateError, match="max_accuracy_drop"):
+        gate(report(1e-5, 0.90, 0.88), parity_tolerance=1e-3, max_drop=1.0)  # 2 points
+    with pytest.raises(GateError, match="parity_tolerance"):
+        gate(report(5e-3, 0.90, 0.90), parity_tolerance=1e-3, max_drop=1.0)
+    # A negative allowance demands that int8 beat fp32 by that much.
+    with pytest.raises(GateError):
+        gate(report(0.0, 0.90, 0.90), parity_tolerance=1e-3, max_drop=-1.0)
+    gate(report(0.0, 0.90, 0.92), parity_tolerance=1e-3, max_drop=-1.0)
+
+
+def test_export_cli_gate_exits_3_with_one_line(built, tmp_path):
+    registry = registry_of(built)
+    before = snapshot(registry)
+    overrides = [
+        f"data.output={built['config'].data_output}",
+        f"export.registry={registry}",
+        *(o for o in FAST_EXPORT if not o.startswith("export.max_accuracy_drop=")),
+        "export.max_accuracy_drop=-1",
+    ]
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "jobs.export",
+            "--config",
+            "configs/digits.yaml",
+            "--checkpoint",
+            built["checkpoint"],
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HOME": str(tmp_path), "RAYTORCH_LOG_LEVEL": "ERROR"},
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: export refused"), proc.stderr[
+        -2000:
+    ]
+    assert proc.stdout.strip() == ""
+    assert snapshot(registry) == before

@@ -1,0 +1,199 @@
+"""app/checkpoint.py: weights round trip, weights_only train state, RNG restore, loading for export."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app import checkpoint
+from app.cli import UserError
+from app.config import dump, load_config
+from app.models import build_model
+from app.preprocess import Preprocessor
+from app.train import TrainState
+
+pytestmark = pytest.mark.unit
+
+LABELS = ["x", "y", "z"]
+
+
+def tabular_pre() -> Preprocessor:
+    return Preprocessor(
+        {
+            "kind": "tabular",
+            "feature_columns": ["a", "b", "c", "d"],
+            "label_column": "label",
+            "labels": LABELS,
+            "mean": [0.0] * 4,
+            "std": [1.0] * 4,
+        }
+    )
+
+
+@pytest.fixture
+def config():
+    return load_config(
+        None,
+        [
+            "model.name=mlp",
+            "model.hidden=[8]",
+            "model.dropout=0.5",
+            "data.source=wine",
+            "train.lr=0.01",
+        ],
+    )
+
+
+def make_state(config, seed: int) -> TrainState:
+    torch.manual_seed(seed)
+    return TrainState.create(build_model(config.model, tabular_pre()), config, total_steps=20)
+
+
+def take_steps(state: TrainState, steps: int) -> None:
+    gen = torch.Generator().manual_seed(123)
+    for _ in range(steps):
+        x, y = torch.randn(8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        loss = F.cross_entropy(state.model(x=x), y)
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+        state.step += 1
+    state.epoch = 1
+
+
+def meta_for(config, state: TrainState) -> dict:
+    return {
+        "config": dump(config),
+        "epoch": state.epoch,
+        "step": state.step,
+        "metrics": {"val_accuracy": 0.5},
+        "resume_history": state.resume_history,
+        "preprocessor": tabular_pre().to_json(),
+    }
+
+
+def test_weights_round_trip(tmp_path, config):
+    state = make_state(config, seed=0)
+    take_steps(state, 3)
+    folder = str(tmp_path / "ckpt")
+    checkpoint.save(folder, state.model, state.train_state(), meta_for(config, state))
+    assert sorted(os.listdir(folder)) == sorted(
+        [checkpoint.WEIGHTS, checkpoint.STATE, checkpoint.META]
+    )
+
+    fresh = make_state(config, seed=99).model
+    original = state.model.state_dict()
+    assert not all(torch.equal(fresh.state_dict()[k], v) for k, v in original.items())
+    checkpoint.load_weights(folder, fresh)
+    for key, value in original.items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_ddp_wrapper_is_unwrapped():
+    model = torch.nn.Linear(2, 2)
+
+    class FakeDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module):  # no process group needed to test unwrap
+            torch.nn.Module.__init__(self)
+            self.module = module
+
+    assert checkpoint.unwrap(FakeDDP(model)) is model
+    assert checkpoint.unwrap(model) is model
+
+
+def test_train_state_loads_with_weights_only_and_resumes(tmp_path, config):
+    state = make_state(config, seed=0)
+    take_steps(state, 4)
+    folder = str(tmp_path / "ckpt")
+    checkpoint.save(folder, state.model, state.train_state(), meta_for(config, state))
+    # The uninterrupted run goes on right away (dropout draws from the global RNG)...
+    expected_lr = state.optimizer.param_groups[0]["lr"]
+    expected_opt = [{k: v.clone() for k, v in s.items()} for s in state.optimizer.state.values()]
+    take_steps(state, 2)
+
+    # ...and the file loads with torch's safe loader.
+    raw = torch.load(os.path.join(folder, checkpoint.STATE), weights_only=True)
+    assert raw["step"] == 4
+    loaded = checkpoint.load_train_state(folder)
+    assert set(loaded) == {"optimizer", "scheduler", "scaler", "step", "rng"}
+
+    resumed = make_state(config, seed=99)
+    resumed.restore(folder)
+    assert (resumed.epoch, resumed.step) == (1, 4)
+    assert resumed.resume_history == [2]  # resumed at the start of epoch 2
+    assert resumed.scheduler.last_epoch == 4
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr)
+    for a, b in zip(expected_opt, resumed.optimizer.state.values(), strict=True):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"])
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"])
+    # Continuing from the checkpoint (weights, optimizer, schedule, RNG for dropout) gives
+    # exactly what the uninterrupted run got.
+    take_steps(resumed, 2)
+    for key, value in state.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[key], value)
+
+
+def test_train_state_with_arbitrary_objects_is_refused(tmp_path, config):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    folder = str(tmp_path / "ckpt")
+    state = make_state(config, seed=0)
+    checkpoint.save(folder, state.model, {"step": 1, "payload": Evil()}, meta_for(config, state))
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint.load_train_state(folder)
+
+
+def draw() -> tuple:
+    np.random.standard_normal()  # leaves a cached gaussian in the legacy numpy state
+    return (
+        torch.rand(5).tolist(),
+        np.random.rand(5).tolist(),
+        np.random.standard_normal(),
+        [random.random() for _ in range(5)],
+    )
+
+
+def test_rng_state_restore_reproduces_numbers(tmp_path):
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    np.random.standard_normal()  # odd number of gaussians: has_gauss = 1 in the saved state
+    saved = checkpoint.rng_state()
+    path = tmp_path / "rng.pt"
+    torch.save({"rng": saved}, path)
+    first = draw()
+    draw()  # move on
+    checkpoint.set_rng_state(torch.load(path, weights_only=True)["rng"])
+    assert draw() == first
+
+
+def test_meta_round_trip_and_loaded_checkpoint(tmp_path, config):
+    state = make_state(config, seed=0)
+    take_steps(state, 2)
+    folder = str(tmp_path / "ckpt")
+    meta = meta_for(config, state)
+    checkpoint.save(folder, state.model, state.train_state(), meta)
+    assert checkpoint.read_meta(folder) == json.loads(json.dumps(meta))
+
+    loaded = checkpoint.load_checkpoint(folder)
+    assert loaded.config == config
+    assert loaded.preprocessor.to_json() == tabular_pre().to_json()
+    assert not loaded.model.training
+    x = torch.randn(3, 4)
+    state.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x=x), state.model(x=x))
+
+
+def test_load_checkpoint_refuses_a_folder_without_meta(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="not a checkpoint"):
+        checkpoint.load_checkpoint(str(tmp_path / "empty"))

@@ -1,0 +1,203 @@
+"""app/config.py: YAML + typed dotted overrides; every bad key or value is one line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from unit_helpers import DIGITS_YAML, PYTHON, REPO
+
+from app.config import ROOT_ENV, Config, ConfigError, dump, load_config, validate
+
+pytestmark = pytest.mark.unit
+
+
+def refused(*overrides: str, path=DIGITS_YAML) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+def test_digits_yaml_loads_with_its_values_and_defaults():
+    config = load_config(DIGITS_YAML)
+    assert config.workload == "digits"  # from the file name
+    assert config.data.source == "digits"
+    assert config.data.rows_per_shard == 500
+    assert config.model.name == "cnn" and config.model.channels == [32, 64]
+    assert config.train.epochs == 12 and config.train.batch_size == 32
+    assert config.train.lr == pytest.approx(0.003)
+    assert config.export.quantization == "static"
+    assert config.serve.variant == "int8"
+    # Keys the YAML leaves out keep their defaults.
+    assert config.train.storage_path == "outputs/runs"
+    assert config.serve.host == "127.0.0.1"
+
+
+def test_overrides_are_typed():
+    config = load_config(
+        DIGITS_YAML,
+        [
+            "train.num_workers=4",
+            "data.labels=[a,b]",
+            "train.use_gpu=true",
+            "train.lr=0.01",
+            "data.feature_columns=[x1, x2]",
+            "serve.autoscaling.max_replicas=5",
+            "data.path=",
+        ],
+    )
+    assert config.train.num_workers == 4 and type(config.train.num_workers) is int
+    assert config.data.labels == ["a", "b"]
+    assert config.train.use_gpu is True
+    assert config.train.lr == pytest.approx(0.01)
+    assert config.data.feature_columns == ["x1", "x2"]
+    assert config.serve.autoscaling.max_replicas == 5
+    assert config.data.path is None  # empty value -> null
+
+
+def test_override_wins_over_yaml_and_leaves_siblings():
+    config = load_config(DIGITS_YAML, ["train.epochs=3"])
+    assert config.train.epochs == 3
+    assert config.train.batch_size == 32  # sibling from the YAML untouched
+
+
+def test_nested_fault_injection_override():
+    config = load_config(DIGITS_YAML, ["train.fail_at.rank=1", "train.fail_at.epoch=2"])
+    assert config.train.fail_at is not None
+    assert (config.train.fail_at.rank, config.train.fail_at.epoch) == (1, 2)
+
+
+def test_string_keys_keep_numeric_looking_values_as_strings():
+    # Digits' label names are "0".."9": declaring them, or naming a run "2024", must work.
+    config = load_config(DIGITS_YAML, ["train.run_name=2024", "data.labels=[0,1,2]"])
+    assert config.train.run_name == "2024"
+    assert config.data.labels == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.bogus=1", "data.bogus"),
+        ("serve.autoscaling.bogus=1", "serve.autoscaling.bogus"),
+        ("bogus=1", "bogus"),
+    ],
+)
+def test_unknown_key_is_one_line_naming_it(override, key):
+    message = refused(override)
+    assert f"{key}:" in message
+    assert "unknown key" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.precision=fp8", "train.precision"),
+        ("train.num_workers=0", "train.num_workers"),
+        ("train.num_workers=four", "train.num_workers"),
+        ("data.source=mnist", "data.source"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("serve.port=70000", "serve.port"),
+        ("model.channels=3", "model.channels"),
+    ],
+)
+def test_bad_value_is_one_line_naming_the_key_and_value(override, key):
+    message = refused(override)
+    assert message.startswith(f"config error: {key}")
+    assert override.split("=", 1)[1] in message  # the offending value is shown
+
+
+def test_batch_larger_than_ongoing_requests_is_refused():
+    message = refused("serve.max_batch_size=32", "serve.max_ongoing_requests=16")
+    assert "serve.max_batch_size" in message and "serve.max_ongoing_requests" in message
+    # Equal is fine.
+    config = load_config(DIGITS_YAML, ["serve.max_batch_size=16", "serve.max_ongoing_requests=16"])
+    assert config.serve.max_batch_size == 16
+
+
+@pytest.mark.parametrize("source", ["table", "imagefolder"])
+def test_path_sources_need_data_path(source):
+    assert "data.path" in refused(f"data.source={source}")
+    config = load_config(DIGITS_YAML, [f"data.source={source}", "data.path=/somewhere"])
+    assert config.data.path == "/somewhere"
+
+
+def test_heads_must_divide_dim():
+    message = refused("model.dim=30", "model.heads=4")
+    assert "model.dim" in message and "model.heads" in message
+
+
+def test_fractions_must_leave_training_rows():
+    assert "val_fraction" in refused("data.val_fraction=0.5", "data.test_fraction=0.45")
+
+
+@pytest.mark.parametrize("item", ["train.epochs", "=3", "train..epochs=3", ".epochs=3"])
+def test_malformed_override_is_refused(item):
+    assert item in refused(item)
+
+
+def test_override_into_a_scalar_is_refused():
+    assert "train.epochs" in refused("train.epochs.x=1")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("missing.yaml", None), ("list.yaml", "- a\n- b\n"), ("broken.yaml", "data: [unclosed\n")],
+)
+def test_config_file_errors_are_one_line_naming_the_file(tmp_path, name, text):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert str(path) in refused(path=path)
+
+
+def test_relative_outputs_resolve_under_root_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    config = load_config(DIGITS_YAML)
+    assert config.data_output == str(tmp_path / "outputs" / "data" / "digits")
+    assert config.storage_path == str(tmp_path / "outputs" / "runs")
+    assert config.registry == str(tmp_path / "outputs" / "registry")
+    remote = load_config(DIGITS_YAML, ["export.registry=s3://bucket/reg"])
+    assert remote.registry == "s3://bucket/reg"  # URIs with a scheme stay as they are
+
+
+def test_dump_round_trips():
+    config = load_config(
+        DIGITS_YAML, ["train.fail_at.rank=0", "train.fail_at.epoch=1", "data.labels=[a,b]"]
+    )
+    again = validate(dump(config))
+    assert isinstance(again, Config)
+    assert again == config
+
+
+def test_run_name_defaults_to_workload_and_time():
+    config = load_config(DIGITS_YAML)
+    assert config.run_name().startswith("digits-")
+    assert load_config(DIGITS_YAML, ["train.run_name=mine"]).run_name() == "mine"
+
+
+# --- the job CLI: exit 2 with one stderr line, before any work ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("data.bogus=1", "data.bogus"), ("train.precision=fp8", "train.precision")],
+)
+def test_job_cli_bad_override_exits_2_with_one_line(tmp_path, override, key):
+    env_root = tmp_path / "root"
+    env_root.mkdir()
+    proc = subprocess.run(
+        [PYTHON, "-m", "jobs.prepare", "--config", "configs/digits.yaml", override],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", ROOT_ENV: str(env_root), "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0]
+    assert proc.stdout == ""
+    assert list(env_root.iterdir()) == []  # no work started: nothing written

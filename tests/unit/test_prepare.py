@@ -1,0 +1,360 @@
+"""app/sources.py + app/prepare.py on tiny data: shards, manifest, raw values, determinism, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from sklearn import datasets
+from unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
+
+import app.prepare
+from app.cli import UserError
+from app.prepare import MANIFEST, prepare, read_manifest, split_rows
+
+pytestmark = pytest.mark.unit
+
+
+def check_dataset(output: str, summary: dict) -> dict:
+    """The manifest lists exactly the shards on disk, with matching rows and sha256."""
+    manifest = read_manifest(output)
+    assert summary["output"] == output
+    assert summary["rows"] == manifest["rows"]
+    assert set(summary["rows"]) == set(manifest["splits"])
+    listed = set()
+    for split, entry in manifest["splits"].items():
+        assert entry["rows"] == sum(s["rows"] for s in entry["shards"]) == summary["rows"][split]
+        for shard in entry["shards"]:
+            path = os.path.join(output, shard["file"])
+            assert sha256_of(path) == shard["sha256"], shard["file"]
+            assert pq.read_metadata(path).num_rows == shard["rows"]
+            listed.add(shard["file"])
+    on_disk = {str(p.relative_to(output)) for p in Path(output).rglob("*.parquet")}
+    assert listed == on_disk
+    assert set(os.listdir(output)) == {MANIFEST, *manifest["splits"]}
+    assert staging_leftovers(Path(output).parent) == []
+    return manifest
+
+
+# --- split_rows ---------------------------------------------------------------------------------
+
+
+def test_split_rows_partitions_all_rows():
+    splits = split_rows(100, 0.2, 0.1, seed=3)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 70, "val": 20, "test": 10}
+    joined = np.concatenate(list(splits.values()))
+    assert sorted(joined.tolist()) == list(range(100))
+    assert all((np.diff(v) > 0).all() for v in splits.values())  # sorted, no repeats
+    assert "test" not in split_rows(100, 0.2, 0.0, seed=3)
+
+
+def test_split_rows_is_seeded():
+    a, b, c = split_rows(50, 0.2, 0, 1), split_rows(50, 0.2, 0, 1), split_rows(50, 0.2, 0, 2)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["val"], c["val"])
+
+
+def test_split_rows_refuses_too_few_rows():
+    with pytest.raises(UserError):
+        split_rows(1, 0.2, 0.0, seed=0)
+
+
+# --- scikit-learn sources -----------------------------------------------------------------------
+
+
+def test_digits_shards_hold_raw_pixels_and_every_row(config_factory):
+    config = config_factory()
+    summary = prepare(config)
+    assert summary["stage"] == "prepare"
+    assert summary["rows"] == {"train": 1438, "val": 359}
+    assert sum(summary["rows"].values()) == 1797
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "image"
+    assert manifest["image_shape"] == [1, 8, 8]
+    assert manifest["label_names"] == [str(d) for d in range(10)]
+    assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [500, 500, 438]
+
+    bunch = datasets.load_digits()
+    idx = split_rows(1797, 0.2, 0.0, seed=0)
+    for split in ("train", "val"):
+        frame = read_split(config.data_output, manifest, split)
+        pixels = np.stack(frame["image"].to_list())
+        assert pixels.shape == (len(idx[split]), 64)
+        # Raw values, unchanged: integers 0..16, exactly the source's rows in index order.
+        assert pixels.min() == 0 and pixels.max() == 16
+        np.testing.assert_array_equal(pixels, bunch.data[idx[split]])
+        assert frame["label"].tolist() == [str(t) for t in bunch.target[idx[split]]]
+
+
+@pytest.mark.parametrize(
+    ("source", "rows", "features", "classes"), [("breast_cancer", 569, 30, 2), ("wine", 178, 13, 3)]
+)
+def test_sklearn_tables_keep_raw_numbers(config_factory, source, rows, features, classes):
+    config = config_factory(f"data.source={source}", "data.test_fraction=0.1")
+    summary = prepare(config)
+    assert sum(summary["rows"].values()) == rows
+    assert set(summary["rows"]) == {"train", "val", "test"}
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "tabular"
+    assert len(manifest["feature_columns"]) == features
+    assert all(c.replace("_", "").isalnum() for c in manifest["feature_columns"])
+    assert len(manifest["label_names"]) == classes
+    bunch = getattr(datasets, f"load_{source}")()
+    idx = split_rows(rows, 0.2, 0.1, seed=0)
+    frame = read_split(config.data_output, manifest, "test")
+    np.testing.assert_array_equal(
+        frame[manifest["feature_columns"]].to_numpy(), bunch.data[idx["test"]]
+    )
+    assert frame["label"].tolist() == [
+        str(bunch.target_names[t]) for t in bunch.target[idx["test"]]
+    ]
+
+
+# --- generators ---------------------------------------------------------------------------------
+
+
+def test_synthetic_text(config_factory):
+    config = config_factory("data.source=synthetic_text", "data.num_rows=40", "data.num_classes=3")
+    summary = prepare(config)
+    assert sum(summary["rows"].values()) == 40
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "text" and manifest["feature_columns"] == ["text"]
+    assert set(manifest["label_names"]) <= {"class_0", "class_1", "class_2"}
+    frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
+    for text, label in zip(frame["text"], frame["label"], strict=True):
+        assert isinstance(text, str)
+        # Every sentence carries at least two keywords of its own class.
+        own = f"topic{label.removeprefix('class_')}_"
+        assert sum(w.startswith(own) for w in text.split()) >= 2
+
+
+def test_synthetic_image(config_factory):
+    config = config_factory("data.source=synthetic_image", "data.num_rows=30", "data.image_size=8")
+    summary = prepare(config)
+    assert sum(summary["rows"].values()) == 30
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "image" and manifest["image_shape"] == [1, 8, 8]
+    pixels = np.stack(read_split(config.data_output, manifest, "train")["image"].to_list())
+    assert pixels.shape[1] == 64
+    assert pixels.min() >= 0 and pixels.max() <= 255 and pixels.max() > 16
+    np.testing.assert_array_equal(pixels, np.round(pixels))  # raw 0..255 integers
+
+
+# --- image folders ------------------------------------------------------------------------------
+
+COLOURS = {"cat": (255, 0, 0), "dog": (0, 0, 255)}
+
+
+def make_image_folder(root: Path, per_class: int = 3) -> Path:
+    for name, colour in COLOURS.items():
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (10 + i, 12), colour).save(root / name / f"{i}.png")
+    (root / "cat" / "notes.txt").write_text("not an image, skipped")
+    return root
+
+
+def test_imagefolder(config_factory, tmp_path):
+    folder = make_image_folder(tmp_path / "images")
+    config = config_factory("data.source=imagefolder", f"data.path={folder}", "data.image_size=4")
+    summary = prepare(config)
+    assert sum(summary["rows"].values()) == 6
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "image"
+    assert manifest["image_shape"] == [3, 4, 4]
+    assert manifest["label_names"] == ["cat", "dog"]
+    frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
+    for pixels, label in zip(frame["image"], frame["label"], strict=True):
+        image = np.asarray(pixels).reshape(3, 4, 4)  # channels first, raw 0..255
+        for channel, value in enumerate(COLOURS[label]):
+            assert (image[channel] == value).all()
+
+
+# --- tables: CSV, JSONL, Parquet ----------------------------------------------------------------
+
+
+def table_frame(n: int = 20) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    return pd.DataFrame(
+        {
+            "a": rng.normal(size=n).round(3),
+            "b": rng.integers(0, 100, size=n),
+            "label": [f"c{i % 3}" for i in range(n)],
+        }
+    )
+
+
+def write_table(frame: pd.DataFrame, path: Path) -> Path:
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif path.suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    else:
+        frame.to_parquet(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_table_file_formats(config_factory, tmp_path, suffix):
+    raw = table_frame()
+    path = write_table(raw, tmp_path / f"rows{suffix}")
+    config = config_factory("data.source=table", f"data.path={path}")
+    summary = prepare(config)
+    assert summary["rows"] == {"train": 16, "val": 4}
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["kind"] == "tabular"
+    assert manifest["feature_columns"] == ["a", "b"]  # inferred: every column but the label
+    assert manifest["label_names"] == ["c0", "c1", "c2"]
+    assert manifest["source"]["files"] == [path.name]
+    idx = split_rows(20, 0.2, 0.0, seed=0)
+    frame = read_split(config.data_output, manifest, "train")
+    np.testing.assert_array_equal(
+        frame[["a", "b"]].to_numpy(), raw[["a", "b"]].to_numpy()[idx["train"]]
+    )
+    assert frame["label"].tolist() == raw["label"].iloc[idx["train"]].tolist()
+
+
+def test_table_folder_of_mixed_files_with_declared_columns(config_factory, tmp_path):
+    folder = tmp_path / "tables"
+    (folder / "sub").mkdir(parents=True)
+    raw = table_frame(30).assign(
+        a=np.arange(30) / 4
+    )  # exact in every format (JSONL rounding aside)
+    write_table(raw.iloc[:10], folder / "one.csv")
+    write_table(raw.iloc[10:20], folder / "sub" / "two.jsonl")
+    write_table(raw.iloc[20:], folder / "three.parquet")
+    config = config_factory(
+        "data.source=table", f"data.path={folder}", "data.feature_columns=[b, a]"
+    )
+    summary = prepare(config)
+    assert sum(summary["rows"].values()) == 30
+    manifest = check_dataset(config.data_output, summary)
+    assert manifest["feature_columns"] == ["b", "a"]
+    frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
+    got = sorted(zip(frame["a"], frame["b"], frame["label"], strict=True))
+    assert got == sorted(zip(raw["a"], raw["b"], raw["label"], strict=True))
+
+
+def test_table_numeric_labels_become_names(config_factory, tmp_path):
+    raw = table_frame().assign(label=[i % 2 for i in range(20)])
+    path = write_table(raw, tmp_path / "rows.csv")
+    config = config_factory("data.source=table", f"data.path={path}", "data.labels=['0','1']")
+    manifest = check_dataset(config.data_output, prepare(config))
+    assert manifest["label_names"] == ["0", "1"]
+
+
+def test_table_text_column(config_factory, tmp_path):
+    raw = pd.DataFrame({"body": [f"hello world {i}" for i in range(20)], "y": ["pos", "neg"] * 10})
+    path = write_table(raw, tmp_path / "texts.jsonl")
+    config = config_factory(
+        "data.source=table", f"data.path={path}", "data.text_column=body", "data.label_column=y"
+    )
+    manifest = check_dataset(config.data_output, prepare(config))
+    assert manifest["kind"] == "text"
+    assert manifest["feature_columns"] == ["body"] and manifest["label_column"] == "y"
+    frame = read_split(config.data_output, manifest, "val")
+    assert set(frame["body"]) <= set(raw["body"])
+
+
+# --- determinism --------------------------------------------------------------------------------
+
+
+def shard_hashes(output: str) -> list[tuple[str, str]]:
+    manifest = json.loads((Path(output) / MANIFEST).read_text())
+    return [(s["file"], s["sha256"]) for e in manifest["splits"].values() for s in e["shards"]]
+
+
+@pytest.mark.parametrize("source", ["digits", "synthetic_text", "synthetic_image"])
+def test_same_seed_gives_identical_shards(tmp_path, config_maker, source):
+    overrides = [f"data.source={source}", "data.num_rows=60", "data.rows_per_shard=20"]
+    a = config_maker(tmp_path / "a", *overrides)
+    b = config_maker(tmp_path / "b", *overrides)
+    c = config_maker(tmp_path / "c", *overrides, "data.seed=1")
+    prepare(a), prepare(b), prepare(c)
+    assert shard_hashes(a.data_output) == shard_hashes(b.data_output)
+    for file, _ in shard_hashes(a.data_output):
+        assert (Path(a.data_output) / file).read_bytes() == (
+            Path(b.data_output) / file
+        ).read_bytes()
+    assert shard_hashes(a.data_output) != shard_hashes(c.data_output)
+
+
+# --- atomicity ----------------------------------------------------------------------------------
+
+
+def fail_after_first_shard(monkeypatch, exc: BaseException) -> list[str]:
+    real = pq.write_table
+    written: list[str] = []
+
+    def flaky(table, where, *args, **kwargs):
+        if written:
+            raise exc
+        real(table, where, *args, **kwargs)
+        written.append(str(where))
+
+    monkeypatch.setattr(pq, "write_table", flaky)
+    return written
+
+
+@pytest.mark.parametrize("exc", [OSError("disk full"), KeyboardInterrupt()])
+def test_failure_mid_write_leaves_no_dataset(config_factory, monkeypatch, tmp_path, exc):
+    config = config_factory("data.rows_per_shard=200")
+    written = fail_after_first_shard(monkeypatch, exc)
+    with pytest.raises(type(exc)):
+        prepare(config)
+    assert len(written) == 1  # the failure really came mid-write
+    assert not os.path.exists(config.data_output)
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_failure_mid_write_keeps_previous_dataset(config_factory, monkeypatch, tmp_path):
+    config = config_factory("data.rows_per_shard=200")
+    prepare(config)
+    before = snapshot(config.data_output)
+    assert MANIFEST in before
+    fail_after_first_shard(monkeypatch, OSError("disk full"))
+    again = config_factory("data.rows_per_shard=200", "data.seed=7")
+    with pytest.raises(OSError):
+        prepare(again)
+    assert snapshot(config.data_output) == before
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_failure_writing_manifest_leaves_nothing(config_factory, monkeypatch, tmp_path):
+    config = config_factory()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("manifest failed")
+
+    monkeypatch.setattr(app.prepare, "build_manifest", broken)
+    with pytest.raises(RuntimeError):
+        prepare(config)
+    assert not os.path.exists(config.data_output)
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_rerun_replaces_dataset_whole(config_factory, tmp_path):
+    first = config_factory("data.rows_per_shard=200")
+    prepare(first)
+    second = config_factory("data.rows_per_shard=1000", "data.seed=5")
+    summary = prepare(second)
+    manifest = check_dataset(second.data_output, summary)
+    # Only the new shards remain (no stale part-00002.parquet from the first run).
+    assert [s["file"] for s in manifest["splits"]["train"]["shards"]] == [
+        "train/part-00000.parquet",
+        "train/part-00001.parquet",
+    ]
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_folder_without_manifest_is_not_a_dataset(tmp_path):
+    (tmp_path / "half" / "train").mkdir(parents=True)
+    table_frame().to_parquet(tmp_path / "half" / "train" / "part-00000.parquet")
+    with pytest.raises(UserError, match="manifest.json"):
+        read_manifest(str(tmp_path / "half"))

@@ -1,0 +1,47 @@
+"""Small helpers the unit tests share (files, hashes, staging leftovers)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from app import storage
+
+REPO = Path(__file__).resolve().parents[2]
+DIGITS_YAML = REPO / "configs" / "digits.yaml"
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+
+
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def snapshot(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """{relative path: sha256} of every file under `folder` (empty when it does not exist)."""
+    folder = Path(folder)
+    if not folder.exists():
+        return {}
+    return {
+        str(p.relative_to(folder)): sha256_of(p) for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def staging_leftovers(folder: str | os.PathLike[str]) -> list[str]:
+    """Every path under `folder` whose name carries the staging mark."""
+    folder = Path(folder)
+    if not folder.exists():
+        return []
+    return sorted(str(p) for p in folder.rglob("*") if storage.STAGING_MARK in p.name)
+
+
+def read_split(output: str, manifest: dict, split: str) -> pd.DataFrame:
+    """All rows of one prepared split, shards in manifest order."""
+    frames = [
+        pq.read_table(os.path.join(output, s["file"])).to_pandas()
+        for s in manifest["splits"][split]["shards"]
+    ]
+    return pd.concat(frames, ignore_index=True)
