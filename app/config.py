@@ -41,6 +41,9 @@ class DataConfig(_Section):
     seed: int = 0
     output: str = "outputs/data/{workload}"
     rows_per_shard: int = Field(1000, ge=1)
+    # CPUs each Ray Data read/preprocess task asks for. Fractional, so ingest still schedules on
+    # a 2-core machine beside train workers and Serve replicas (Ray Data's default is 1 CPU).
+    task_cpus: float = Field(0.25, gt=0)
     # Generators and image folders.
     num_rows: int = Field(4000, ge=10)
     num_classes: int = Field(4, ge=2, le=64)

@@ -54,13 +54,15 @@ def load_split(config: Config, split: str, preprocessor: Preprocessor, manifest:
     manifest = manifest or read_manifest(output)
     files = split_files(output, manifest, split)
     fs, _ = storage.filesystem(files[0])
-    ds = ray.data.read_parquet([storage.filesystem(f)[1] for f in files], filesystem=fs)
+    cpus = config.data.task_cpus
+    ds = ray.data.read_parquet([storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus)
     return ds.map_batches(
         _transform,
         fn_kwargs={"state_json": preprocessor.to_json()},
         batch_format="numpy",
         batch_size=256,
         zero_copy_batch=True,
+        num_cpus=cpus,
     )
 
 

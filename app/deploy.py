@@ -44,7 +44,9 @@ def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[
         "applications": list(apps.values()),
     })
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
-    wait_until_serving(url, artifact.name, artifact.version, cfg.api_key_env, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    wait_until_rolled_out(client, cfg.app_name, artifact.name, deadline)
+    wait_until_serving(url, artifact.name, artifact.version, cfg.api_key_env, deadline)
     return {
         "stage": "deploy",
         "url": url,
@@ -75,13 +77,29 @@ def current_apps(details: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return apps
 
 
-def wait_until_serving(url: str, model: str, version: str, api_key_env: str, timeout_s: float) -> None:
+def wait_until_rolled_out(client, app_name: str, model: str, deadline: float) -> None:
+    """Until the application is RUNNING and the model's deployment HEALTHY (no old replicas left)."""
+    time.sleep(1.0)  # let the controller take the new config before reading its status
+    last = "unknown"
+    while time.monotonic() < deadline:
+        app = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
+        deployment = (app.get("deployments") or {}).get(f"model-{model}") or {}
+        last = f"application {app.get('status')}, model-{model} {deployment.get('status')}"
+        if app.get("status") == "DEPLOY_FAILED":
+            raise UserError(f"deploy failed: {app.get('message', '')[:500]}")
+        if app.get("status") == "RUNNING" and deployment.get("status") == "HEALTHY":
+            return
+        time.sleep(1.0)
+    raise UserError(f"rollout of {model} did not finish in time ({last}); see `serve status`")
+
+
+def wait_until_serving(url: str, model: str, version: str, api_key_env: str, deadline: float) -> None:
     import os
 
     headers = {}
     if os.environ.get(api_key_env):
         headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
-    deadline, last = time.monotonic() + timeout_s, "no answer yet"
+    last = "no answer yet"
     while time.monotonic() < deadline:
         try:
             r = requests.get(f"{url}/v2/models/{model}", headers=headers, timeout=5)
@@ -92,4 +110,4 @@ def wait_until_serving(url: str, model: str, version: str, api_key_env: str, tim
         except requests.RequestException as e:
             last = type(e).__name__
         time.sleep(1.0)
-    raise UserError(f"model {model} version {version} did not come up within {timeout_s:.0f}s ({last}); see `serve status`")
+    raise UserError(f"model {model} version {version} did not come up in time ({last}); see `serve status`")

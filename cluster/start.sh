@@ -147,7 +147,15 @@ else
         # Keep the GCS, raylet and object manager on loopback too: a laptop cluster.
         args+=(--node-ip-address 127.0.0.1)
     fi
-    [[ -n "${RAYTORCH_NUM_CPUS:-}" ]] && args+=(--num-cpus "$RAYTORCH_NUM_CPUS")
+    # Logical CPUs are scheduling slots, not cores. Ray Data's file-listing task asks for a
+    # whole CPU (hard-coded in Ray 2.60), so on a 2-core laptop 2 slots cannot hold two train
+    # workers (0.5 each), a Serve replica and ingress (0.75) and that task at once: advertise at
+    # least 4 unless told otherwise.
+    if [[ -z "${RAYTORCH_NUM_CPUS:-}" ]]; then
+        cores="$(nproc 2>/dev/null || echo 4)"
+        RAYTORCH_NUM_CPUS=$((cores < 4 ? 4 : cores))
+    fi
+    args+=(--num-cpus "$RAYTORCH_NUM_CPUS")
     [[ -n "${RAYTORCH_NUM_GPUS:-}" ]] && args+=(--num-gpus "$RAYTORCH_NUM_GPUS")
     if [[ -n "${RAYTORCH_RAY_START_ARGS:-}" ]]; then
         # shellcheck disable=SC2206  # word splitting is intended

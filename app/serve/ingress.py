@@ -198,6 +198,7 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
             name, result["version"], parsed["id"], result["labels"], np.asarray(result["probabilities"]),
             parsed["binary_outputs"],
         )
+        headers["x-model-replica"] = str(result["replica_pid"])
         return Response(content=content, headers=headers)
 
     # --- simple JSON ------------------------------------------------------------------------

@@ -1,0 +1,80 @@
+"""E2E fixtures: a real cluster started by cluster/start.sh (token auth, Serve on 127.0.0.1),
+jobs run as subprocesses exactly as a user runs them, HTTP over 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import REPO
+
+PY = sys.executable
+TEST_API_KEY_ENV = "RAYTORCH_TEST_API_KEY"
+TEST_API_KEY = "e2e-test-key-0123456789"
+DASHBOARD = "http://127.0.0.1:8265"
+SERVE = "http://127.0.0.1:8000"
+
+
+def ray_running() -> bool:
+    ray = REPO / ".venv" / "bin" / "ray"
+    return subprocess.run([str(ray), "status"], capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "token"}).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A fresh local cluster for the e2e session, stopped at the end."""
+    import ray
+
+    ray.shutdown()  # integration tests may have left a private local Ray attached to this process
+    if ray_running():
+        pytest.exit("a Ray cluster is already running; the e2e tests start their own: run `make cluster-down` first", 1)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", TEST_API_KEY_ENV: TEST_API_KEY}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run(["bash", "cluster/start.sh"], cwd=REPO, env=env, check=True, timeout=180)
+    try:
+        yield {"token": read_token()}
+    finally:
+        subprocess.run(["bash", "cluster/stop.sh"], cwd=REPO, env=env, timeout=120)
+
+
+def read_token() -> str:
+    return (Path.home() / ".ray" / "auth_token").read_text().strip()
+
+
+def job_env() -> dict[str, str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def run_job(stage: str, *args: str, timeout: float = 600) -> dict:
+    """`python -m jobs.<stage> ...` against the running cluster; returns its summary."""
+    proc = subprocess.run(
+        [PY, "-m", f"jobs.{stage}", *args], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"jobs.{stage} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def get_json(path: str, **kw) -> dict:
+    r = requests.get(f"{SERVE}{path}", timeout=10, **kw)
+    r.raise_for_status()
+    return r.json()

@@ -1,0 +1,291 @@
+"""Serving end to end: real cluster, real Serve, real HTTP on 127.0.0.1.
+
+One digits model is trained, exported twice (versions 1 and 2 of the same weights) and deployed
+with the jobs; the tests then check answers against the artifact run offline, bad input, the
+Triton client, autoscaling, a killed replica, a rolling update and a rollback under load.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import requests
+
+from app.artifact import open_artifact, run_logits
+from tests.conftest import REPO
+from tests.e2e.conftest import SERVE, TEST_API_KEY, TEST_API_KEY_ENV, get_json, run_job, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+JSON = {"Content-Type": "application/json"}
+# Short autoscaling delays so scaling happens within the test's patience.
+SERVE_OVERRIDES = [
+    "serve.autoscaling.min_replicas=1",
+    "serve.autoscaling.max_replicas=2",
+    "serve.autoscaling.target_ongoing_requests=1",
+    "serve.autoscaling.upscale_delay_s=1",
+    "serve.autoscaling.downscale_delay_s=4",
+    "serve.autoscaling.look_back_period_s=2",
+    "serve.autoscaling.metrics_interval_s=0.5",
+    "serve.max_batch_size=4",
+    "serve.max_ongoing_requests=4",
+    "serve.health_check_period_s=2",
+]
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    base = [f"--config={REPO / 'configs/digits.yaml'}", f"data.output={root}/data", f"train.storage_path={root}/runs", f"export.registry={root}/registry"]
+    run_job("prepare", *base)
+    train = run_job("train", *base, "train.epochs=4", "train.run_name=e2e-serve")
+    ckpt = train["checkpoint"]
+    v1 = run_job("export", *base, f"--checkpoint={ckpt}")["artifact"]
+    v2 = run_job("export", *base, f"--checkpoint={ckpt}")["artifact"]
+    deploy_args = [*base, *SERVE_OVERRIDES]
+    summary = run_job("deploy", *deploy_args, f"--artifact={v1}")
+    assert summary["version"] == "1" and summary["url"] == SERVE
+    return {"base": base, "deploy_args": deploy_args, "v1": v1, "v2": v2, "root": root}
+
+
+def val_rows(root, n: int) -> tuple[np.ndarray, list[str]]:
+    import pandas as pd
+
+    frame = pd.read_parquet(f"{root}/data/val").iloc[:n]
+    return np.stack(frame["image"].to_list()).astype(np.float32), frame["label"].tolist()
+
+
+def v2_body(x: np.ndarray) -> dict:
+    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}]}
+
+
+def infer(x: np.ndarray, headers=JSON, timeout=30) -> requests.Response:
+    return requests.post(f"{SERVE}/v2/models/digits/infer", json=v2_body(x), headers=headers, timeout=timeout)
+
+
+def test_v1_and_v2_answers_match_the_artifact_offline(served):
+    x, _ = val_rows(served["root"], 100)
+    artifact = open_artifact(served["v1"])
+    offline = np.asarray(artifact.preprocessor.labels)[
+        run_logits(artifact.session("int8"), artifact.preprocessor.features(x)).argmax(1)
+    ].tolist()
+    v2 = infer(x).json()
+    assert v2["model_version"] == "1"
+    assert v2["outputs"][0]["name"] == "label" and v2["outputs"][0]["data"] == offline
+    assert v2["outputs"][1]["shape"] == [100, 10]
+    v1 = requests.post(f"{SERVE}/v1/models/digits:predict", json={"instances": x.tolist()}, headers=JSON, timeout=30).json()
+    assert [p["label"] for p in v1["predictions"]] == offline
+    assert abs(sum(v1["predictions"][0]["probabilities"].values()) - 1) < 1e-3
+
+
+def test_health_metadata_and_model_listing(served):
+    assert requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200
+    assert requests.get(f"{SERVE}/v2/health/ready", timeout=5).status_code == 200
+    assert requests.get(f"{SERVE}/v2/models/digits/ready", timeout=5).status_code == 200
+    meta = get_json("/v2/models/digits")
+    assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 64]}]
+    models = {m["name"]: m for m in get_json("/v1/models")["models"]}
+    assert "digits" in models  # other live models (e.g. from the job-submission test) may be listed too
+    lineage = models["digits"]["manifest"]
+    assert lineage["version"] == models["digits"]["version"]
+    assert "/e2e-serve/checkpoint_" in lineage["source_checkpoint"]
+    assert lineage["versions"]["onnxruntime"]
+
+
+BAD_REQUESTS = [
+    ("empty body", b"", JSON, 400, "empty"),
+    ("not JSON", b"{not json", JSON, 400, "not valid JSON"),
+    ("nested 10,000 levels", b"[" * 10000 + b"]" * 10000, JSON, 400, "nested too deeply"),
+    ("text/plain", b'{"inputs": []}', {"Content-Type": "text/plain"}, 415, "text/plain"),
+    ("strings for numbers", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":["1","2"]}]}', JSON, 400, "numbers"),
+    ("NaN", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[NaN,1]}]}', JSON, 400, "NaN"),
+    ("Infinity", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[Infinity,1]}]}', JSON, 400, "Infinity"),
+    ("wrong shape", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,3],"data":[1,2,3]}]}', JSON, 400, "64 values"),
+    ("wrong datatype", b'{"inputs":[{"name":"image","datatype":"BYTES","shape":[1,1],"data":["a"]}]}', JSON, 400, "datatype"),
+    ("empty batch", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[0,64],"data":[]}]}', JSON, 400, "empty batch"),
+    ("no inputs", b'{"nothing": 1}', JSON, 400, "inputs"),
+]
+
+
+@pytest.mark.parametrize("name,body,headers,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, status, fragment):
+    before = {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]
+    r = requests.post(f"{SERVE}/v2/models/digits/infer", data=body, headers=headers, timeout=10)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]
+    assert "Traceback" not in r.text
+    x, _ = val_rows(served["root"], 1)
+    assert infer(x).status_code == 200  # the next good request is answered ...
+    assert {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]["manifest"] == before["manifest"]
+
+
+def test_missing_content_type_is_read_as_json(served):
+    x, _ = val_rows(served["root"], 2)
+    import json
+
+    r = requests.post(f"{SERVE}/v2/models/digits/infer", data=json.dumps(v2_body(x)), timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def test_size_and_row_limits_and_unknown_model(served):
+    big = b'{"instances": [' + b"0," * 3_000_000 + b"0]}"
+    r = requests.post(f"{SERVE}/v1/models/digits:predict", data=big, headers=JSON, timeout=30)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]
+    too_many = np.zeros((1025, 64), np.float32)
+    r = infer(too_many)
+    assert r.status_code == 413 and "max_request_rows" in r.json()["error"]
+    r = requests.post(f"{SERVE}/v2/models/nope/infer", json=v2_body(too_many[:1]), headers=JSON, timeout=10)
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+
+
+def answering_pid(x: np.ndarray) -> int:
+    r = infer(x)
+    assert r.status_code == 200, r.text
+    return int(r.headers["x-model-replica"])
+
+
+def test_replica_process_survives_bad_requests(served):
+    x, _ = val_rows(served["root"], 1)
+    pids = {answering_pid(x) for _ in range(5)}
+    for _, body, headers, _, _ in BAD_REQUESTS:
+        requests.post(f"{SERVE}/v2/models/digits/infer", data=body, headers=headers, timeout=10)
+    assert {answering_pid(x) for _ in range(5)} <= pids
+
+
+def test_triton_client_reads_metadata_and_infers_json_and_binary(served):
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient("127.0.0.1:8000")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("digits")
+    assert client.get_model_metadata("digits")["inputs"][0]["name"] == "image"
+    x, _ = val_rows(served["root"], 16)
+    expected = infer(x).json()["outputs"][0]["data"]
+    for binary in (False, True):
+        tensor = triton.InferInput("image", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+        result = client.infer("digits", [tensor], outputs=outputs)
+        labels = [v.decode() if isinstance(v, bytes) else str(v) for v in result.as_numpy("label")]
+        assert labels == expected
+        assert result.as_numpy("probabilities").shape == (16, 10)
+
+
+class Load:
+    """Closed-loop load from a few threads: status codes, answering versions and replica pids."""
+
+    def __init__(self, x: np.ndarray, threads: int = 3, pause: float = 0.0):
+        self.x, self.pause = x, pause
+        self.codes: Counter = Counter()
+        self.versions: list[tuple[float, str]] = []
+        self.pids: Counter = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                r = infer(self.x, timeout=30)
+                self.codes[r.status_code] += 1
+                if r.status_code == 200:
+                    self.versions.append((time.monotonic(), r.json()["model_version"]))
+                    self.pids[int(r.headers["x-model-replica"])] += 1
+                else:
+                    self.errors.append(f"{r.status_code} {r.text[:200]}")
+            except requests.RequestException as e:
+                self.codes["exception"] += 1
+                self.errors.append(repr(e)[:200])
+            time.sleep(self.pause)
+
+    @property
+    def failures(self) -> int:
+        return sum(n for code, n in self.codes.items() if code != 200)
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def running_replicas() -> int:
+    import subprocess
+
+    import yaml
+
+    from tests.e2e.conftest import DASHBOARD, job_env
+
+    out = subprocess.run(
+        [str(REPO / ".venv/bin/serve"), "status", "--address", DASHBOARD],
+        capture_output=True, text=True, env=job_env(), timeout=30,
+    ).stdout
+    for app in (yaml.safe_load(out) or {}).get("applications", {}).values():
+        deployment = (app.get("deployments") or {}).get("model-digits")
+        if deployment:
+            return int((deployment.get("replica_states") or {}).get("RUNNING", 0))
+    return 0
+
+
+def test_autoscaling_up_under_load_and_back_down(served):
+    wait_for(lambda: running_replicas() == 1, 90, 1, "one replica at rest")
+    x, _ = val_rows(served["root"], 32)
+    with Load(x, threads=6) as load:
+        wait_for(lambda: running_replicas() >= 2, 90, 1, "a second replica under load")
+        wait_for(lambda: len(load.pids) >= 2, 30, 0.5, "both replicas answering")
+    assert load.failures == 0, load.errors[:3]
+    wait_for(lambda: running_replicas() == 1, 120, 1, "scale back to one replica")
+
+
+def test_killed_replica_is_replaced_and_service_keeps_answering(served):
+    x, _ = val_rows(served["root"], 8)
+    threads = 6
+    with Load(x, threads=threads) as load:
+        wait_for(lambda: running_replicas() >= 2 and len(load.pids) >= 2, 90, 1, "two serving replicas")
+        victim = load.pids.most_common(1)[0][0]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answered_before = sum(load.pids.values())
+        wait_for(lambda: sum(load.pids.values()) > answered_before + 20, 30, 0.2, "answers after the kill")
+        wait_for(lambda: running_replicas() >= 2, 30, 0.5, "a replacement replica")
+        replaced_in = time.monotonic() - killed_at
+    assert replaced_in < 30
+    # Only requests in flight on the killed replica may fail (at most one per load thread).
+    assert load.failures <= threads, load.errors[:5]
+
+
+def test_rolling_update_to_v2_and_rollback_fail_no_request(served):
+    x, _ = val_rows(served["root"], 4)
+    for target, version in ((served["v2"], "2"), (served["v1"], "1")):
+        with Load(x, threads=3, pause=0.02) as load:
+            time.sleep(1)
+            summary = run_job("deploy", *served["deploy_args"], f"--artifact={target}")
+            done_at = time.monotonic()
+            assert summary["version"] == version
+            time.sleep(2)
+        assert load.failures == 0, load.errors[:5]
+        after = [v for t, v in load.versions if t > done_at]
+        assert after and set(after) == {version}
+        assert get_json("/v2/models/digits")["versions"] == [version]
+
+
+def test_api_key_is_required_when_set(served):
+    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
+    run_job("deploy", *served["deploy_args"], f"serve.api_key_env={TEST_API_KEY_ENV}", f"--artifact={served['v1']}")
+    try:
+        x, _ = val_rows(served["root"], 1)
+        assert infer(x).status_code == 401
+        assert infer(x, headers={**JSON, "Authorization": "Bearer wrong"}).status_code == 403
+        assert infer(x, headers={**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}).status_code == 200
+        assert requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200  # probes stay open
+    finally:
+        os.environ.pop(TEST_API_KEY_ENV, None)
+        run_job("deploy", *served["deploy_args"], f"--artifact={served['v1']}")

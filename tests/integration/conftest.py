@@ -1,0 +1,58 @@
+"""Integration fixtures: a real local Ray (started once, 2 CPUs as on the CI machine) and
+prepared datasets under one session temp folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.config import Config
+from app.prepare import prepare
+from tests.conftest import REPO, make_config
+
+
+def ensure_local_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        # address="local": always a private cluster, never a developer's running one.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture
+def ray_local():
+    ensure_local_ray()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_ray_at_end():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("integration")
+
+
+def workload_config(workspace: Path, workload: str, *overrides: str) -> Config:
+    return make_config(workspace / workload, *overrides, path=REPO / "configs" / f"{workload}.yaml")
+
+
+@pytest.fixture(scope="session")
+def prepared(workspace):
+    """workload -> its prepared config (each workload prepared once per session)."""
+    done: dict[str, Config] = {}
+
+    def get(workload: str) -> Config:
+        if workload not in done:
+            config = workload_config(workspace, workload)
+            prepare(config)
+            done[workload] = config
+        return done[workload]
+
+    return get

@@ -1,0 +1,88 @@
+"""Training on a real local Ray: accuracy bars, bf16, a survived fault, resume by run name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from app.config import ConfigError
+from app.train import check_precision, train
+from tests.integration.conftest import workload_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+FAST = ["train.epochs=5", "train.log_every_steps=1000"]
+
+
+def run_metrics(run_dir: str) -> list[dict]:
+    """Per-epoch metrics of every kept checkpoint, in epoch order."""
+    metas = []
+    for entry in os.listdir(run_dir):
+        meta = os.path.join(run_dir, entry, "meta.json")
+        if entry.startswith("checkpoint_") and os.path.exists(meta):
+            with open(meta) as f:
+                metas.append(json.load(f)["metrics"])
+    return sorted(metas, key=lambda m: m["epoch"])
+
+
+@pytest.fixture(scope="module")
+def digits_fp32(prepared, workspace, ray_local_module):
+    prepared("digits")
+    config = workload_config(workspace, "digits", *FAST, "train.keep_checkpoints=5", "train.run_name=digits-fp32")
+    return config, train(config)
+
+
+@pytest.fixture(scope="module")
+def ray_local_module():
+    from tests.integration.conftest import ensure_local_ray
+
+    ensure_local_ray()
+
+
+def test_digits_two_workers_reach_the_bar_and_loss_falls(digits_fp32):
+    config, summary = digits_fp32
+    assert summary["num_workers"] == 2
+    assert summary["metrics"]["val_accuracy"] >= 0.97
+    history = run_metrics(os.path.join(config.storage_path, "digits-fp32"))
+    assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5]
+    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
+    assert len(set(summary["worker_nodes"])) == 1  # one local node, two ranks
+    assert os.path.exists(os.path.join(summary["checkpoint"], "model.safetensors"))
+
+
+def test_bf16_within_one_point_of_fp32(digits_fp32, workspace, prepared):
+    _, fp32 = digits_fp32
+    config = workload_config(workspace, "digits", *FAST, "train.precision=bf16", "train.run_name=digits-bf16")
+    bf16 = train(config)
+    assert bf16["precision"] == "bf16"
+    assert abs(bf16["metrics"]["val_accuracy"] - fp32["metrics"]["val_accuracy"]) <= 0.01
+
+
+def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_local_module):
+    prepared("digits")
+    config = workload_config(
+        workspace, "digits", "train.epochs=3", "train.max_failures=1", "train.fail_at.rank=1",
+        "train.fail_at.epoch=2", "train.run_name=digits-fault",
+    )
+    summary = train(config)
+    # Restarted workers started at epoch 2 from the epoch-1 checkpoint, not from scratch.
+    assert summary["resume_history"] == [2]
+    assert summary["epoch"] == 3
+    assert os.path.exists(os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch2"))
+
+
+def test_same_run_name_resumes_instead_of_restarting(prepared, workspace, ray_local_module):
+    prepared("digits")
+    first = train(workload_config(workspace, "digits", "train.epochs=1", "train.run_name=digits-resume"))
+    assert first["epoch"] == 1 and first["resume_history"] == []
+    second = train(workload_config(workspace, "digits", "train.epochs=2", "train.run_name=digits-resume"))
+    assert second["resume_history"] == [2]  # continued after epoch 1
+    assert second["epoch"] == 2
+
+
+@pytest.mark.unit
+def test_fp16_without_cuda_is_refused_before_any_work(workspace):
+    config = workload_config(workspace, "digits", "train.precision=fp16")
+    with pytest.raises(ConfigError, match="train.precision: fp16 needs CUDA"):
+        check_precision(config)
