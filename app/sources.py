@@ -231,11 +231,12 @@ FILLER = [f"w{i}" for i in range(300)]
 
 
 def _synthetic_text(cfg: DataConfig) -> SourceData:
-    """Sentences of common filler words with a few topic keywords; one topic per class.
+    """Sentences of filler words with topic keywords; one topic per class, some negated.
 
-    Each class owns 12 keywords; a sentence carries 2-4 of its own class's keywords and, in 40% of
-    rows, one keyword of another class as a distractor, so a model must weigh evidence rather than
-    spot one token.
+    Each class owns 12 keywords; a sentence carries 1-3 of its own class's keywords and, in
+    30% of rows, one keyword of another class negated by a preceding "without". Counting keywords
+    (a bag of words) must guess when the negated one ties the real one (about 12% of rows);
+    reading "without X" in context gets every row right.
     """
     rng = np.random.default_rng(cfg.seed)
     k = cfg.num_classes
@@ -243,13 +244,14 @@ def _synthetic_text(cfg: DataConfig) -> SourceData:
     texts, labels = [], []
     for _ in range(cfg.num_rows):
         c = int(rng.integers(k))
-        words = list(rng.choice(FILLER, size=int(rng.integers(6, 20))))
-        signal = list(rng.choice(keywords[c], size=int(rng.integers(2, 5))))
-        if rng.random() < 0.4:
+        words = [str(w) for w in rng.choice(FILLER, size=int(rng.integers(4, 14)))]
+        phrases = [[str(w)] for w in rng.choice(keywords[c], size=int(rng.choice([1, 2, 3], p=[0.4, 0.4, 0.2])))]
+        if rng.random() < 0.3:
             other = int((c + rng.integers(1, k)) % k)
-            signal.append(str(rng.choice(keywords[other])))
-        for w in signal:
-            words.insert(int(rng.integers(len(words) + 1)), w)
+            phrases.append(["without", str(rng.choice(keywords[other]))])
+        for phrase in phrases:
+            at = int(rng.integers(len(words) + 1))
+            words[at:at] = phrase
         texts.append(" ".join(words))
         labels.append(f"class_{c}")
     frame = pd.DataFrame({TEXT_COLUMN: texts, cfg.label_column: labels})
