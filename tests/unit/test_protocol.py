@@ -1,0 +1,127 @@
+"""The HTTP contract's pure parts: parsing, validation and encoding (no Ray, no network)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from app.serve.protocol import (
+    RequestError,
+    check_content_type,
+    decode_v1,
+    decode_v2,
+    encode_v2,
+    numeric_rows,
+    parse_json,
+    text_rows,
+    v1_rows,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def error_of(fn, *args, **kw) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "body,fragment",
+    [(b"", "empty"), (b"{x", "not valid JSON"), (b"[" * 10000 + b"]" * 10000, "nested too deeply"),
+     (b'{"a": NaN}', "NaN"), (b'{"a": Infinity}', "Infinity"), (b"\xff\xfe", "JSON")],
+)
+def test_parse_json_refuses_with_400(body, fragment):
+    err = error_of(parse_json, body)
+    assert err.status == 400 and fragment in err.message
+
+
+def test_content_types():
+    check_content_type(None, binary=False)
+    check_content_type("application/json; charset=utf-8", binary=False)
+    check_content_type("application/octet-stream", binary=True)
+    assert error_of(check_content_type, "text/plain", binary=False).status == 415
+    assert error_of(check_content_type, "application/octet-stream", binary=False).status == 415
+
+
+def test_numeric_rows_accepts_flat_and_nested_shapes():
+    flat = numeric_rows(list(range(8)), "x", 4, "FP32", [2, 4])
+    nested = numeric_rows([[0, 1, 2, 3], [4, 5, 6, 7]], "x", 4, "INT64", [2, 4])
+    images = numeric_rows(np.zeros(2 * 8 * 8).tolist(), "x", 64, "FP64", [2, 8, 8])
+    assert flat.dtype == np.float32 and np.array_equal(flat, nested) and images.shape == (2, 64)
+
+
+@pytest.mark.parametrize(
+    "data,datatype,shape,fragment",
+    [
+        ([1, 2, 3], "FP32", [1, 3], "needs 4 values"),
+        (["1", "2", "3", "4"], "FP32", [1, 4], "numbers"),
+        ([True, False, True, False], "FP32", [1, 4], "numbers"),
+        ([None, 1, 2, 3], "FP32", [1, 4], "numbers"),
+        ([1, 2, 3, 4], "BYTES", [1, 4], "datatype"),
+        ([1, 2, 3, 4], "FP32", [1, 5], "holds 5 values"),
+        ([], "FP32", [0, 4], "empty batch"),
+        ([1e308 * 10, 1, 2, 3], "FP32", [1, 4], "finite"),
+        ([[1, 2], [3]], "FP32", None, "different lengths"),
+        ([1, 2, 3, 4], "FP32", [4], "expected [rows, 4]"),
+    ],
+)
+def test_numeric_rows_refusals_name_the_problem(data, datatype, shape, fragment):
+    err = error_of(numeric_rows, data, "inputs[0]", 4, datatype, shape)
+    assert err.status == 400 and fragment in err.message
+
+
+def test_text_rows():
+    assert text_rows([["a"], ["b"]], "t") == ["a", "b"]
+    assert "expected a string" in error_of(text_rows, ["a", 3], "t").message
+    assert "empty batch" in error_of(text_rows, [], "t").message
+
+
+def test_v2_binary_extension_round_trip():
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    header = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4], "parameters": {"binary_data_size": x.nbytes}}],
+                         "outputs": [{"name": "label", "parameters": {"binary_data": True}}]}).encode()
+    parsed = decode_v2(header + x.tobytes(), str(len(header)))
+    assert np.array_equal(np.asarray(parsed["tensor"]["data"]).reshape(2, 4), x)
+    assert parsed["binary_outputs"] == {"label"}
+    body, headers = encode_v2("m", "3", "req-1", ["a", "bc"], np.ones((2, 2), np.float32), {"label"})
+    n = int(headers["inference-header-content-length"])
+    head = json.loads(body[:n])
+    assert head["model_version"] == "3" and head["id"] == "req-1"
+    blob = body[n:]
+    assert struct.unpack_from("<I", blob, 0)[0] == 1 and blob[4:5] == b"a" and blob[9:11] == b"bc"
+    assert head["outputs"][1]["data"] == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_v2_binary_bytes_input_and_bad_lengths():
+    blob = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 3) + b"you"
+    header = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": len(blob)}}]}).encode()
+    assert decode_v2(header + blob, str(len(header)))["tensor"]["data"] == ["hi", "you"]
+    assert "outside the body" in error_of(decode_v2, header, str(len(header) + 5)).message
+    short = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 8}}]}).encode()
+    assert "needs 16" in error_of(decode_v2, short + b"\0" * 8, str(len(short))).message
+
+
+@pytest.mark.parametrize(
+    "request_json,fragment",
+    [({}, "inputs"), ({"inputs": []}, "inputs"), ({"inputs": [1]}, "inputs[0]"),
+     ({"inputs": [{"name": "x", "datatype": "FP32"}]}, "shape"),
+     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2], "data": []}]}, "shape"),
+     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2]}]}, "data"), ([1], "object")],
+)
+def test_v2_structure_errors(request_json, fragment):
+    err = error_of(decode_v2, json.dumps(request_json).encode(), None)
+    assert err.status == 400 and fragment in err.message
+
+
+def test_v1_rows_for_each_kind():
+    assert decode_v1(b'{"instances": [[1, 2]]}') == [[1, 2]]
+    assert "empty batch" in error_of(decode_v1, b'{"instances": []}').message
+    assert v1_rows(["a b"], "text", ["text"], 1) == ["a b"]
+    named = v1_rows([{"b": 2, "a": 1}], "tabular", ["a", "b"], 2)
+    assert named.tolist() == [[1.0, 2.0]]
+    assert "unknown feature 'c'" in error_of(v1_rows, [{"a": 1, "b": 2, "c": 3}], "tabular", ["a", "b"], 2).message
+    assert "instances[1]" in error_of(v1_rows, [[1, 2], [1]], "tabular", ["a", "b"], 2).message
