@@ -56,3 +56,31 @@ def prepared(workspace):
         return done[workload]
 
     return get
+
+
+# Short runs that still reach each workload's bar on 2 CPUs (see configs/ for the full ones).
+SHORT_RUNS = {
+    "digits": ["train.epochs=5", "train.keep_checkpoints=5"],
+    "tabular": ["train.epochs=5"],
+    "text": ["train.epochs=3"],
+}
+
+
+@pytest.fixture(scope="session")
+def trained(prepared, workspace):
+    """workload -> (config, train summary), trained once per session on the local Ray."""
+    from app.train import train
+
+    done: dict[str, tuple[Config, dict]] = {}
+
+    def get(workload: str) -> tuple[Config, dict]:
+        if workload not in done:
+            prepared(workload)
+            ensure_local_ray()
+            config = workload_config(
+                workspace, workload, *SHORT_RUNS[workload], "train.log_every_steps=1000", f"train.run_name={workload}-short"
+            )
+            done[workload] = (config, train(config))
+        return done[workload]
+
+    return get

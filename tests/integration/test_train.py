@@ -27,10 +27,8 @@ def run_metrics(run_dir: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def digits_fp32(prepared, workspace, ray_local_module):
-    prepared("digits")
-    config = workload_config(workspace, "digits", *FAST, "train.keep_checkpoints=5", "train.run_name=digits-fp32")
-    return config, train(config)
+def digits_fp32(trained):
+    return trained("digits")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def test_digits_two_workers_reach_the_bar_and_loss_falls(digits_fp32):
     config, summary = digits_fp32
     assert summary["num_workers"] == 2
     assert summary["metrics"]["val_accuracy"] >= 0.97
-    history = run_metrics(os.path.join(config.storage_path, "digits-fp32"))
+    history = run_metrics(os.path.join(config.storage_path, summary["run_name"]))
     assert [m["epoch"] for m in history] == [1, 2, 3, 4, 5]
     assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
     assert len(set(summary["worker_nodes"])) == 1  # one local node, two ranks

@@ -1,0 +1,426 @@
+"""What every benchmark shares: the machine description, result files, statistics, workspaces,
+a private Ray, and an in-process trainer built from the project's own training code.
+
+Result file `<out>/<id>.json` keys: id, metric, value, goal, met, machine, details (plus what,
+summary, mode, elapsed_s, created). `met` is true or false where the goal applies and null where
+it does not (e.g. a bf16 goal on a CPU without native bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+SMOKE_DIR = RESULTS_DIR / "smoke"
+# Set by run_all: the GCS address of the private Ray it started, so each benchmark process joins
+# that one cluster instead of paying a cluster start of its own.
+RAY_ADDRESS_ENV = "BENCH_RAY_ADDRESS"
+RAY_INIT_S_ENV = "BENCH_RAY_INIT_S"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+log = logging.getLogger("bench")
+
+
+# --- machine -----------------------------------------------------------------------------------
+
+
+def cpu_info() -> dict[str, Any]:
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    return {"model": model, "flags": {flag: flag in flags for flag in CPU_FLAGS}}
+
+
+def has_native_bf16(info: dict[str, Any] | None = None) -> bool:
+    flags = (info or cpu_info())["flags"]
+    return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+
+
+def machine() -> dict[str, Any]:
+    versions: dict[str, str] = {"python": platform.python_version()}
+    for name in ("torch", "ray", "onnxruntime", "numpy"):
+        module = sys.modules.get(name)
+        if module is None:
+            with contextlib.suppress(ImportError):
+                module = __import__(name)
+        if module is not None:
+            versions[name] = str(getattr(module, "__version__", "?"))
+    memory_gib = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    info = cpu_info()
+    return {
+        "cpu": info["model"],
+        "cpu_flags": info["flags"],
+        "native_bf16": has_native_bf16(info),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "memory_gib": memory_gib,
+        "gpu": _gpu_name(),
+        # The 1-minute load average when the result was written: on a shared machine it says how
+        # much else was running (2.0 on 2 cores means both were already busy).
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "os": f"{platform.system()} {platform.release()}",
+        "versions": versions,
+    }
+
+
+def _gpu_name() -> str | None:
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    return None
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+
+def steady(values: Sequence[float]) -> float:
+    """Median of the values after the first (the first epoch/pass pays warm-up)."""
+    return median(values[1:] if len(values) > 1 else values)
+
+
+def ratio(a: float, b: float) -> float:
+    return float(a / b) if b else float("nan")
+
+
+def timed_median(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return median(times)
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: nan/inf become null, numpy scalars become Python numbers, floats are rounded."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):
+        with contextlib.suppress(Exception):
+            value = value.item()
+    if isinstance(value, float):
+        return None if not math.isfinite(value) else round(value, 6)
+    return value
+
+
+def write_result(
+    id: str,
+    metric: str,
+    value: float | None,
+    goal: str,
+    met: bool | None,
+    details: dict[str, Any],
+    out_dir: str | os.PathLike[str],
+    *,
+    what: str = "",
+    summary: str = "",
+    mode: str = "full",
+    elapsed_s: float | None = None,
+) -> dict[str, Any]:
+    """Write `<out_dir>/<id>.json` atomically and return the record."""
+    record = _clean(
+        {
+            "id": id,
+            "what": what,
+            "metric": metric,
+            "value": value,
+            "goal": goal,
+            "met": met,
+            "summary": summary,
+            "mode": mode,
+            "elapsed_s": elapsed_s,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "details": details,
+        }
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{id}.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    tmp.replace(out / f"{id}.json")
+    return record
+
+
+def print_result(record: dict[str, Any]) -> None:
+    """The last thing a benchmark prints: its ratios in one line."""
+    met = {True: "met", False: "MISSED", None: "n/a"}[record["met"]]
+    print(f"{record['id']}: {record['summary']}  [goal {record['goal']}: {met}]", flush=True)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; results outside bench/results")
+    p.add_argument("--out", help="where <id>.json goes (default bench/results, or bench/results/smoke)")
+    p.add_argument("--work", help="scratch folder for data, runs and artifacts (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.out = args.out or str(SMOKE_DIR if args.smoke else RESULTS_DIR)
+    return args
+
+
+@contextlib.contextmanager
+def workspace(work: str | None) -> Iterator[Path]:
+    """The given scratch folder, or a temporary one removed afterwards."""
+    if work:
+        Path(work).mkdir(parents=True, exist_ok=True)
+        yield Path(work)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        yield Path(tmp)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("bench").setLevel(logging.INFO)
+
+
+def main_wrapper(run, description: str, argv: Sequence[str] | None = None) -> None:
+    """Shared `main` of each benchmark module: parse, run in a workspace, print the ratios."""
+    args = parse_args(description, argv)
+    setup_logging()
+    with workspace(args.work) as work:
+        record = run(smoke=args.smoke, out=args.out, work=work)
+    print_result(record)
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+def bench_config(work: str | os.PathLike[str], workload: str, *overrides: str, tag: str | None = None):
+    """configs/<workload>.yaml with data, runs and registry under `<work>/<tag or workload>/`."""
+    from app.config import load_config
+
+    root = Path(work) / (tag or workload)
+    base = [
+        f"data.output={root / 'data'}",
+        f"train.storage_path={root / 'runs'}",
+        f"export.registry={root / 'registry'}",
+        "train.log_every_steps=100000",
+    ]
+    return load_config(REPO / "configs" / f"{workload}.yaml", [*base, *overrides])
+
+
+def ensure_prepared(config) -> dict[str, Any]:
+    """Prepare the dataset once per workspace; returns its manifest."""
+    from app import storage
+    from app.prepare import MANIFEST, prepare, read_manifest
+
+    if not storage.exists(storage.join(config.data_output, MANIFEST)):
+        prepare(config)
+    return read_manifest(config.data_output)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
+    """Join run_all's private Ray ($BENCH_RAY_ADDRESS) or start one of our own.
+
+    Never the machine's default cluster: `address="local"` always starts a new one.
+    """
+    import ray
+
+    address = os.environ.get(RAY_ADDRESS_ENV)
+    start = time.perf_counter()
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        info = {"ray_cluster": "shared by run_all", "ray_init_s": float(os.environ.get(RAY_INIT_S_ENV, "nan"))}
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        info = {"ray_cluster": "private to this benchmark", "ray_init_s": time.perf_counter() - start}
+    info["ray_connect_s"] = time.perf_counter() - start
+    try:
+        yield info
+    finally:
+        ray.shutdown()
+
+
+def train_files(config, manifest: dict[str, Any], split: str) -> list[str]:
+    from app.prepare import split_files
+
+    return split_files(config.data_output, manifest, split)
+
+
+# --- in-process training with the project's own step code --------------------------------------
+
+
+def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
+    """Model + app.train.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
+    import torch
+
+    from app.models import build_model
+    from app.train import TrainState
+
+    t = config.train
+    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.train_loop
+    model = build_model(config.model, preprocessor)
+    steps = math.ceil(train_rows / world / t.batch_size / t.grad_accum_steps) * t.epochs
+    return TrainState.create(model, config, total_steps=steps)
+
+
+def train_inprocess(config, *, precision: str | None = None, checkpoint_dir: str | None = None) -> dict[str, Any]:
+    """Single-process training with app.train.train_epoch/validate_epoch (no Ray, no DDP).
+
+    Data streams from the prepared Parquet shards through the fitted preprocessor
+    (bench.torch_data), so the step code, optimizer, schedule and autocast are the project's own.
+    """
+    import torch
+
+    from app.data import fit_preprocessor
+    from app.train import train_epoch, validate_epoch
+    from bench.torch_data import TorchShard
+
+    if precision:
+        config.train.precision = precision
+    t = config.train
+    torch.set_num_threads(t.torch_threads)
+    manifest = ensure_prepared(config)
+    pre = fit_preprocessor(config, manifest)
+    state = inprocess_state(config, pre, manifest["rows"]["train"])
+    device = torch.device("cpu")
+    train_shard = TorchShard(train_files(config, manifest, "train"), pre)
+    val_shard = TorchShard(train_files(config, manifest, "val"), pre)
+    epochs = []
+    for epoch in range(1, t.epochs + 1):
+        start = time.perf_counter()
+        stats = train_epoch(state, train_shard, device, epoch, 0, 1)
+        val = validate_epoch(state.model, val_shard, device, t.batch_size, t.precision)
+        state.epoch = epoch
+        epochs.append({"epoch": epoch, **stats, **val, "wall_s": time.perf_counter() - start})
+    metrics = {"step": state.step, **epochs[-1]}
+    if checkpoint_dir:
+        save_checkpoint(checkpoint_dir, state, pre, config, metrics)
+    return {"state": state, "preprocessor": pre, "epochs": epochs, "metrics": metrics}
+
+
+def save_checkpoint(folder: str, state, preprocessor, config, metrics: dict[str, Any]) -> None:
+    """The same folder layout app.train's rank 0 reports (model.safetensors, train_state.pt, meta.json)."""
+    import torch
+
+    from app import checkpoint
+    from app.config import dump
+
+    meta = {
+        "config": dump(config),
+        "epoch": state.epoch,
+        "step": state.step,
+        "metrics": metrics,
+        "resume_history": [],
+        "worker_nodes": [],
+        "preprocessor": preprocessor.to_json(),
+        "torch_version": torch.__version__,
+    }
+    checkpoint.save(folder, state.model, state.train_state(), meta)
+
+
+# Short trainings good enough for export benchmarks (accuracy is reported, not chased).
+ARTIFACT_EPOCHS = {"digits": 6, "tabular": 15, "text": 4}
+SMOKE_ARTIFACT_EPOCHS = {"digits": 1, "tabular": 2, "text": 1}
+
+
+def ensure_artifact(work: str | os.PathLike[str], workload: str, smoke: bool) -> dict[str, Any]:
+    """Train `workload` briefly in-process and export it with app.export.export (once per workspace).
+
+    The export gate is opened (max_accuracy_drop=100) so that the benchmark can report an
+    accuracy drop instead of failing on it; B4 judges the drop itself.
+    """
+    from app import storage
+    from app.export import export
+
+    epochs = (SMOKE_ARTIFACT_EPOCHS if smoke else ARTIFACT_EPOCHS)[workload]
+    config = bench_config(
+        work,
+        workload,
+        f"train.epochs={epochs}",
+        "train.num_workers=1",
+        "export.max_accuracy_drop=100",
+        "export.latency_repeats=5",
+    )
+    info_path = Path(work) / workload / "artifact.json"
+    if info_path.exists():
+        info = json.loads(info_path.read_text())
+        if storage.exists(storage.join(info["artifact"], "manifest.json")):
+            return info
+    ckpt = str(Path(work) / workload / "checkpoint")
+    start = time.perf_counter()
+    trained = train_inprocess(config, checkpoint_dir=ckpt)
+    train_s = time.perf_counter() - start
+    start = time.perf_counter()
+    summary = export(config, ckpt)
+    info = {
+        "workload": workload,
+        "artifact": summary["artifact"],
+        "checkpoint": ckpt,
+        "epochs": epochs,
+        "train_s": train_s,
+        "export_s": time.perf_counter() - start,
+        "val_accuracy_torch": trained["metrics"]["val_accuracy"],
+        "report": summary["report"],
+    }
+    info_path.write_text(json.dumps(_clean(info), indent=2))
+    return info

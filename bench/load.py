@@ -1,0 +1,146 @@
+"""A bounded closed-loop HTTP load generator: N threads, each with its own `requests.Session`
+(keep-alive connection), sends the next request as soon as the previous answer arrives.
+
+Bounded three ways: a fixed duration, a cap on the total number of requests, and 127.0.0.1 only.
+It runs on the same 2 cores as the server under test, so its own CPU time is reported
+(`client_cpu_s`): a Python client can itself become the limit at high request rates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+from bench.common import percentile
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class LoadGenerator:
+    def __init__(
+        self,
+        url: str,
+        body: bytes,
+        connections: int = 8,
+        max_requests: int = 100_000,
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 30.0,
+    ):
+        host = urlparse(url).hostname
+        if host not in LOOPBACK:
+            raise ValueError(f"load is only ever sent to loopback, not {host!r}")
+        self.url, self.body, self.connections, self.max_requests = url, body, connections, max_requests
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.timeout_s = timeout_s
+        # (start, end, status, replica) per request; list.append is atomic under the GIL.
+        self.records: list[tuple[float, float, int, str | None]] = []
+        self._sent = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.started_at = 0.0
+
+    def _take_ticket(self) -> bool:
+        with self._lock:
+            if self._sent >= self.max_requests:
+                return False
+            self._sent += 1
+            return True
+
+    def _worker(self) -> None:
+        session = requests.Session()
+        while not self._stop.is_set() and self._take_ticket():
+            start = time.perf_counter()
+            try:
+                response = session.post(self.url, data=self.body, headers=self.headers, timeout=self.timeout_s)
+                _ = response.content
+                status, replica = response.status_code, response.headers.get("x-model-replica")
+            except requests.RequestException:
+                status, replica = -1, None
+            self.records.append((start, time.perf_counter(), status, replica))
+        session.close()
+
+    def start(self) -> LoadGenerator:
+        self.started_at = time.perf_counter()
+        self._threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.connections)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.timeout_s + 5)
+
+
+def summarize(records: list[tuple[float, float, int, str | None]], t0: float, t1: float) -> dict[str, Any]:
+    """Requests that finished inside [t0, t1]: throughput, latency percentiles, errors."""
+    done = [r for r in records if t0 <= r[1] <= t1]
+    ok = [r for r in done if r[2] == 200]
+    latencies = [1000 * (end - start) for start, end, _, _ in ok]
+    statuses: dict[str, int] = {}
+    for r in done:
+        statuses[str(r[2])] = statuses.get(str(r[2]), 0) + 1
+    window = t1 - t0
+    return {
+        "window_s": window,
+        "requests": len(done),
+        "ok": len(ok),
+        "errors": len(done) - len(ok),
+        "status_counts": statuses,
+        "requests_per_s": len(ok) / window if window > 0 else float("nan"),
+        "p50_ms": percentile(latencies, 50),
+        "p90_ms": percentile(latencies, 90),
+        "p99_ms": percentile(latencies, 99),
+        "replicas_seen": sorted({r[3] for r in ok if r[3]}),
+    }
+
+
+def closed_loop(
+    url: str,
+    body: bytes,
+    connections: int = 8,
+    duration_s: float = 10.0,
+    warmup_s: float = 1.0,
+    max_requests: int = 100_000,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Warm up, then measure for `duration_s` (or until `max_requests` were sent)."""
+    gen = LoadGenerator(url, body, connections, max_requests, headers).start()
+    time.sleep(warmup_s)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    deadline = t0 + duration_s
+    while time.perf_counter() < deadline and any(t.is_alive() for t in gen._threads):
+        time.sleep(0.05)
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    gen.stop()
+    result = summarize(gen.records, t0, t1)
+    result.update(
+        connections=connections,
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        max_requests=max_requests,
+        client="threads + requests.Session (keep-alive), closed loop",
+        client_cpu_s=cpu1 - cpu0,
+    )
+    return result
+
+
+def wait_ready(url: str, timeout_s: float = 120.0, path: str = "/v2/health/ready") -> float:
+    """Seconds until GET <url><path> answers 200; raises TimeoutError."""
+    start = time.perf_counter()
+    last = "no answer"
+    while time.perf_counter() - start < timeout_s:
+        try:
+            r = requests.get(url + path, timeout=5)
+            if r.status_code == 200:
+                return time.perf_counter() - start
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        time.sleep(0.25)
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f}s ({last})")

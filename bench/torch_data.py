@@ -1,0 +1,141 @@
+"""The plain-PyTorch baseline of the ingest path: a torch DataLoader over the same Parquet shards,
+transformed by the same fitted preprocessor (app.preprocess), no Ray.
+
+`TorchShard` has the one method app.train's worker code calls on a Ray dataset shard,
+`iter_torch_batches(batch_size, local_shuffle_buffer_size, local_shuffle_seed)`, so the baseline
+runs app.train.train_epoch / validate_epoch unchanged: only the data feeding differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from app import storage
+from app.preprocess import Preprocessor
+
+READ_ROWS = 256  # rows per transform call, as app.data.load_split's map_batches(batch_size=256)
+
+Batch = dict[str, np.ndarray]
+
+
+def _rows(batch: Batch) -> int:
+    return len(next(iter(batch.values())))
+
+
+def _concat(a: Batch | None, b: Batch) -> Batch:
+    return b if a is None else {k: np.concatenate([a[k], b[k]]) for k in b}
+
+
+def _take(batch: Batch, index: Any) -> Batch:
+    return {k: v[index] for k, v in batch.items()}
+
+
+def _to_torch(batch: Batch) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+
+
+class ShardStream(IterableDataset):
+    """Streams shards one record batch at a time: read -> transform -> (rank slice) -> batches.
+
+    - `rank`/`world`: each rank takes an equal contiguous range of rows (the remainder is dropped,
+      as Ray's streaming_split(equal=True) does) and skips shards outside its range unread.
+    - `shuffle_buffer`: a local shuffle buffer like Ray's `local_shuffle_buffer_size`: batches
+      are drawn at random from a buffer holding at least that many rows.
+    """
+
+    def __init__(
+        self,
+        files: list[str],
+        state_json: str,
+        batch_size: int,
+        rank: int = 0,
+        world: int = 1,
+        shuffle_buffer: int | None = None,
+        seed: int | None = None,
+    ):
+        super().__init__()
+        self.files, self.state_json, self.batch_size = files, state_json, batch_size
+        self.rank, self.world = rank, world
+        self.shuffle_buffer, self.seed = shuffle_buffer or 0, seed
+
+    def _chunks(self) -> Iterator[Batch]:
+        pre = Preprocessor.from_json(self.state_json)
+        files = self.files
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            if self.world > 1:
+                raise ValueError("rank splitting and several DataLoader workers do not mix here")
+            files = files[info.id :: info.num_workers]
+        sizes = [pq.ParquetFile(storage.filesystem(f)[1]).metadata.num_rows for f in files]
+        per_rank = sum(sizes) // self.world
+        lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
+        offset = 0
+        for uri, size in zip(files, sizes, strict=True):
+            start, offset = offset, offset + size
+            if offset <= lo or start >= hi:
+                continue  # none of this shard's rows are ours: never read it
+            reader = pq.ParquetFile(storage.filesystem(uri)[1])
+            row = start
+            for record_batch in reader.iter_batches(batch_size=READ_ROWS):
+                first, row = row, row + record_batch.num_rows
+                a, b = max(lo, first) - first, min(hi, row) - first
+                if b <= a:
+                    continue
+                part = record_batch.slice(a, b - a).to_pandas()
+                yield pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        bs = self.batch_size
+        rng = np.random.default_rng(self.seed)
+        buf: Batch | None = None
+        for chunk in self._chunks():
+            buf = _concat(buf, chunk)
+            if self.shuffle_buffer:
+                if _rows(buf) >= self.shuffle_buffer + bs:
+                    buf = _take(buf, rng.permutation(_rows(buf)))
+                    while _rows(buf) >= self.shuffle_buffer + bs:
+                        yield _to_torch(_take(buf, slice(0, bs)))
+                        buf = _take(buf, slice(bs, None))
+            else:
+                while _rows(buf) >= bs:
+                    yield _to_torch(_take(buf, slice(0, bs)))
+                    buf = _take(buf, slice(bs, None))
+        if buf is None or not _rows(buf):
+            return
+        if self.shuffle_buffer:
+            buf = _take(buf, rng.permutation(_rows(buf)))
+        for start in range(0, _rows(buf), bs):  # the last batch may be short (drop_last=False)
+            yield _to_torch(_take(buf, slice(start, start + bs)))
+
+
+class TorchShard:
+    """What app.train's loop needs of a dataset shard, backed by a torch DataLoader."""
+
+    def __init__(self, files: list[str], preprocessor: Preprocessor, rank: int = 0, world: int = 1, num_workers: int = 0):
+        self.files, self.state_json = files, preprocessor.to_json()
+        self.rank, self.world, self.num_workers = rank, world, num_workers
+
+    def loader(self, batch_size: int, shuffle_buffer: int | None = None, seed: int | None = None) -> DataLoader:
+        stream = ShardStream(self.files, self.state_json, batch_size, self.rank, self.world, shuffle_buffer, seed)
+        return DataLoader(
+            stream,
+            batch_size=None,  # the stream yields whole batches
+            num_workers=self.num_workers,
+            prefetch_factor=2 if self.num_workers else None,
+        )
+
+    def iter_torch_batches(
+        self,
+        *,
+        batch_size: int = 256,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+        **_: Any,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(self.loader(batch_size, local_shuffle_buffer_size, local_shuffle_seed))

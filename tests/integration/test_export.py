@@ -1,0 +1,43 @@
+"""Export of each reference workload from a short training run, and the gate on a real model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.artifact import open_artifact
+from app.export import GateError, export
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("workload,linear_heavy", [("digits", False), ("tabular", True), ("text", True)])
+def test_export_meets_parity_accuracy_and_size(trained, workload, linear_heavy):
+    config, summary = trained(workload)
+    result = export(config, summary["checkpoint"])
+    report = result["report"]
+    assert report["parity"]["max_abs_diff"] <= config.export.parity_tolerance
+    assert report["parity"]["label_agreement"] == 1.0
+    acc = report["accuracy"]
+    assert abs(acc["onnx_fp32"] - acc["torch_fp32"]) < 1e-9
+    assert report["accuracy_drop_points"] <= 1.0  # int8 within 1 point of fp32
+    assert report["quantization"]["method"] == ("dynamic" if linear_heavy else "static")
+    if linear_heavy:
+        assert report["size_ratio_int8"] <= 0.3
+    for variant in ("fp32", "int8"):
+        assert report["latency_ms"][variant]["batch_32"] > 0
+    artifact = open_artifact(result["artifact"])
+    assert artifact.report == report and artifact.name == workload
+
+
+def test_gate_refuses_and_publishes_nothing(trained):
+    config, summary = trained("tabular")
+    strict = config.model_copy(update={"export": config.export.model_copy(update={"max_accuracy_drop": -1.0})})
+    registry = os.path.join(strict.registry, strict.artifact_name)
+    before = sorted(os.listdir(registry)) if os.path.isdir(registry) else []
+    with pytest.raises(GateError, match=r"int8 accuracy .* below fp32") as info:
+        export(strict, summary["checkpoint"])
+    assert info.value.exit_code == 3
+    after = sorted(os.listdir(registry)) if os.path.isdir(registry) else []
+    assert after == before
