@@ -70,7 +70,9 @@ def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
         with open(path, "rb") as f:
             data = f.read()
         if len(data) != expected["size"]:
-            raise ArtifactError(f"{rel}: size {len(data)} != {expected['size']} in the manifest (truncated or altered)")
+            raise ArtifactError(
+                f"{rel}: size {len(data)} != {expected['size']} in the manifest (truncated or altered)"
+            )
         if sha256_bytes(data) != expected["sha256"]:
             raise ArtifactError(f"{rel}: sha256 mismatch (altered)")
         verified[rel] = data
@@ -83,7 +85,9 @@ def check_no_external_data(name: str, model_bytes: bytes) -> None:
     model = onnx.load_model_from_string(model_bytes)
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            raise ArtifactError(f"{name}: refers to external data; artifacts must be self-contained")
+            raise ArtifactError(
+                f"{name}: refers to external data; artifacts must be self-contained"
+            )
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
@@ -144,7 +148,12 @@ def open_artifact(uri: str) -> Artifact:
 def verify(uri: str) -> dict[str, Any]:
     """`jobs.export --verify`: the integrity check alone."""
     artifact = open_artifact(uri)
-    return {"stage": "verify", "artifact": artifact.uri, "ok": True, "files": sorted(artifact.manifest["files"])}
+    return {
+        "stage": "verify",
+        "artifact": artifact.uri,
+        "ok": True,
+        "files": sorted(artifact.manifest["files"]),
+    }
 
 
 # --- ONNX Runtime sessions -------------------------------------------------------------------

@@ -38,7 +38,9 @@ def save(folder: str, model: nn.Module, train_state: dict[str, Any], meta: dict[
 
 
 def load_weights(folder: str, model: nn.Module) -> None:
-    load_model(unwrap(model), os.path.join(folder, WEIGHTS), device=str(next(model.parameters()).device))
+    load_model(
+        unwrap(model), os.path.join(folder, WEIGHTS), device=str(next(model.parameters()).device)
+    )
 
 
 def load_train_state(folder: str) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def read_meta(folder: str) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = np.random.get_state()  # type: ignore[assignment]
     return {
         "torch": torch.get_rng_state(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),

@@ -68,7 +68,10 @@ def emit(summary: dict[str, Any], summary_file: str | None) -> None:
     if summary_file:
         from app import storage
 
-        storage.write_bytes(summary_file if "://" in summary_file else os.path.abspath(summary_file), (line + "\n").encode())
+        storage.write_bytes(
+            summary_file if "://" in summary_file else os.path.abspath(summary_file),
+            (line + "\n").encode(),
+        )
     sys.stderr.flush()
     print(line, flush=True)
 

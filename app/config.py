@@ -14,7 +14,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SOURCES = ("digits", "breast_cancer", "wine", "imagefolder", "table", "synthetic_text", "synthetic_image")
+SOURCES = (
+    "digits",
+    "breast_cancer",
+    "wine",
+    "imagefolder",
+    "table",
+    "synthetic_text",
+    "synthetic_image",
+)
 # Relative output paths resolve against this folder (default: the current directory). `ray job
 # submit` runs jobs inside a temporary copy of the working dir, so the cluster scripts set it.
 ROOT_ENV = "RAYTORCH_ROOT"
@@ -74,7 +82,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
         if self.dim % self.heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})")
+            raise ValueError(
+                f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
+            )
         return self
 
 
@@ -211,7 +221,9 @@ def resolve_uri(uri: str) -> str:
     return str(path)
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> Config:
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -257,7 +269,11 @@ def validate(raw: dict[str, Any]) -> Config:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict):
+        if (
+            err["type"] != "extra_forbidden"
+            and "input" in err
+            and not isinstance(err["input"], dict)
+        ):
             msg += f" (got {err['input']!r})"
         where = f"{loc}: " if loc else ""
         raise ConfigError(f"config error: {where}{msg}") from None

@@ -31,7 +31,10 @@ def fit_preprocessor(config: Config, manifest: dict[str, Any] | None = None) -> 
     manifest = manifest or read_manifest(output)
     files = split_files(output, manifest, "train")
     return Preprocessor.fit(
-        iter_shards(files), manifest, max_length=config.model.max_length, vocab_size=config.model.vocab_size
+        iter_shards(files),
+        manifest,
+        max_length=config.model.max_length,
+        vocab_size=config.model.vocab_size,
     )
 
 
@@ -45,7 +48,9 @@ def _transform(batch: dict[str, Any], state_json: str) -> dict[str, Any]:
     return _preprocessor(state_json).transform_batch(batch)
 
 
-def load_split(config: Config, split: str, preprocessor: Preprocessor, manifest: dict[str, Any] | None = None):
+def load_split(
+    config: Config, split: str, preprocessor: Preprocessor, manifest: dict[str, Any] | None = None
+):
     """A lazy Ray Dataset of model-ready batches for one split (nothing is read until consumed)."""
     import ray.data
 
@@ -55,9 +60,11 @@ def load_split(config: Config, split: str, preprocessor: Preprocessor, manifest:
     files = split_files(output, manifest, split)
     fs, _ = storage.filesystem(files[0])
     cpus = config.data.task_cpus
-    ds = ray.data.read_parquet([storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus)
+    ds = ray.data.read_parquet(
+        [storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus
+    )
     return ds.map_batches(
-        _transform,
+        _transform,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"state_json": preprocessor.to_json()},
         batch_format="numpy",
         batch_size=256,

@@ -33,16 +33,28 @@ def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[
     client = serve_client()
     details = client.get_serve_details()
     apps = current_apps(details)
-    app = apps.get(cfg.app_name) or {"name": cfg.app_name, "route_prefix": "/", "import_path": IMPORT_PATH, "args": {"models": []}}
+    app = apps.get(cfg.app_name) or {
+        "name": cfg.app_name,
+        "route_prefix": "/",
+        "import_path": IMPORT_PATH,
+        "args": {"models": []},
+    }
     models = [m for m in app["args"].get("models", []) if m["name"] != artifact.name]
     models.append({"name": artifact.name, "artifact": artifact.uri})
-    app["args"] = {"models": sorted(models, key=lambda m: m["name"]), "serve": cfg.model_dump(mode="json")}
+    app["args"] = {
+        "models": sorted(models, key=lambda m: m["name"]),
+        "serve": cfg.model_dump(mode="json"),
+    }
     apps[cfg.app_name] = app
-    log.info("deploy: %s version %s -> application %r", artifact.name, artifact.version, cfg.app_name)
-    client.deploy_applications({
-        "http_options": {"host": cfg.host, "port": cfg.port},
-        "applications": list(apps.values()),
-    })
+    log.info(
+        "deploy: %s version %s -> application %r", artifact.name, artifact.version, cfg.app_name
+    )
+    client.deploy_applications(
+        {
+            "http_options": {"host": cfg.host, "port": cfg.port},
+            "applications": list(apps.values()),
+        }
+    )
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
     deadline = time.monotonic() + timeout_s
     wait_until_rolled_out(client, cfg.app_name, artifact.name, deadline)
@@ -63,7 +75,9 @@ def serve_client():
 
     dashboard = ray._private.worker.get_dashboard_url()
     if not dashboard:
-        raise UserError("the Ray dashboard is not running; the Serve REST API needs it (start the cluster with cluster/start.sh)")
+        raise UserError(
+            "the Ray dashboard is not running; the Serve REST API needs it (start the cluster with cluster/start.sh)"
+        )
     return ServeSubmissionClient(f"http://{dashboard}")
 
 
@@ -93,7 +107,9 @@ def wait_until_rolled_out(client, app_name: str, model: str, deadline: float) ->
     raise UserError(f"rollout of {model} did not finish in time ({last}); see `serve status`")
 
 
-def wait_until_serving(url: str, model: str, version: str, api_key_env: str, deadline: float) -> None:
+def wait_until_serving(
+    url: str, model: str, version: str, api_key_env: str, deadline: float
+) -> None:
     import os
 
     headers = {}
@@ -110,4 +126,6 @@ def wait_until_serving(url: str, model: str, version: str, api_key_env: str, dea
         except requests.RequestException as e:
             last = type(e).__name__
         time.sleep(1.0)
-    raise UserError(f"model {model} version {version} did not come up in time ({last}); see `serve status`")
+    raise UserError(
+        f"model {model} version {version} did not come up in time ({last}); see `serve status`"
+    )

@@ -39,7 +39,11 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
 
 
 def labeled_batches(
-    config: Config, pre: Preprocessor, split: str, manifest: dict[str, Any] | None = None, batch_rows: int = 512
+    config: Config,
+    pre: Preprocessor,
+    split: str,
+    manifest: dict[str, Any] | None = None,
+    batch_rows: int = 512,
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """(model inputs, label indices) for one split, shard by shard."""
     output = config.data_output
@@ -70,20 +74,29 @@ def predictions(predict: Predict, batches) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(y_true), np.concatenate(y_pred)
 
 
-def classification_metrics(y_true: np.ndarray, y_pred: np.ndarray, labels: list[str]) -> dict[str, Any]:
+def classification_metrics(
+    y_true: np.ndarray, y_pred: np.ndarray, labels: list[str]
+) -> dict[str, Any]:
     k = len(labels)
     confusion = np.zeros((k, k), dtype=np.int64)
     np.add.at(confusion, (y_true, y_pred), 1)
     tp = np.diag(confusion).astype(float)
     precision = np.divide(tp, confusion.sum(0), out=np.zeros(k), where=confusion.sum(0) > 0)
     recall = np.divide(tp, confusion.sum(1), out=np.zeros(k), where=confusion.sum(1) > 0)
-    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(k), where=(precision + recall) > 0)
+    f1 = np.divide(
+        2 * precision * recall, precision + recall, out=np.zeros(k), where=(precision + recall) > 0
+    )
     return {
         "accuracy": float(tp.sum() / max(len(y_true), 1)),
         "rows": int(len(y_true)),
         "macro_f1": float(f1.mean()),
         "per_class": {
-            name: {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]), "support": int(confusion[i].sum())}
+            name: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(confusion[i].sum()),
+            }
             for i, name in enumerate(labels)
         },
         "labels": labels,

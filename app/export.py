@@ -18,6 +18,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,10 @@ def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     pre, model = loaded.preprocessor, loaded.model
     e = config.export
     with tempfile.TemporaryDirectory() as work:
-        fp32_path, int8_path = os.path.join(work, art.MODEL_FILES["fp32"]), os.path.join(work, art.MODEL_FILES["int8"])
+        fp32_path, int8_path = (
+            os.path.join(work, art.MODEL_FILES["fp32"]),
+            os.path.join(work, art.MODEL_FILES["int8"]),
+        )
         sample = next(iter(labeled_batches(config, pre, "val", batch_rows=e.parity_rows)))[0]
         export_onnx(model, pre, sample, fp32_path, e.opset)
         method = quantize(config, pre, model, fp32_path, int8_path, work)
@@ -73,7 +77,9 @@ class _Positional(nn.Module):
         return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
-def export_onnx(model: nn.Module, pre: Preprocessor, sample: dict[str, np.ndarray], path: str, opset: int) -> None:
+def export_onnx(
+    model: nn.Module, pre: Preprocessor, sample: dict[str, np.ndarray], path: str, opset: int
+) -> None:
     names = pre.input_names()
     args = tuple(torch.from_numpy(sample[n][:2]) for n in names)
     buffer = io.BytesIO()
@@ -84,7 +90,7 @@ def export_onnx(model: nn.Module, pre: Preprocessor, sample: dict[str, np.ndarra
     torch.onnx.export(
         _Positional(model, names).eval(),
         args,
-        buffer,
+        buffer,  # type: ignore[arg-type]  # file-like objects are accepted
         input_names=names,
         output_names=["logits"],
         dynamic_axes={n: {0: "batch"} for n in [*names, "logits"]},
@@ -99,7 +105,9 @@ def export_onnx(model: nn.Module, pre: Preprocessor, sample: dict[str, np.ndarra
 # --- quantization -----------------------------------------------------------------------------
 
 
-def quantize(config: Config, pre: Preprocessor, model: nn.Module, fp32: str, int8: str, work: str) -> str:
+def quantize(
+    config: Config, pre: Preprocessor, model: nn.Module, fp32: str, int8: str, work: str
+) -> str:
     from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -117,8 +125,13 @@ def quantize(config: Config, pre: Preprocessor, model: nn.Module, fp32: str, int
 
         reader = _CalibrationReader(config, pre)
         quantize_static(
-            prepared, int8, reader, quant_format=QuantFormat.QDQ, per_channel=True,
-            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+            prepared,
+            int8,
+            reader,
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
             calibrate_method=CalibrationMethod.MinMax,
         )
     os.remove(prepared)
@@ -128,7 +141,9 @@ def quantize(config: Config, pre: Preprocessor, model: nn.Module, fp32: str, int
 class _CalibrationReader:
     def __init__(self, config: Config, pre: Preprocessor):
         batches = labeled_batches(config, pre, "train", batch_rows=32)
-        self._batches = iter([inputs for inputs, _ in islice(batches, config.export.calibration_batches)])
+        self._batches = iter(
+            [inputs for inputs, _ in islice(batches, config.export.calibration_batches)]
+        )
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         return next(self._batches, None)
@@ -140,9 +155,13 @@ class _CalibrationReader:
 # --- verification -----------------------------------------------------------------------------
 
 
-def verify_variants(config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, method: str) -> dict[str, Any]:
+def verify_variants(
+    config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, method: str
+) -> dict[str, Any]:
     pre = loaded.preprocessor
-    sessions = {v: art.create_session(open(p, "rb").read()) for v, p in (("fp32", fp32), ("int8", int8))}
+    sessions = {
+        v: art.create_session(Path(p).read_bytes()) for v, p in (("fp32", fp32), ("int8", int8))
+    }
     with torch.no_grad():
         torch_logits = torch_predict(loaded.model)(sample)
     onnx_logits = art.run_logits(sessions["fp32"], sample)
@@ -236,7 +255,9 @@ def schema_for(pre: Preprocessor) -> dict[str, Any]:
     }
 
 
-def write_metadata(work: str, config: Config, loaded: LoadedCheckpoint, report: dict[str, Any], checkpoint_uri: str) -> None:
+def write_metadata(
+    work: str, config: Config, loaded: LoadedCheckpoint, report: dict[str, Any], checkpoint_uri: str
+) -> None:
     import onnx
     import onnxruntime
     import ray
@@ -265,7 +286,9 @@ def write_metadata(work: str, config: Config, loaded: LoadedCheckpoint, report: 
         "quantization": report["quantization"],
         "opset": config.export.opset,
         "versions": {
-            "torch": torch.__version__, "ray": ray.__version__, "onnx": onnx.__version__,
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
         },
         "files": listed,

@@ -47,9 +47,18 @@ def sample_body(config: Config, rows: int = 1) -> tuple[dict[str, Any], list[str
     frame = next(iter_shards(split_files(output, manifest, "val"))).iloc[:rows]
     columns, kind = manifest["feature_columns"], manifest["kind"]
     if kind == "text":
-        tensor = {"name": "text", "datatype": "BYTES", "shape": [rows], "data": frame[columns[0]].tolist()}
+        tensor = {
+            "name": "text",
+            "datatype": "BYTES",
+            "shape": [rows],
+            "data": frame[columns[0]].tolist(),
+        }
     else:
-        values = frame[columns].to_numpy().tolist() if kind == "tabular" else [list(map(float, r)) for r in frame[columns[0]]]
+        values = (
+            frame[columns].to_numpy().tolist()
+            if kind == "tabular"
+            else [list(map(float, r)) for r in frame[columns[0]]]
+        )
         name = "image" if kind == "image" else "features"
         tensor = {"name": name, "datatype": "FP32", "shape": [rows, len(values[0])], "data": values}
     return {"inputs": [tensor]}, frame[manifest["label_column"]].astype(str).tolist()
@@ -64,7 +73,9 @@ def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
         headers["Authorization"] = f"Bearer {key}"
     response = requests.post(endpoint, json=body, headers=headers, timeout=30)
     if response.status_code != 200:
-        raise UserError(f"sample request to {endpoint} failed: HTTP {response.status_code} {response.text[:200]}")
+        raise UserError(
+            f"sample request to {endpoint} failed: HTTP {response.status_code} {response.text[:200]}"
+        )
     label = response.json()["outputs"][0]["data"]
     auth = ' -H "Authorization: Bearer $RAYTORCH_API_KEY"' if key else ""
     curl = f"curl -s {endpoint} -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"

@@ -41,7 +41,9 @@ def prepare(config: Config) -> dict[str, Any]:
     return {"stage": "prepare", "output": output, "rows": rows}
 
 
-def split_rows(n: int, val_fraction: float, test_fraction: float, seed: int) -> dict[str, np.ndarray]:
+def split_rows(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
     order = np.random.default_rng(seed).permutation(n)
     n_val = max(1, round(n * val_fraction))
     n_test = round(n * test_fraction)
@@ -59,13 +61,19 @@ def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
         values = frame[col]
         if col == IMAGE_COLUMN and data.kind == "image":
             flat = np.stack(values.to_list()).astype(np.float32)
-            columns[col] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+            columns[col] = pa.FixedSizeListArray.from_arrays(
+                pa.array(flat.reshape(-1)), flat.shape[1]
+            )
         else:
-            columns[col] = pa.array(values.to_numpy() if values.dtype != object else values.to_list())
+            columns[col] = pa.array(
+                values.to_numpy() if values.dtype != object else values.to_list()
+            )
     return pa.table(columns)
 
 
-def write_split(data: SourceData, idx: np.ndarray, folder: str, name: str, rows_per_shard: int) -> dict[str, Any]:
+def write_split(
+    data: SourceData, idx: np.ndarray, folder: str, name: str, rows_per_shard: int
+) -> dict[str, Any]:
     os.makedirs(folder, exist_ok=True)
     shards = []
     for i, start in enumerate(range(0, len(idx), rows_per_shard)):
@@ -73,7 +81,9 @@ def write_split(data: SourceData, idx: np.ndarray, folder: str, name: str, rows_
         filename = f"part-{i:05d}.parquet"
         path = os.path.join(folder, filename)
         pq.write_table(to_arrow(part, data), path)
-        shards.append({"file": f"{name}/{filename}", "rows": len(part), "sha256": sha256_file(path)})
+        shards.append(
+            {"file": f"{name}/{filename}", "rows": len(part), "sha256": sha256_file(path)}
+        )
     return {"rows": int(len(idx)), "shards": shards}
 
 
@@ -104,7 +114,9 @@ def sha256_file(path: str) -> str:
 def read_manifest(output: str) -> dict[str, Any]:
     uri = storage.join(output, MANIFEST)
     if not storage.exists(uri):
-        raise UserError(f"{output}: no prepared dataset (manifest.json missing); run jobs.prepare first")
+        raise UserError(
+            f"{output}: no prepared dataset (manifest.json missing); run jobs.prepare first"
+        )
     return storage.read_json(uri)
 
 

@@ -124,9 +124,13 @@ class Preprocessor:
             texts = [str(t) for t in raw]
             encoded = self._tokenizer.encode_batch(texts)
             ids = np.asarray([e.ids for e in encoded], dtype=np.int64).reshape(len(texts), -1)
-            mask = np.asarray([e.attention_mask for e in encoded], dtype=np.int64).reshape(len(texts), -1)
+            mask = np.asarray([e.attention_mask for e in encoded], dtype=np.int64).reshape(
+                len(texts), -1
+            )
             return {"input_ids": ids, "attention_mask": mask}
-        x = (np.asarray(raw, dtype=np.float32).reshape(-1, self.num_features) - self._mean) / self._std
+        x = (
+            np.asarray(raw, dtype=np.float32).reshape(-1, self.num_features) - self._mean
+        ) / self._std
         if self.kind == "image":
             x = x.reshape(-1, *self.state["image_shape"])
         return {"x": x.astype(np.float32)}
@@ -136,14 +140,18 @@ class Preprocessor:
         for row, label in enumerate(labels):
             index = self._label_index.get(str(label))
             if index is None:
-                raise UserError(f"row {row}: label {label!r} is not among the fitted labels {self.labels}")
+                raise UserError(
+                    f"row {row}: label {label!r} is not among the fitted labels {self.labels}"
+                )
             out.append(index)
         return np.asarray(out, dtype=np.int64)
 
     def raw_features(self, batch: dict[str, np.ndarray] | pd.DataFrame) -> Any:
         """Raw feature rows out of a batch of prepared shards (columns as the manifest lists)."""
         if self.kind == "tabular":
-            return np.stack([np.asarray(batch[c], dtype=np.float32) for c in self.feature_columns], axis=1)
+            return np.stack(
+                [np.asarray(batch[c], dtype=np.float32) for c in self.feature_columns], axis=1
+            )
         column = batch[self.feature_columns[0]]
         if self.kind == "text":
             return list(column)
@@ -185,6 +193,8 @@ def _train_tokenizer(texts: Iterable[str], vocab_size: int) -> str:
     tokenizer = Tokenizer(models.WordPiece(unk_token=UNK))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=[PAD, UNK], show_progress=False)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=[PAD, UNK], show_progress=False
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer.to_str()

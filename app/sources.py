@@ -122,7 +122,9 @@ def _imagefolder(cfg: DataConfig) -> SourceData:
         raise UserError(f"{root}: no PNG or JPEG images found in {classes}")
     frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
     description = {"source": "imagefolder", "path": root, "classes": classes, "image_size": size}
-    return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (3, size, size), description)
+    return SourceData(
+        frame, "image", [IMAGE_COLUMN], cfg.label_column, (3, size, size), description
+    )
 
 
 # --- CSV / JSONL / Parquet files with declared columns ----------------------------------------
@@ -141,7 +143,9 @@ def _table(cfg: DataConfig) -> SourceData:
     for frame in frames[1:]:
         missing = [c for c in features if c not in frame.columns]
         if missing:
-            raise UserError(f"{frame.attrs['file']}: missing column {missing[0]!r} (the first file has it)")
+            raise UserError(
+                f"{frame.attrs['file']}: missing column {missing[0]!r} (the first file has it)"
+            )
     origins: dict[int, str] = {}
     offset = 0
     for frame in frames:
@@ -153,7 +157,11 @@ def _table(cfg: DataConfig) -> SourceData:
     combined[cfg.label_column] = combined[cfg.label_column].astype(str)
     combined.attrs["row_origin"] = origins
     kind: Kind = "text" if text else "tabular"
-    description = {"source": "table", "path": cfg.path, "files": [os.path.basename(f) for f in files]}
+    description = {
+        "source": "table",
+        "path": cfg.path,
+        "files": [os.path.basename(f) for f in files],
+    }
     return SourceData(combined, kind, features, cfg.label_column, None, description)
 
 
@@ -162,7 +170,8 @@ def _table_files(root: str) -> list[str]:
         files = [root]
     else:
         files = sorted(
-            p for p in glob.glob(os.path.join(root, "**", "*"), recursive=True)
+            p
+            for p in glob.glob(os.path.join(root, "**", "*"), recursive=True)
             if p.lower().endswith(TABLE_EXTENSIONS)
         )
     if not files:
@@ -175,11 +184,15 @@ def _read_table(path: str) -> pd.DataFrame:
         if path.lower().endswith(".csv"):
             frame = pd.read_csv(path)
         elif path.lower().endswith((".jsonl", ".json")):
-            frame = pd.read_json(path, lines=True, precise_float=True, dtype=False, convert_dates=False)
+            frame = pd.read_json(
+                path, lines=True, precise_float=True, dtype=False, convert_dates=False
+            )
         else:
             frame = pd.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - any parser error becomes one line naming the file
-        raise UserError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise UserError(
+            f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from None
     if frame.empty:
         raise UserError(f"{path}: no rows")
     return frame
@@ -214,7 +227,9 @@ def _check_dtype(frame: pd.DataFrame, col: str, path: str, is_text: bool) -> Non
         expected = "a finite number"
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise UserError(f"{path}: column {col!r} row {row}: expected {expected}, got {values.iloc[row]!r}")
+        raise UserError(
+            f"{path}: column {col!r} row {row}: expected {expected}, got {values.iloc[row]!r}"
+        )
     if not is_text:
         frame[col] = values.astype(np.float64)
 
@@ -245,7 +260,10 @@ def _synthetic_text(cfg: DataConfig) -> SourceData:
     for _ in range(cfg.num_rows):
         c = int(rng.integers(k))
         words = [str(w) for w in rng.choice(FILLER, size=int(rng.integers(4, 14)))]
-        phrases = [[str(w)] for w in rng.choice(keywords[c], size=int(rng.choice([1, 2, 3], p=[0.4, 0.4, 0.2])))]
+        phrases = [
+            [str(w)]
+            for w in rng.choice(keywords[c], size=int(rng.choice([1, 2, 3], p=[0.4, 0.4, 0.2])))
+        ]
         if rng.random() < 0.3:
             other = int((c + rng.integers(1, k)) % k)
             phrases.append(["without", str(rng.choice(keywords[other]))])
@@ -275,4 +293,6 @@ def _synthetic_image(cfg: DataConfig) -> SourceData:
         labels.append(f"class_{c}")
     frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
     description = {"source": "synthetic_image", "seed": cfg.seed, "num_rows": cfg.num_rows}
-    return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, size, size), description)
+    return SourceData(
+        frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, size, size), description
+    )

@@ -50,9 +50,13 @@ def train(config: Config) -> dict[str, Any]:
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
     from app.models import build_model
 
-    build_model(config.model, preprocessor)  # a model that cannot take this data fails here, not in a worker
+    build_model(
+        config.model, preprocessor
+    )  # a model that cannot take this data fails here, not in a worker
     connect_ray()
-    datasets = {split: load_split(config, split, preprocessor, manifest) for split in ("train", "val")}
+    datasets = {
+        split: load_split(config, split, preprocessor, manifest) for split in ("train", "val")
+    }
     t = config.train
     trainer = TorchTrainer(
         train_loop,
@@ -101,7 +105,11 @@ def _cuda_possible() -> bool:
 
     if torch.cuda.is_available():
         return True
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 or bool(os.environ.get("RAY_ADDRESS"))
+    return (
+        ray.is_initialized()
+        and ray.cluster_resources().get("GPU", 0) > 0
+        or bool(os.environ.get("RAY_ADDRESS"))
+    )
 
 
 def worker_resources(config: Config) -> dict[str, float]:
@@ -169,7 +177,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     from app.models import build_model
 
     model = build_model(config.model, preprocessor)
-    steps_per_epoch = math.ceil(loop_config["train_rows"] / world / t.batch_size / t.grad_accum_steps)
+    steps_per_epoch = math.ceil(
+        loop_config["train_rows"] / world / t.batch_size / t.grad_accum_steps
+    )
     state = TrainState.create(model, config, total_steps=steps_per_epoch * t.epochs)
     resumed = ray.train.get_checkpoint()
     if resumed:
@@ -195,8 +205,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             log.info(
                 "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f %.0f samples/s data_wait %.1f%%",
-                epoch, t.epochs, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"],
-                metrics["samples_per_second"], 100 * metrics["data_wait_fraction"],
+                epoch,
+                t.epochs,
+                metrics["train_loss"],
+                metrics["val_loss"],
+                metrics["val_accuracy"],
+                metrics["samples_per_second"],
+                100 * metrics["data_wait_fraction"],
             )
             assert metrics_sink is not None
             metrics_sink.record(metrics)
@@ -207,7 +222,12 @@ class TrainState:
     """Everything a resumed worker needs: model, optimizer, scheduler, scaler, counters, RNG."""
 
     def __init__(self, model, optimizer, scheduler, scaler, config: Config):
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
         self.config = config
         self.epoch, self.step = 0, 0
         self.resume_history: list[int] = []
@@ -263,19 +283,25 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def split_batch(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def split_batch(
+    batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     labels = batch[LABEL_KEY].to(device)
     inputs = {k: v.to(device) for k, v in batch.items() if k != LABEL_KEY}
     return inputs, labels
 
 
-def train_epoch(state: TrainState, shard, device: torch.device, epoch: int, rank: int, world: int) -> dict[str, float]:
+def train_epoch(
+    state: TrainState, shard, device: torch.device, epoch: int, rank: int, world: int
+) -> dict[str, float]:
     t = state.config.train
     model = state.model
     model.train()
     seed = t.seed * 1000 + epoch * 10 + rank
     batches = shard.iter_torch_batches(
-        batch_size=t.batch_size, local_shuffle_buffer_size=t.shuffle_buffer or None, local_shuffle_seed=seed
+        batch_size=t.batch_size,
+        local_shuffle_buffer_size=t.shuffle_buffer or None,
+        local_shuffle_seed=seed,
     )
     loss_sum, rows, wait, micro = 0.0, 0, 0.0, 0
     start = tick = time.perf_counter()
@@ -294,7 +320,13 @@ def train_epoch(state: TrainState, shard, device: torch.device, epoch: int, rank
         loss_sum += loss.item() * len(labels)
         rows += len(labels)
         if rank == 0 and micro % t.log_every_steps == 0:
-            log.info("epoch %d step %d loss %.4f %.0f rows/s", epoch, state.step, loss.item(), rows / (time.perf_counter() - start))
+            log.info(
+                "epoch %d step %d loss %.4f %.0f rows/s",
+                epoch,
+                state.step,
+                loss.item(),
+                rows / (time.perf_counter() - start),
+            )
         tick = time.perf_counter()
     if micro % t.grad_accum_steps:
         optimizer_step(state)
@@ -321,7 +353,9 @@ def optimizer_step(state: TrainState) -> None:
 
 
 @torch.no_grad()
-def validate_epoch(model: nn.Module, shard, device: torch.device, batch_size: int, precision: str) -> dict[str, float]:
+def validate_epoch(
+    model: nn.Module, shard, device: torch.device, batch_size: int, precision: str
+) -> dict[str, float]:
     model.eval()
     loss_sum, correct, rows = 0.0, 0.0, 0.0
     for batch in shard.iter_torch_batches(batch_size=batch_size * 4):
@@ -355,7 +389,13 @@ def gather_node_ids(world: int) -> list[str]:
     return [str(n) for n in nodes]
 
 
-def report(state: TrainState, metrics: dict[str, Any], preprocessor: Preprocessor, config: Config, rank: int) -> None:
+def report(
+    state: TrainState,
+    metrics: dict[str, Any],
+    preprocessor: Preprocessor,
+    config: Config,
+    rank: int,
+) -> None:
     """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint."""
     import ray.train
 
@@ -381,7 +421,13 @@ def maybe_inject_fault(config: Config, run_dir: str, rank: int, epoch: int) -> N
     """Test-only: raise once on `rank` at the start of `epoch` (train.fail_at or $RAYTORCH_FAIL_AT)."""
     target = config.train.fail_at
     spec = os.environ.get(FAULT_ENV)
-    want = (target.rank, target.epoch) if target else tuple(int(v) for v in spec.split(":")) if spec else None
+    want = (
+        (target.rank, target.epoch)
+        if target
+        else tuple(int(v) for v in spec.split(":"))
+        if spec
+        else None
+    )
     if want != (rank, epoch):
         return
     marker = storage.join(run_dir, f"fault-injected-rank{rank}-epoch{epoch}")
@@ -398,9 +444,18 @@ class TrainMetrics:
         from ray.util.metrics import Gauge
 
         self.tags = {"run": os.path.basename(run_dir.rstrip("/"))}
-        names = ["train_loss", "val_loss", "val_accuracy", "samples_per_second", "data_wait_fraction"]
+        names = [
+            "train_loss",
+            "val_loss",
+            "val_accuracy",
+            "samples_per_second",
+            "data_wait_fraction",
+        ]
         self.gauges = {
-            n: Gauge(f"raytorch_{n}", description=f"training {n.replace('_', ' ')}", tag_keys=("run",)) for n in names
+            n: Gauge(
+                f"raytorch_{n}", description=f"training {n.replace('_', ' ')}", tag_keys=("run",)
+            )
+            for n in names
         }
 
     def record(self, metrics: dict[str, float]) -> None:

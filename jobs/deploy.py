@@ -8,7 +8,11 @@ from app.deploy import deploy
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("deploy", "Deploy (or update, or roll back) a model in the Serve application.")
-    p.add_argument("--artifact", required=True, help="artifact URI: a version folder or <registry>/<name>/latest")
+    p.add_argument(
+        "--artifact",
+        required=True,
+        help="artifact URI: a version folder or <registry>/<name>/latest",
+    )
     args = p.parse_args(argv)
     run_job(args, lambda config: deploy(config, args.artifact))
 

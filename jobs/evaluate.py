@@ -6,7 +6,9 @@ from app.evaluate import evaluate
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("evaluate", "Score a checkpoint on the held-out split.")
-    p.add_argument("--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')")
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')"
+    )
     args = p.parse_args(argv)
     run_job(args, lambda config: evaluate(config, args.checkpoint))
 

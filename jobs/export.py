@@ -12,7 +12,9 @@ def main(argv: list[str] | None = None) -> None:
         verify_only(argv)
         return
     p = parser("export", "Export a checkpoint to a verified ONNX fp32 + int8 artifact.")
-    p.add_argument("--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')")
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')"
+    )
     args = p.parse_args(argv)
     from app.export import export
 

@@ -7,7 +7,9 @@ from app.pipeline import pipeline
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("pipeline", "Prepare, train, evaluate, export and deploy, then send one request.").parse_args(argv)
+    args = parser(
+        "pipeline", "Prepare, train, evaluate, export and deploy, then send one request."
+    ).parse_args(argv)
     run_job(args, pipeline)
 
 

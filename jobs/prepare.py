@@ -5,7 +5,9 @@ from app.prepare import prepare
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("prepare", "Turn a data source into Parquet shards plus a manifest.").parse_args(argv)
+    args = parser("prepare", "Turn a data source into Parquet shards plus a manifest.").parse_args(
+        argv
+    )
     run_job(args, prepare)
 
 

@@ -53,7 +53,9 @@ def resolve(name: str) -> Builder:
         return REGISTRY[name]
     module_name, sep, attr = name.partition(":")
     if not sep:
-        raise ConfigError(f"config error: model.name: unknown model {name!r} (known: {sorted(REGISTRY)}, or 'pkg.module:callable')")
+        raise ConfigError(
+            f"config error: model.name: unknown model {name!r} (known: {sorted(REGISTRY)}, or 'pkg.module:callable')"
+        )
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -63,7 +65,9 @@ def resolve(name: str) -> Builder:
 def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     expected = ACCEPTS.get(cfg.name)
     if expected and expected != pre.kind:
-        raise ConfigError(f"config error: model.name: {cfg.name!r} takes {expected} data, but the dataset is {pre.kind}")
+        raise ConfigError(
+            f"config error: model.name: {cfg.name!r} takes {expected} data, but the dataset is {pre.kind}"
+        )
     return resolve(cfg.name)(cfg, pre)
 
 

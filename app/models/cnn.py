@@ -13,9 +13,11 @@ class ResidualBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -27,7 +29,9 @@ class ResNetCNN(nn.Module):
     def __init__(self, in_channels: int, num_classes: int, widths: list[int], dropout: float = 0.0):
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+            nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(),
         )
         blocks, c = [], widths[0]
         for i, w in enumerate(widths):

@@ -60,7 +60,9 @@ class TransformerClassifier(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)
         self.positions = nn.Embedding(max_length, dim)
-        self.layers = nn.ModuleList(EncoderLayer(dim, heads, ff_dim, dropout) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            EncoderLayer(dim, heads, ff_dim, dropout) for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 

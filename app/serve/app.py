@@ -57,33 +57,46 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
     a = cfg.autoscaling
     # Pin the concrete version: a replica started later must not pick up a newer `latest`.
     artifact = resolve(resolve_uri(spec.artifact))
-    return serve.deployment(ModelServer).options(
-        name=f"model-{spec.name}",
-        max_ongoing_requests=cfg.max_ongoing_requests,
-        max_queued_requests=cfg.max_queued_requests,
-        autoscaling_config={
-            "min_replicas": a.min_replicas,
-            "initial_replicas": max(a.min_replicas, 1),
-            "max_replicas": a.max_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s,
-            "downscale_delay_s": a.downscale_delay_s,
-            "metrics_interval_s": a.metrics_interval_s,
-            "look_back_period_s": a.look_back_period_s,
-        },
-        ray_actor_options={"num_cpus": cfg.replica_cpus, "num_gpus": cfg.replica_gpus},
-        user_config={"variant": cfg.variant},
-        health_check_period_s=cfg.health_check_period_s,
-    ).bind(artifact, cfg.max_batch_size, cfg.batch_wait_timeout_s, max(1, math.floor(cfg.replica_cpus)))
+    return (
+        serve.deployment(ModelServer)
+        .options(  # type: ignore[attr-defined]
+            name=f"model-{spec.name}",
+            max_ongoing_requests=cfg.max_ongoing_requests,
+            max_queued_requests=cfg.max_queued_requests,
+            autoscaling_config={
+                "min_replicas": a.min_replicas,
+                "initial_replicas": max(a.min_replicas, 1),
+                "max_replicas": a.max_replicas,
+                "target_ongoing_requests": a.target_ongoing_requests,
+                "upscale_delay_s": a.upscale_delay_s,
+                "downscale_delay_s": a.downscale_delay_s,
+                "metrics_interval_s": a.metrics_interval_s,
+                "look_back_period_s": a.look_back_period_s,
+            },
+            ray_actor_options={"num_cpus": cfg.replica_cpus, "num_gpus": cfg.replica_gpus},
+            user_config={"variant": cfg.variant},
+            health_check_period_s=cfg.health_check_period_s,
+        )
+        .bind(
+            artifact,
+            cfg.max_batch_size,
+            cfg.batch_wait_timeout_s,
+            max(1, math.floor(cfg.replica_cpus)),
+        )
+    )
 
 
 def build_app(args: dict[str, Any]):
     parsed = AppArgs.model_validate(args)
     cfg = parsed.serve
     models = {spec.name: model_deployment(spec, cfg) for spec in parsed.models}
-    return serve.deployment(Ingress).options(
-        name="ingress",
-        num_replicas=cfg.ingress_replicas,
-        max_ongoing_requests=cfg.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.ingress_cpus},
-    ).bind(cfg.model_dump(mode="json"), models)
+    return (
+        serve.deployment(Ingress)
+        .options(  # type: ignore[attr-defined]
+            name="ingress",
+            num_replicas=cfg.ingress_replicas,
+            max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+            ray_actor_options={"num_cpus": cfg.ingress_cpus},
+        )
+        .bind(cfg.model_dump(mode="json"), models)
+    )

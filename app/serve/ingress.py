@@ -76,7 +76,9 @@ class ModelRouter:
         try:
             return await getattr(handle, method).remote(*args)
         except BackPressureError:
-            raise RequestError(503, f"model {name!r} is overloaded (queue full); retry later") from None
+            raise RequestError(
+                503, f"model {name!r} is overloaded (queue full); retry later"
+            ) from None
 
 
 def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> FastAPI:
@@ -97,11 +99,17 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
             if not auth:
                 return error(401, "missing Authorization: Bearer <api key>", request_id)
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), key.encode()
+            ):
                 return error(403, "invalid API key", request_id)
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > cfg.max_body_bytes:
-            return error(413, f"body of {length} bytes exceeds serve.max_body_bytes={cfg.max_body_bytes}", request_id)
+            return error(
+                413,
+                f"body of {length} bytes exceeds serve.max_body_bytes={cfg.max_body_bytes}",
+                request_id,
+            )
         try:
             response = await call_next(request)
         except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON
@@ -110,12 +118,16 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
         response.headers["x-request-id"] = request_id
         model = request.path_params.get("name", "") if hasattr(request, "path_params") else ""
         if metrics is not None:
-            metrics.observe(model or "-", response.status_code, 1000 * (time.perf_counter() - start))
+            metrics.observe(
+                model or "-", response.status_code, 1000 * (time.perf_counter() - start)
+            )
         return response
 
     @api.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        log.info("request %s: %d %s", getattr(request.state, "request_id", "-"), exc.status, exc.message)
+        log.info(
+            "request %s: %d %s", getattr(request.state, "request_id", "-"), exc.status, exc.message
+        )
         return error(exc.status, exc.message)
 
     @api.exception_handler(StarletteHTTPException)
@@ -137,7 +149,9 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
 
     def check_rows(n: int) -> None:
         if n > cfg.max_request_rows:
-            raise RequestError(413, f"{n} rows exceed serve.max_request_rows={cfg.max_request_rows}")
+            raise RequestError(
+                413, f"{n} rows exceed serve.max_request_rows={cfg.max_request_rows}"
+            )
 
     async def model_metadata(name: str) -> dict[str, Any]:
         return await router.call(name, "metadata")
@@ -193,9 +207,16 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
         check_rows(shape[0] if shape else 0)
         result = await infer(name, {"protocol": "v2", "tensor": parsed["tensor"]}, request)
         if version is not None and version != result["version"]:
-            raise RequestError(404, f"model {name!r} version {version!r} is not deployed (live: {result['version']})")
+            raise RequestError(
+                404,
+                f"model {name!r} version {version!r} is not deployed (live: {result['version']})",
+            )
         content, headers = encode_v2(
-            name, result["version"], parsed["id"], result["labels"], np.asarray(result["probabilities"]),
+            name,
+            result["version"],
+            parsed["id"],
+            result["labels"],
+            np.asarray(result["probabilities"]),
             parsed["binary_outputs"],
         )
         headers["x-model-replica"] = str(result["replica_pid"])
@@ -206,7 +227,12 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
     @api.get("/v1/models")
     async def v1_models():
         metas = await asyncio.gather(*(model_metadata(n) for n in sorted(router.handles)))
-        return {"models": [{k: m[k] for k in ("name", "version", "variant", "artifact", "manifest")} for m in metas]}
+        return {
+            "models": [
+                {k: m[k] for k in ("name", "version", "variant", "artifact", "manifest")}
+                for m in metas
+            ]
+        }
 
     @api.post("/v1/models/{name}:predict")
     async def v1_predict(name: str, request: Request):
@@ -229,12 +255,21 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
         result = await router.call(name, "infer", payload)
         if "error" in result:
             raise RequestError(result["status"], result["error"])
-        log.info("request %s: model %s v%s %d rows", request.state.request_id, name, result["version"], len(result["labels"]))
+        log.info(
+            "request %s: model %s v%s %d rows",
+            request.state.request_id,
+            name,
+            result["version"],
+            len(result["labels"]),
+        )
         return result
 
     def check_version(meta: dict[str, Any], version: str | None) -> None:
         if version is not None and version != meta["version"]:
-            raise RequestError(404, f"model {meta['name']!r} version {version!r} is not deployed (live: {meta['version']})")
+            raise RequestError(
+                404,
+                f"model {meta['name']!r} version {version!r} is not deployed (live: {meta['version']})",
+            )
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def not_found(path: str):
@@ -247,10 +282,16 @@ class IngressMetrics:
     def __init__(self) -> None:
         from ray.util.metrics import Counter, Histogram
 
-        self.requests = Counter("raytorch_requests_total", description="HTTP requests by model and status", tag_keys=("model", "code"))
+        self.requests = Counter(
+            "raytorch_requests_total",
+            description="HTTP requests by model and status",
+            tag_keys=("model", "code"),
+        )
         self.latency = Histogram(
-            "raytorch_request_latency_ms", description="request latency (ms)",
-            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000], tag_keys=("model",),
+            "raytorch_request_latency_ms",
+            description="request latency (ms)",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+            tag_keys=("model",),
         )
 
     def observe(self, model: str, code: int, latency_ms: float) -> None:

@@ -29,15 +29,23 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class ModelServer:
-    def __init__(self, artifact_uri: str, max_batch_size: int, batch_wait_timeout_s: float, threads: int):
+    def __init__(
+        self, artifact_uri: str, max_batch_size: int, batch_wait_timeout_s: float, threads: int
+    ):
         self.artifact: Artifact = open_artifact(artifact_uri)
         self.threads = threads
         self.variant = "int8"
         self.session = self.artifact.session(self.variant, threads)
-        self.infer_batch.set_max_batch_size(max_batch_size)
-        self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        # serve.batch's wrapper takes its limits at run time, so they come from config.
+        self.infer_batch.set_max_batch_size(max_batch_size)  # type: ignore[attr-defined]
+        self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._metrics = _ReplicaMetrics(self.artifact.name)
-        log.info("model %s version %s loaded from %s", self.artifact.name, self.artifact.version, self.artifact.uri)
+        log.info(
+            "model %s version %s loaded from %s",
+            self.artifact.name,
+            self.artifact.version,
+            self.artifact.uri,
+        )
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config: {variant: fp32|int8}` switches the ONNX model without a redeploy."""
@@ -108,19 +116,29 @@ class ModelServer:
             return v1_rows(request["instances"], pre.kind, pre.feature_columns, pre.num_features)
         tensor = request["tensor"]
         if tensor["name"] != spec["name"]:
-            raise RequestError(400, f"inputs[0].name: expected {spec['name']!r}, got {tensor['name']!r}")
+            raise RequestError(
+                400, f"inputs[0].name: expected {spec['name']!r}, got {tensor['name']!r}"
+            )
         if spec["datatype"] == "BYTES":
             if tensor["datatype"] != "BYTES":
-                raise RequestError(400, f"inputs[0].datatype: expected BYTES (text), got {tensor['datatype']!r}")
+                raise RequestError(
+                    400, f"inputs[0].datatype: expected BYTES (text), got {tensor['datatype']!r}"
+                )
             rows = text_rows(list(tensor["data"]), "inputs[0].data")
             if len(rows) != math.prod(tensor["shape"]):
-                raise RequestError(400, f"inputs[0].shape: {tensor['shape']} does not match {len(rows)} strings")
+                raise RequestError(
+                    400, f"inputs[0].shape: {tensor['shape']} does not match {len(rows)} strings"
+                )
             return rows
-        return numeric_rows(tensor["data"], "inputs[0]", pre.num_features, tensor["datatype"], tensor["shape"])
+        return numeric_rows(
+            tensor["data"], "inputs[0]", pre.num_features, tensor["datatype"], tensor["shape"]
+        )
 
     def _sample(self) -> Any:
         pre = self.artifact.preprocessor
-        return ["health check"] if pre.kind == "text" else np.zeros((1, pre.num_features), np.float32)
+        return (
+            ["health check"] if pre.kind == "text" else np.zeros((1, pre.num_features), np.float32)
+        )
 
 
 class _ReplicaMetrics:
@@ -129,9 +147,13 @@ class _ReplicaMetrics:
 
         self.tags = {"model": model}
         self.batch_rows = Histogram(
-            "raytorch_batch_size", description="rows per ONNX Runtime batch",
-            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], tag_keys=("model",),
+            "raytorch_batch_size",
+            description="rows per ONNX Runtime batch",
+            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+            tag_keys=("model",),
         )
         # Each live replica reports 1 under its own tag; the sum over replicas is the count.
-        self.replicas = Gauge("raytorch_replicas", description="live model replicas", tag_keys=("model", "replica"))
+        self.replicas = Gauge(
+            "raytorch_replicas", description="live model replicas", tag_keys=("model", "replica")
+        )
         self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})

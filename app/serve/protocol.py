@@ -15,9 +15,17 @@ import numpy as np
 
 NUMERIC_DATATYPES = {
     "BOOL": None,  # refused: not a feature type
-    "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
 }
 BINARY_HEADER = "inference-header-content-length"
 
@@ -67,16 +75,22 @@ def check_content_type(content_type: str | None, binary: bool) -> None:
 # --- raw rows: what the model server validates against schema.json ----------------------------
 
 
-def numeric_rows(data: Any, field: str, num_features: int, datatype: str = "FP32", shape: list[int] | None = None) -> np.ndarray:
+def numeric_rows(
+    data: Any, field: str, num_features: int, datatype: str = "FP32", shape: list[int] | None = None
+) -> np.ndarray:
     """Numbers (nested lists or a flat list with a shape) -> float32 [n, num_features]."""
     if datatype not in NUMERIC_DATATYPES or NUMERIC_DATATYPES[datatype] is None:
-        raise bad(f"{field}.datatype: {datatype!r} is not accepted for this model; use FP32 (or another numeric type)")
+        raise bad(
+            f"{field}.datatype: {datatype!r} is not accepted for this model; use FP32 (or another numeric type)"
+        )
     array = data if isinstance(data, np.ndarray) else _number_array(data, field)
     if shape is None:  # one v1 instance: a row (nested lists allowed, e.g. an 8x8 image)
         rows = array.reshape(1, -1)
     else:
         if array.size != math.prod(shape):
-            raise bad(f"{field}.shape: {shape} holds {math.prod(shape)} values but data has {array.size}")
+            raise bad(
+                f"{field}.shape: {shape} holds {math.prod(shape)} values but data has {array.size}"
+            )
         if len(shape) < 2:
             raise bad(f"{field}.shape: expected [rows, {num_features}], got {shape}")
         if shape[0] == 0:
@@ -169,7 +183,9 @@ def decode_v2(body: bytes, header_length: str | None) -> dict[str, Any]:
         if key not in tensor:
             raise bad(f"inputs[0].{key}: missing")
     shape = tensor["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
         raise bad("inputs[0].shape: expected a list of non-negative integers")
     if not isinstance(tensor["datatype"], str):
         raise bad("inputs[0].datatype: expected a string")
@@ -200,7 +216,9 @@ def _binary_tensor(binary: bytes, size: Any, datatype: str, shape: list[int]) ->
         raise bad(f"inputs[0].datatype: {datatype!r} is not accepted")
     itemsize = np.dtype(dtype).itemsize
     if len(raw) != math.prod(shape) * itemsize:
-        raise bad(f"inputs[0]: binary data has {len(raw)} bytes, shape {shape} of {datatype} needs {math.prod(shape) * itemsize}")
+        raise bad(
+            f"inputs[0]: binary data has {len(raw)} bytes, shape {shape} of {datatype} needs {math.prod(shape) * itemsize}"
+        )
     array = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad("inputs[0]: values must be finite numbers (no NaN or Infinity)")
@@ -218,9 +236,14 @@ def _binary_outputs(request: dict[str, Any]) -> set[str]:
 
 
 def encode_v2(
-    model: str, version: str, request_id: Any, labels: list[str], probabilities: np.ndarray, binary_outputs: set[str]
+    model: str,
+    version: str,
+    request_id: Any,
+    labels: list[str],
+    probabilities: np.ndarray,
+    binary_outputs: set[str],
 ) -> tuple[bytes, dict[str, str]]:
-    outputs = [
+    outputs: list[tuple[str, str, list[int], Any]] = [
         ("label", "BYTES", [len(labels)], labels),
         ("probabilities", "FP32", list(probabilities.shape), probabilities.astype(np.float32)),
     ]
@@ -281,9 +304,11 @@ def v1_rows(instances: list[Any], kind: str, feature_columns: list[str], num_fea
                 raise bad(f"instances[{r}]: {what}")
             rows.append([instance[c] for c in feature_columns])
         instances = rows
-    rows = []
+    arrays = []
     for r, instance in enumerate(instances):
         if not isinstance(instance, list):
             raise bad(f"instances[{r}]: expected a list of {num_features} numbers")
-        rows.append(numeric_rows(instance, f"instances[{r}]", num_features, shape=None).reshape(-1))
-    return np.stack(rows)
+        arrays.append(
+            numeric_rows(instance, f"instances[{r}]", num_features, shape=None).reshape(-1)
+        )
+    return np.stack(arrays)

@@ -24,7 +24,12 @@ SERVE = "http://127.0.0.1:8000"
 
 def ray_running() -> bool:
     ray = REPO / ".venv" / "bin" / "ray"
-    return subprocess.run([str(ray), "status"], capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "token"}).returncode == 0
+    return (
+        subprocess.run(
+            [str(ray), "status"], capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "token"}
+        ).returncode
+        == 0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +39,10 @@ def cluster():
 
     ray.shutdown()  # integration tests may have left a private local Ray attached to this process
     if ray_running():
-        pytest.exit("a Ray cluster is already running; the e2e tests start their own: run `make cluster-down` first", 1)
+        pytest.exit(
+            "a Ray cluster is already running; the e2e tests start their own: run `make cluster-down` first",
+            1,
+        )
     env = {**os.environ, "RAY_AUTH_MODE": "token", TEST_API_KEY_ENV: TEST_API_KEY}
     env.pop("RAY_ADDRESS", None)
     subprocess.run(["bash", "cluster/start.sh"], cwd=REPO, env=env, check=True, timeout=180)
@@ -57,7 +65,12 @@ def job_env() -> dict[str, str]:
 def run_job(stage: str, *args: str, timeout: float = 600) -> dict:
     """`python -m jobs.<stage> ...` against the running cluster; returns its summary."""
     proc = subprocess.run(
-        [PY, "-m", f"jobs.{stage}", *args], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout
+        [PY, "-m", f"jobs.{stage}", *args],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0:
         raise AssertionError(f"jobs.{stage} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -34,17 +34,46 @@ def test_jobs_api_refuses_missing_and_wrong_tokens(cluster):
 def test_pipeline_submitted_with_ray_job_submit(cluster, tmp_path):
     summary_file = tmp_path / "pipeline.json"
     overrides = [
-        f"data.output={tmp_path}/data", f"train.storage_path={tmp_path}/runs", f"export.registry={tmp_path}/registry",
-        "export.name=digits-job", "train.epochs=4",
+        f"data.output={tmp_path}/data",
+        f"train.storage_path={tmp_path}/runs",
+        f"export.registry={tmp_path}/registry",
+        "export.name=digits-job",
+        "train.epochs=4",
     ]
     submit = subprocess.run(
-        [str(REPO / ".venv/bin/ray"), "job", "submit", "--address", DASHBOARD, "--no-wait",
-         "--runtime-env", "cluster/runtime_env.yaml", "--working-dir", ".", "--",
-         "python", "-m", "jobs.pipeline", "--config", "configs/digits.yaml", "--summary-file", str(summary_file), *overrides],
-        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120,
+        [
+            str(REPO / ".venv/bin/ray"),
+            "job",
+            "submit",
+            "--address",
+            DASHBOARD,
+            "--no-wait",
+            "--runtime-env",
+            "cluster/runtime_env.yaml",
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "-m",
+            "jobs.pipeline",
+            "--config",
+            "configs/digits.yaml",
+            "--summary-file",
+            str(summary_file),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert submit.returncode == 0, submit.stderr[-2000:]
-    job_id = next(w.strip("'") for w in submit.stdout.split() + submit.stderr.split() if w.strip("'").startswith("raysubmit_"))
+    job_id = next(
+        w.strip("'")
+        for w in submit.stdout.split() + submit.stderr.split()
+        if w.strip("'").startswith("raysubmit_")
+    )
 
     def finished():
         status = jobs_api(f"/api/jobs/{job_id}", cluster["token"]).json()["status"]
@@ -75,7 +104,13 @@ def test_pipeline_submitted_with_ray_job_submit(cluster, tmp_path):
 
 
 def test_training_and_serving_metrics_reach_prometheus_export(cluster):
-    wanted = ["ray_raytorch_val_accuracy", "ray_raytorch_data_wait_fraction", "ray_raytorch_requests_total", "ray_raytorch_request_latency_ms", "ray_raytorch_batch_size"]
+    wanted = [
+        "ray_raytorch_val_accuracy",
+        "ray_raytorch_data_wait_fraction",
+        "ray_raytorch_requests_total",
+        "ray_raytorch_request_latency_ms",
+        "ray_raytorch_batch_size",
+    ]
 
     def all_present():
         try:

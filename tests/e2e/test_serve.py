@@ -41,7 +41,12 @@ SERVE_OVERRIDES = [
 @pytest.fixture(scope="module")
 def served(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    base = [f"--config={REPO / 'configs/digits.yaml'}", f"data.output={root}/data", f"train.storage_path={root}/runs", f"export.registry={root}/registry"]
+    base = [
+        f"--config={REPO / 'configs/digits.yaml'}",
+        f"data.output={root}/data",
+        f"train.storage_path={root}/runs",
+        f"export.registry={root}/registry",
+    ]
     run_job("prepare", *base)
     train = run_job("train", *base, "train.epochs=4", "train.run_name=e2e-serve")
     ckpt = train["checkpoint"]
@@ -61,11 +66,22 @@ def val_rows(root, n: int) -> tuple[np.ndarray, list[str]]:
 
 
 def v2_body(x: np.ndarray) -> dict:
-    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}]}
+    return {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": list(x.shape),
+                "data": x.reshape(-1).tolist(),
+            }
+        ]
+    }
 
 
 def infer(x: np.ndarray, headers=JSON, timeout=30) -> requests.Response:
-    return requests.post(f"{SERVE}/v2/models/digits/infer", json=v2_body(x), headers=headers, timeout=timeout)
+    return requests.post(
+        f"{SERVE}/v2/models/digits/infer", json=v2_body(x), headers=headers, timeout=timeout
+    )
 
 
 def test_v1_and_v2_answers_match_the_artifact_offline(served):
@@ -78,7 +94,12 @@ def test_v1_and_v2_answers_match_the_artifact_offline(served):
     assert v2["model_version"] == "1"
     assert v2["outputs"][0]["name"] == "label" and v2["outputs"][0]["data"] == offline
     assert v2["outputs"][1]["shape"] == [100, 10]
-    v1 = requests.post(f"{SERVE}/v1/models/digits:predict", json={"instances": x.tolist()}, headers=JSON, timeout=30).json()
+    v1 = requests.post(
+        f"{SERVE}/v1/models/digits:predict",
+        json={"instances": x.tolist()},
+        headers=JSON,
+        timeout=30,
+    ).json()
     assert [p["label"] for p in v1["predictions"]] == offline
     assert abs(sum(v1["predictions"][0]["probabilities"].values()) - 1) < 1e-3
 
@@ -90,7 +111,9 @@ def test_health_metadata_and_model_listing(served):
     meta = get_json("/v2/models/digits")
     assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 64]}]
     models = {m["name"]: m for m in get_json("/v1/models")["models"]}
-    assert "digits" in models  # other live models (e.g. from the job-submission test) may be listed too
+    assert (
+        "digits" in models
+    )  # other live models (e.g. from the job-submission test) may be listed too
     lineage = models["digits"]["manifest"]
     assert lineage["version"] == models["digits"]["version"]
     assert "/e2e-serve/checkpoint_" in lineage["source_checkpoint"]
@@ -102,17 +125,55 @@ BAD_REQUESTS = [
     ("not JSON", b"{not json", JSON, 400, "not valid JSON"),
     ("nested 10,000 levels", b"[" * 10000 + b"]" * 10000, JSON, 400, "nested too deeply"),
     ("text/plain", b'{"inputs": []}', {"Content-Type": "text/plain"}, 415, "text/plain"),
-    ("strings for numbers", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":["1","2"]}]}', JSON, 400, "numbers"),
-    ("NaN", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[NaN,1]}]}', JSON, 400, "NaN"),
-    ("Infinity", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[Infinity,1]}]}', JSON, 400, "Infinity"),
-    ("wrong shape", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,3],"data":[1,2,3]}]}', JSON, 400, "64 values"),
-    ("wrong datatype", b'{"inputs":[{"name":"image","datatype":"BYTES","shape":[1,1],"data":["a"]}]}', JSON, 400, "datatype"),
-    ("empty batch", b'{"inputs":[{"name":"image","datatype":"FP32","shape":[0,64],"data":[]}]}', JSON, 400, "empty batch"),
+    (
+        "strings for numbers",
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":["1","2"]}]}',
+        JSON,
+        400,
+        "numbers",
+    ),
+    (
+        "NaN",
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[NaN,1]}]}',
+        JSON,
+        400,
+        "NaN",
+    ),
+    (
+        "Infinity",
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":[Infinity,1]}]}',
+        JSON,
+        400,
+        "Infinity",
+    ),
+    (
+        "wrong shape",
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,3],"data":[1,2,3]}]}',
+        JSON,
+        400,
+        "64 values",
+    ),
+    (
+        "wrong datatype",
+        b'{"inputs":[{"name":"image","datatype":"BYTES","shape":[1,1],"data":["a"]}]}',
+        JSON,
+        400,
+        "datatype",
+    ),
+    (
+        "empty batch",
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[0,64],"data":[]}]}',
+        JSON,
+        400,
+        "empty batch",
+    ),
     ("no inputs", b'{"nothing": 1}', JSON, 400, "inputs"),
 ]
 
 
-@pytest.mark.parametrize("name,body,headers,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "name,body,headers,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
 def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, status, fragment):
     before = {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]
     r = requests.post(f"{SERVE}/v2/models/digits/infer", data=body, headers=headers, timeout=10)
@@ -121,7 +182,9 @@ def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, st
     assert "Traceback" not in r.text
     x, _ = val_rows(served["root"], 1)
     assert infer(x).status_code == 200  # the next good request is answered ...
-    assert {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]["manifest"] == before["manifest"]
+    assert {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]["manifest"] == before[
+        "manifest"
+    ]
 
 
 def test_missing_content_type_is_read_as_json(served):
@@ -139,7 +202,9 @@ def test_size_and_row_limits_and_unknown_model(served):
     too_many = np.zeros((1025, 64), np.float32)
     r = infer(too_many)
     assert r.status_code == 413 and "max_request_rows" in r.json()["error"]
-    r = requests.post(f"{SERVE}/v2/models/nope/infer", json=v2_body(too_many[:1]), headers=JSON, timeout=10)
+    r = requests.post(
+        f"{SERVE}/v2/models/nope/infer", json=v2_body(too_many[:1]), headers=JSON, timeout=10
+    )
     assert r.status_code == 404 and "nope" in r.json()["error"]
 
 
@@ -168,7 +233,9 @@ def test_triton_client_reads_metadata_and_infers_json_and_binary(served):
     for binary in (False, True):
         tensor = triton.InferInput("image", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x, binary_data=binary)
-        outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")]
+        outputs = [
+            triton.InferRequestedOutput(n, binary_data=binary) for n in ("label", "probabilities")
+        ]
         result = client.infer("digits", [tensor], outputs=outputs)
         labels = [v.decode() if isinstance(v, bytes) else str(v) for v in result.as_numpy("label")]
         assert labels == expected
@@ -226,7 +293,10 @@ def running_replicas() -> int:
 
     out = subprocess.run(
         [str(REPO / ".venv/bin/serve"), "status", "--address", DASHBOARD],
-        capture_output=True, text=True, env=job_env(), timeout=30,
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=30,
     ).stdout
     for app in (yaml.safe_load(out) or {}).get("applications", {}).values():
         deployment = (app.get("deployments") or {}).get("model-digits")
@@ -249,12 +319,19 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(served):
     x, _ = val_rows(served["root"], 8)
     threads = 6
     with Load(x, threads=threads) as load:
-        wait_for(lambda: running_replicas() >= 2 and len(load.pids) >= 2, 90, 1, "two serving replicas")
+        wait_for(
+            lambda: running_replicas() >= 2 and len(load.pids) >= 2, 90, 1, "two serving replicas"
+        )
         victim = load.pids.most_common(1)[0][0]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         answered_before = sum(load.pids.values())
-        wait_for(lambda: sum(load.pids.values()) > answered_before + 20, 30, 0.2, "answers after the kill")
+        wait_for(
+            lambda: sum(load.pids.values()) > answered_before + 20,
+            30,
+            0.2,
+            "answers after the kill",
+        )
         wait_for(lambda: running_replicas() >= 2, 30, 0.5, "a replacement replica")
         replaced_in = time.monotonic() - killed_at
     assert replaced_in < 30
@@ -279,13 +356,22 @@ def test_rolling_update_to_v2_and_rollback_fail_no_request(served):
 
 def test_api_key_is_required_when_set(served):
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
-    run_job("deploy", *served["deploy_args"], f"serve.api_key_env={TEST_API_KEY_ENV}", f"--artifact={served['v1']}")
+    run_job(
+        "deploy",
+        *served["deploy_args"],
+        f"serve.api_key_env={TEST_API_KEY_ENV}",
+        f"--artifact={served['v1']}",
+    )
     try:
         x, _ = val_rows(served["root"], 1)
         assert infer(x).status_code == 401
         assert infer(x, headers={**JSON, "Authorization": "Bearer wrong"}).status_code == 403
-        assert infer(x, headers={**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}).status_code == 200
-        assert requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200  # probes stay open
+        assert (
+            infer(x, headers={**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}).status_code == 200
+        )
+        assert (
+            requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200
+        )  # probes stay open
     finally:
         os.environ.pop(TEST_API_KEY_ENV, None)
         run_job("deploy", *served["deploy_args"], f"--artifact={served['v1']}")

@@ -78,7 +78,11 @@ def trained(prepared, workspace):
             prepared(workload)
             ensure_local_ray()
             config = workload_config(
-                workspace, workload, *SHORT_RUNS[workload], "train.log_every_steps=1000", f"train.run_name={workload}-short"
+                workspace,
+                workload,
+                *SHORT_RUNS[workload],
+                "train.log_every_steps=1000",
+                f"train.run_name={workload}-short",
             )
             done[workload] = (config, train(config))
         return done[workload]

@@ -12,7 +12,9 @@ from app.export import GateError, export
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("workload,linear_heavy", [("digits", False), ("tabular", True), ("text", True)])
+@pytest.mark.parametrize(
+    "workload,linear_heavy", [("digits", False), ("tabular", True), ("text", True)]
+)
 def test_export_meets_parity_accuracy_and_size(trained, workload, linear_heavy):
     config, summary = trained(workload)
     result = export(config, summary["checkpoint"])
@@ -33,7 +35,9 @@ def test_export_meets_parity_accuracy_and_size(trained, workload, linear_heavy):
 
 def test_gate_refuses_and_publishes_nothing(trained):
     config, summary = trained("tabular")
-    strict = config.model_copy(update={"export": config.export.model_copy(update={"max_accuracy_drop": -1.0})})
+    strict = config.model_copy(
+        update={"export": config.export.model_copy(update={"max_accuracy_drop": -1.0})}
+    )
     registry = os.path.join(strict.registry, strict.artifact_name)
     before = sorted(os.listdir(registry)) if os.path.isdir(registry) else []
     with pytest.raises(GateError, match=r"int8 accuracy .* below fp32") as info:

@@ -22,7 +22,11 @@ def test_workers_spread_over_two_nodes(prepared, workspace):
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         config = workload_config(
-            workspace, "digits", "train.epochs=2", "train.placement_strategy=SPREAD", "train.run_name=digits-multinode"
+            workspace,
+            "digits",
+            "train.epochs=2",
+            "train.placement_strategy=SPREAD",
+            "train.run_name=digits-multinode",
         )
         summary = train(config)
         assert summary["epoch"] == 2

@@ -51,7 +51,9 @@ def test_digits_two_workers_reach_the_bar_and_loss_falls(digits_fp32):
 
 def test_bf16_within_one_point_of_fp32(digits_fp32, workspace, prepared):
     _, fp32 = digits_fp32
-    config = workload_config(workspace, "digits", *FAST, "train.precision=bf16", "train.run_name=digits-bf16")
+    config = workload_config(
+        workspace, "digits", *FAST, "train.precision=bf16", "train.run_name=digits-bf16"
+    )
     bf16 = train(config)
     assert bf16["precision"] == "bf16"
     assert abs(bf16["metrics"]["val_accuracy"] - fp32["metrics"]["val_accuracy"]) <= 0.01
@@ -60,21 +62,32 @@ def test_bf16_within_one_point_of_fp32(digits_fp32, workspace, prepared):
 def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_local_module):
     prepared("digits")
     config = workload_config(
-        workspace, "digits", "train.epochs=3", "train.max_failures=1", "train.fail_at.rank=1",
-        "train.fail_at.epoch=2", "train.run_name=digits-fault",
+        workspace,
+        "digits",
+        "train.epochs=3",
+        "train.max_failures=1",
+        "train.fail_at.rank=1",
+        "train.fail_at.epoch=2",
+        "train.run_name=digits-fault",
     )
     summary = train(config)
     # Restarted workers started at epoch 2 from the epoch-1 checkpoint, not from scratch.
     assert summary["resume_history"] == [2]
     assert summary["epoch"] == 3
-    assert os.path.exists(os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch2"))
+    assert os.path.exists(
+        os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch2")
+    )
 
 
 def test_same_run_name_resumes_instead_of_restarting(prepared, workspace, ray_local_module):
     prepared("digits")
-    first = train(workload_config(workspace, "digits", "train.epochs=1", "train.run_name=digits-resume"))
+    first = train(
+        workload_config(workspace, "digits", "train.epochs=1", "train.run_name=digits-resume")
+    )
     assert first["epoch"] == 1 and first["resume_history"] == []
-    second = train(workload_config(workspace, "digits", "train.epochs=2", "train.run_name=digits-resume"))
+    second = train(
+        workload_config(workspace, "digits", "train.epochs=2", "train.run_name=digits-resume")
+    )
     assert second["resume_history"] == [2]  # continued after epoch 1
     assert second["epoch"] == 2
 

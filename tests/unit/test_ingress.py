@@ -29,9 +29,20 @@ class FakeModel:
 
     def __init__(self, overloaded: bool = False):
         self.overloaded = overloaded
-        self.metadata = _Method(lambda: {"name": "m", "version": "1", "variant": "int8", "artifact": "/a", "manifest": {},
-                                         "schema": {"inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
-                                                    "outputs": [], "labels": ["a", "b"]}})
+        self.metadata = _Method(
+            lambda: {
+                "name": "m",
+                "version": "1",
+                "variant": "int8",
+                "artifact": "/a",
+                "manifest": {},
+                "schema": {
+                    "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
+                    "outputs": [],
+                    "labels": ["a", "b"],
+                },
+            }
+        )
         self.infer = _Method(self._infer)
 
     def _infer(self, payload):
@@ -40,8 +51,13 @@ class FakeModel:
 
             raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
         n = len(payload.get("instances") or []) or payload["tensor"]["shape"][0]
-        return {"labels": ["a"] * n, "probabilities": np.full((n, 2), 0.5).tolist(), "version": "1",
-                "label_names": ["a", "b"], "replica_pid": 123}
+        return {
+            "labels": ["a"] * n,
+            "probabilities": np.full((n, 2), 0.5).tolist(),
+            "version": "1",
+            "label_names": ["a", "b"],
+            "replica_pid": 123,
+        }
 
 
 def client(monkeypatch, key: str | None = None, overloaded: bool = False, **cfg) -> TestClient:
@@ -55,7 +71,10 @@ def client(monkeypatch, key: str | None = None, overloaded: bool = False, **cfg)
 def test_v1_and_v2_answers(monkeypatch):
     c = client(monkeypatch)
     r = c.post("/v1/models/m:predict", json={"instances": [[1, 2]]})
-    assert r.status_code == 200 and r.json()["predictions"][0]["probabilities"] == {"a": 0.5, "b": 0.5}
+    assert r.status_code == 200 and r.json()["predictions"][0]["probabilities"] == {
+        "a": 0.5,
+        "b": 0.5,
+    }
     body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}
     r = c.post("/v2/models/m/infer", json=body)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == ["a"]

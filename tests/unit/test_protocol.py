@@ -31,8 +31,14 @@ def error_of(fn, *args, **kw) -> RequestError:
 
 @pytest.mark.parametrize(
     "body,fragment",
-    [(b"", "empty"), (b"{x", "not valid JSON"), (b"[" * 10000 + b"]" * 10000, "nested too deeply"),
-     (b'{"a": NaN}', "NaN"), (b'{"a": Infinity}', "Infinity"), (b"\xff\xfe", "JSON")],
+    [
+        (b"", "empty"),
+        (b"{x", "not valid JSON"),
+        (b"[" * 10000 + b"]" * 10000, "nested too deeply"),
+        (b'{"a": NaN}', "NaN"),
+        (b'{"a": Infinity}', "Infinity"),
+        (b"\xff\xfe", "JSON"),
+    ],
 )
 def test_parse_json_refuses_with_400(body, fragment):
     err = error_of(parse_json, body)
@@ -82,12 +88,25 @@ def test_text_rows():
 
 def test_v2_binary_extension_round_trip():
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    header = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4], "parameters": {"binary_data_size": x.nbytes}}],
-                         "outputs": [{"name": "label", "parameters": {"binary_data": True}}]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "datatype": "FP32",
+                    "shape": [2, 4],
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "outputs": [{"name": "label", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
     parsed = decode_v2(header + x.tobytes(), str(len(header)))
     assert np.array_equal(np.asarray(parsed["tensor"]["data"]).reshape(2, 4), x)
     assert parsed["binary_outputs"] == {"label"}
-    body, headers = encode_v2("m", "3", "req-1", ["a", "bc"], np.ones((2, 2), np.float32), {"label"})
+    body, headers = encode_v2(
+        "m", "3", "req-1", ["a", "bc"], np.ones((2, 2), np.float32), {"label"}
+    )
     n = int(headers["inference-header-content-length"])
     head = json.loads(body[:n])
     assert head["model_version"] == "3" and head["id"] == "req-1"
@@ -98,19 +117,46 @@ def test_v2_binary_extension_round_trip():
 
 def test_v2_binary_bytes_input_and_bad_lengths():
     blob = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 3) + b"you"
-    header = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": len(blob)}}]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "text",
+                    "datatype": "BYTES",
+                    "shape": [2],
+                    "parameters": {"binary_data_size": len(blob)},
+                }
+            ]
+        }
+    ).encode()
     assert decode_v2(header + blob, str(len(header)))["tensor"]["data"] == ["hi", "you"]
     assert "outside the body" in error_of(decode_v2, header, str(len(header) + 5)).message
-    short = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 8}}]}).encode()
+    short = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [1, 4],
+                    "parameters": {"binary_data_size": 8},
+                }
+            ]
+        }
+    ).encode()
     assert "needs 16" in error_of(decode_v2, short + b"\0" * 8, str(len(short))).message
 
 
 @pytest.mark.parametrize(
     "request_json,fragment",
-    [({}, "inputs"), ({"inputs": []}, "inputs"), ({"inputs": [1]}, "inputs[0]"),
-     ({"inputs": [{"name": "x", "datatype": "FP32"}]}, "shape"),
-     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2], "data": []}]}, "shape"),
-     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2]}]}, "data"), ([1], "object")],
+    [
+        ({}, "inputs"),
+        ({"inputs": []}, "inputs"),
+        ({"inputs": [1]}, "inputs[0]"),
+        ({"inputs": [{"name": "x", "datatype": "FP32"}]}, "shape"),
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2], "data": []}]}, "shape"),
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2]}]}, "data"),
+        ([1], "object"),
+    ],
 )
 def test_v2_structure_errors(request_json, fragment):
     err = error_of(decode_v2, json.dumps(request_json).encode(), None)
@@ -123,5 +169,8 @@ def test_v1_rows_for_each_kind():
     assert v1_rows(["a b"], "text", ["text"], 1) == ["a b"]
     named = v1_rows([{"b": 2, "a": 1}], "tabular", ["a", "b"], 2)
     assert named.tolist() == [[1.0, 2.0]]
-    assert "unknown feature 'c'" in error_of(v1_rows, [{"a": 1, "b": 2, "c": 3}], "tabular", ["a", "b"], 2).message
+    assert (
+        "unknown feature 'c'"
+        in error_of(v1_rows, [{"a": 1, "b": 2, "c": 3}], "tabular", ["a", "b"], 2).message
+    )
     assert "instances[1]" in error_of(v1_rows, [[1, 2], [1]], "tabular", ["a", "b"], 2).message
