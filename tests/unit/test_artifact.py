@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from unit_helpers import PYTHON, REPO, sha256_of, snapshot, staging_leftovers
 
 from app import checkpoint
 from app.artifact import LATEST, MANIFEST, ArtifactError, open_artifact, resolve, verify
@@ -21,6 +20,7 @@ from app.evaluate import labeled_batches, torch_predict
 from app.export import GateError, export, gate, next_version
 from app.models import build_model
 from app.prepare import prepare
+from tests.unit.unit_helpers import PYTHON, REPO, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
 

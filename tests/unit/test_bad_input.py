@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from PIL import Image
-from unit_helpers import staging_leftovers
 
 from app.cli import UserError
 from app.prepare import prepare
+from tests.unit.unit_helpers import staging_leftovers
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from unit_helpers import DIGITS_YAML, PYTHON, REPO
 
 from app.config import ROOT_ENV, Config, ConfigError, dump, load_config, validate
+from tests.unit.unit_helpers import DIGITS_YAML, PYTHON, REPO
 
 pytestmark = pytest.mark.unit
 

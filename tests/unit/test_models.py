@@ -6,7 +6,6 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
-from unit_helpers import REPO
 
 import app.cli
 from app.config import ConfigError, ModelConfig
@@ -15,6 +14,7 @@ from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
 from app.preprocess import Preprocessor
+from tests.unit.unit_helpers import REPO
 
 pytestmark = pytest.mark.unit
 

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from sklearn import datasets
-from unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 import app.prepare
 from app.cli import UserError
 from app.prepare import MANIFEST, prepare, read_manifest, split_rows
+from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
 

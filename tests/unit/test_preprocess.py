@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from unit_helpers import read_split
 
 from app.cli import UserError
 from app.data import fit_preprocessor, iter_shards
 from app.prepare import prepare, read_manifest, split_files, split_rows
 from app.preprocess import LABEL_KEY, PAD, Preprocessor
+from tests.unit.unit_helpers import read_split
 
 pytestmark = pytest.mark.unit
 
