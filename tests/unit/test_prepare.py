@@ -129,9 +129,14 @@ def test_synthetic_text(config_factory):
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
     for text, label in zip(frame["text"], frame["label"], strict=True):
         assert isinstance(text, str)
-        # Every sentence carries at least two keywords of its own class.
+        # Every sentence carries at least one keyword of its own class, never negated, and any
+        # keyword of another class is negated ("without topicK_j").
         own = f"topic{label.removeprefix('class_')}_"
-        assert sum(w.startswith(own) for w in text.split()) >= 2
+        words = text.split()
+        assert sum(w.startswith(own) for w in words) >= 1
+        for i, w in enumerate(words):
+            if w.startswith("topic"):
+                assert (i > 0 and words[i - 1] == "without") != w.startswith(own)
 
 
 def test_synthetic_image(config_factory):
