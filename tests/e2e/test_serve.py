@@ -375,3 +375,36 @@ def test_api_key_is_required_when_set(served):
     finally:
         os.environ.pop(TEST_API_KEY_ENV, None)
         run_job("deploy", *served["deploy_args"], f"--artifact={served['v1']}")
+
+
+def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
+    """`serve deploy cluster/serve.yaml` (artifact pointed at this test's v2) serves the model."""
+    import subprocess
+
+    import yaml
+
+    from tests.e2e.conftest import DASHBOARD, job_env
+
+    config = yaml.safe_load((REPO / "cluster/serve.yaml").read_text())
+    config["applications"][0]["args"]["models"] = [{"name": "digits", "artifact": served["v2"]}]
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/serve"), "deploy", str(path), "--address", DASHBOARD],
+        capture_output=True,
+        text=True,
+        env=job_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wait_for(
+        lambda: (
+            requests.get(f"{SERVE}/v2/models/digits", timeout=5).json().get("versions") == ["2"]
+        ),
+        120,
+        1,
+        "version 2 from serve.yaml",
+    )
+    x, _ = val_rows(served["root"], 8)
+    r = infer(x)
+    assert r.status_code == 200 and r.json()["model_version"] == "2"
