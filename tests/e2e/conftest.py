@@ -22,14 +22,16 @@ DASHBOARD = "http://127.0.0.1:8265"
 SERVE = "http://127.0.0.1:8000"
 
 
-def ray_running() -> bool:
-    ray = REPO / ".venv" / "bin" / "ray"
-    return (
-        subprocess.run(
-            [str(ray), "status"], capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "token"}
-        ).returncode
-        == 0
-    )
+def ports_in_use(*ports: int) -> list[int]:
+    """Which of the cluster's fixed ports (GCS, dashboard, Serve) something already holds."""
+    import socket
+
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                busy.append(port)
+    return busy
 
 
 @pytest.fixture(scope="session")
