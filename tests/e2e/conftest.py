@@ -40,9 +40,10 @@ def cluster():
     import ray
 
     ray.shutdown()  # integration tests may have left a private local Ray attached to this process
-    if ray_running():
+    busy = ports_in_use(6379, 8265, 8000)
+    if busy:
         pytest.exit(
-            "a Ray cluster is already running; the e2e tests start their own: run `make cluster-down` first",
+            f"ports {busy} are taken (a running Ray cluster?); the e2e tests start their own: run `make cluster-down` first",
             1,
         )
     env = {**os.environ, "RAY_AUTH_MODE": "token", TEST_API_KEY_ENV: TEST_API_KEY}
