@@ -56,7 +56,13 @@ def checkpoint_metas(run_dir: str) -> list[dict[str, Any]]:
         if entry.startswith(("checkpoint_", "epoch_")) and os.path.exists(path):
             with open(path) as f:
                 meta = json.load(f)
-            metas.append({"epoch": meta["epoch"], "metrics": meta["metrics"], "written": os.path.getmtime(path)})
+            metas.append(
+                {
+                    "epoch": meta["epoch"],
+                    "metrics": meta["metrics"],
+                    "written": os.path.getmtime(path),
+                }
+            )
     return sorted(metas, key=lambda m: m["epoch"])
 
 
@@ -74,7 +80,11 @@ def ray_train_run(work: Path, epochs: int) -> dict[str, Any]:
 
     run_name = f"b1-ray-{int(time.time())}"
     config = bench_config(
-        work, "digits", f"train.epochs={epochs}", f"train.keep_checkpoints={epochs}", f"train.run_name={run_name}"
+        work,
+        "digits",
+        f"train.epochs={epochs}",
+        f"train.keep_checkpoints={epochs}",
+        f"train.run_name={run_name}",
     )
     ensure_prepared(config)
     launched = time.time()
@@ -86,8 +96,12 @@ def ray_train_run(work: Path, epochs: int) -> dict[str, Any]:
         "finished": finished,
         "summary": {k: summary[k] for k in ("num_workers", "precision", "metrics")},
         "history": checkpoint_metas(os.path.join(config.storage_path, run_name)),
-        "config": {"batch_size": config.train.batch_size, "torch_threads": config.train.torch_threads,
-                   "cpus_per_worker": config.train.cpus_per_worker, "shuffle_buffer": config.train.shuffle_buffer},
+        "config": {
+            "batch_size": config.train.batch_size,
+            "torch_threads": config.train.torch_threads,
+            "cpus_per_worker": config.train.cpus_per_worker,
+            "shuffle_buffer": config.train.shuffle_buffer,
+        },
         "train_rows": ensure_prepared(config)["rows"]["train"],
     }
     cache.write_text(json.dumps(run))
@@ -126,8 +140,13 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> Non
         val = validate_epoch(state.model, val_shard, device, t.batch_size, t.precision)
         state.epoch = epoch
         if rank == 0:
-            save_checkpoint(os.path.join(spec["run_dir"], f"epoch_{epoch:03d}"), state, pre, config,
-                            {"epoch": epoch, "step": state.step, **stats, **val})
+            save_checkpoint(
+                os.path.join(spec["run_dir"], f"epoch_{epoch:03d}"),
+                state,
+                pre,
+                config,
+                {"epoch": epoch, "step": state.step, **stats, **val},
+            )
         if world > 1:
             dist.barrier()  # every rank finishes the epoch together, as ray.train.report does
     if world > 1:
@@ -218,9 +237,14 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "ray_vs_ddp_steady_compute_excluding_data_wait": ratio(
                 ray_t["steady_compute_epoch_s"], ddp["steady_compute_epoch_s"]
             ),
-            "ray_vs_ddp_startup_overhead_s": ray_t["startup_overhead_s"] - ddp["startup_overhead_s"],
-            "ddp_speedup_vs_single": ratio(single["steady_train_epoch_s"], ddp["steady_train_epoch_s"]),
-            "ray_speedup_vs_single": ratio(single["steady_train_epoch_s"], ray_t["steady_train_epoch_s"]),
+            "ray_vs_ddp_startup_overhead_s": ray_t["startup_overhead_s"]
+            - ddp["startup_overhead_s"],
+            "ddp_speedup_vs_single": ratio(
+                single["steady_train_epoch_s"], ddp["steady_train_epoch_s"]
+            ),
+            "ray_speedup_vs_single": ratio(
+                single["steady_train_epoch_s"], ray_t["steady_train_epoch_s"]
+            ),
         },
         "method": (
             "Each variant runs app.train.train_epoch/validate_epoch with the same config; epoch time = "
@@ -235,12 +259,23 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     }
     summary = (
         f"steady epoch Ray {ray_t['steady_train_epoch_s']:.3f}s vs DDP {ddp['steady_train_epoch_s']:.3f}s "
-        f"(x{steady_ratio:.2f}), 1 proc {single['steady_train_epoch_s']:.3f}s; epoch wall x{wall_ratio:.2f}; "
+        f"(x{steady_ratio:.2f}; Ray waits for data {100 * steady(ray_t['data_wait_fraction']):.0f}% "
+        f"of it, compute alone x{details['ratios']['ray_vs_ddp_steady_compute_excluding_data_wait']:.2f}), "
+        f"1 proc {single['steady_train_epoch_s']:.3f}s; epoch wall x{wall_ratio:.2f}; "
         f"start-up Ray {ray_t['startup_overhead_s']:.1f}s vs DDP {ddp['startup_overhead_s']:.1f}s"
     )
     return write_result(
-        ID, "ray_vs_ddp_steady_epoch_time_ratio", steady_ratio, GOAL, bool(steady_ratio <= 1.05), details, out,
-        what=WHAT, summary=summary, mode="smoke" if smoke else "full", elapsed_s=time.perf_counter() - started,
+        ID,
+        "ray_vs_ddp_steady_epoch_time_ratio",
+        steady_ratio,
+        GOAL,
+        bool(steady_ratio <= 1.05),
+        details,
+        out,
+        what=WHAT,
+        summary=summary,
+        mode="smoke" if smoke else "full",
+        elapsed_s=time.perf_counter() - started,
     )
 
 

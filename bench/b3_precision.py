@@ -42,7 +42,9 @@ def fixed_batch(config, pre, batch_size: int) -> tuple[dict[str, Any], Any]:
     from app.evaluate import labeled_batches
 
     inputs, labels = next(iter(labeled_batches(config, pre, "train", batch_rows=batch_size)))
-    inputs = {k: torch.from_numpy(np.resize(v, (batch_size, *v.shape[1:]))) for k, v in inputs.items()}
+    inputs = {
+        k: torch.from_numpy(np.resize(v, (batch_size, *v.shape[1:]))) for k, v in inputs.items()
+    }
     return inputs, torch.from_numpy(np.resize(labels, (batch_size,)))
 
 
@@ -93,7 +95,9 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
             for _ in range(rounds):
                 for precision in ("fp32", "bf16"):
-                    rates[precision].append(step_rate(config, pre, manifest["rows"]["train"], batch, precision, seconds))
+                    rates[precision].append(
+                        step_rate(config, pre, manifest["rows"]["train"], batch, precision, seconds)
+                    )
             fp32, bf16 = median(rates["fp32"]), median(rates["bf16"])
             throughput[f"{workload}_batch{bs}"] = {
                 "model": config.model.name,
@@ -133,14 +137,25 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "not by matmul throughput, so native bf16 units help only where compute dominates."
         ),
     }
-    others = ", ".join(f"{k} x{v['bf16_speedup']:.2f}" for k, v in throughput.items() if k != head_key)
+    others = ", ".join(
+        f"{k} x{v['bf16_speedup']:.2f}" for k, v in throughput.items() if k != head_key
+    )
     summary = (
         f"bf16/fp32 steps/s digits CNN x{headline:.2f} ({others}); digits accuracy fp32 "
         f"{100 * accuracy['fp32']['val_accuracy']:.1f}% vs bf16 {100 * accuracy['bf16']['val_accuracy']:.1f}%"
     )
     return write_result(
-        ID, "bf16_vs_fp32_train_steps_per_s", headline, GOAL, met, details, out,
-        what=WHAT, summary=summary, mode="smoke" if smoke else "full", elapsed_s=time.perf_counter() - started,
+        ID,
+        "bf16_vs_fp32_train_steps_per_s",
+        headline,
+        GOAL,
+        met,
+        details,
+        out,
+        what=WHAT,
+        summary=summary,
+        mode="smoke" if smoke else "full",
+        elapsed_s=time.perf_counter() - started,
     )
 
 

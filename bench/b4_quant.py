@@ -65,8 +65,12 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     latency: dict[str, dict[str, Any]] = {"torch_fp32": {}, "onnx_fp32": {}, "onnx_int8": {}}
     for batch, n in repeats.items():
         inputs = {k: np.resize(v, (batch, *v.shape[1:])) for k, v in sample.items()}
-        latency["onnx_fp32"][f"batch_{batch}"] = p50_ms(lambda i=inputs: run_logits(sessions["fp32"], i), n)
-        latency["onnx_int8"][f"batch_{batch}"] = p50_ms(lambda i=inputs: run_logits(sessions["int8"], i), n)
+        latency["onnx_fp32"][f"batch_{batch}"] = p50_ms(
+            lambda i=inputs: run_logits(sessions["fp32"], i), n
+        )
+        latency["onnx_int8"][f"batch_{batch}"] = p50_ms(
+            lambda i=inputs: run_logits(sessions["int8"], i), n
+        )
         latency["torch_fp32"][f"batch_{batch}"] = p50_ms(lambda i=inputs: predict(i), n)
     sizes = {v: len(artifact.models[v]) for v in ("fp32", "int8")}
     acc = report["accuracy"]
@@ -82,8 +86,14 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
         "size_bytes": sizes,
         "size_ratio_fp32_over_int8": ratio(sizes["fp32"], sizes["int8"]),
         "latency_ms": latency,
-        "int8_speedup_vs_onnx_fp32": {"batch_1": speedup(1, "onnx_fp32"), "batch_32": speedup(32, "onnx_fp32")},
-        "int8_speedup_vs_torch_fp32": {"batch_1": speedup(1, "torch_fp32"), "batch_32": speedup(32, "torch_fp32")},
+        "int8_speedup_vs_onnx_fp32": {
+            "batch_1": speedup(1, "onnx_fp32"),
+            "batch_32": speedup(32, "onnx_fp32"),
+        },
+        "int8_speedup_vs_torch_fp32": {
+            "batch_1": speedup(1, "torch_fp32"),
+            "batch_32": speedup(32, "torch_fp32"),
+        },
         "accuracy": acc,
         "accuracy_drop_points": 100 * (acc["onnx_fp32"] - acc["onnx_int8"]),
         "parity_max_abs_diff": report["parity"]["max_abs_diff"],
@@ -121,8 +131,17 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     ]
     summary = "int8 vs ONNX fp32: " + "; ".join(parts)
     return write_result(
-        ID, "int8_speedup_batch32_linear_heavy_min", worst_speedup, GOAL, met, details, out,
-        what=WHAT, summary=summary, mode="smoke" if smoke else "full", elapsed_s=time.perf_counter() - started,
+        ID,
+        "int8_speedup_batch32_linear_heavy_min",
+        worst_speedup,
+        GOAL,
+        met,
+        details,
+        out,
+        what=WHAT,
+        summary=summary,
+        mode="smoke" if smoke else "full",
+        elapsed_s=time.perf_counter() - started,
     )
 
 

@@ -32,7 +32,16 @@ SMOKE_DIR = RESULTS_DIR / "smoke"
 # that one cluster instead of paying a cluster start of its own.
 RAY_ADDRESS_ENV = "BENCH_RAY_ADDRESS"
 RAY_INIT_S_ENV = "BENCH_RAY_INIT_S"
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 log = logging.getLogger("bench")
 
@@ -207,9 +216,15 @@ def print_result(record: dict[str, Any]) -> None:
 
 def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds; results outside bench/results")
-    p.add_argument("--out", help="where <id>.json goes (default bench/results, or bench/results/smoke)")
-    p.add_argument("--work", help="scratch folder for data, runs and artifacts (default: a temp dir)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, seconds; results outside bench/results"
+    )
+    p.add_argument(
+        "--out", help="where <id>.json goes (default bench/results, or bench/results/smoke)"
+    )
+    p.add_argument(
+        "--work", help="scratch folder for data, runs and artifacts (default: a temp dir)"
+    )
     args = p.parse_args(argv)
     args.out = args.out or str(SMOKE_DIR if args.smoke else RESULTS_DIR)
     return args
@@ -247,7 +262,9 @@ def main_wrapper(run, description: str, argv: Sequence[str] | None = None) -> No
 # --- workloads ---------------------------------------------------------------------------------
 
 
-def bench_config(work: str | os.PathLike[str], workload: str, *overrides: str, tag: str | None = None):
+def bench_config(
+    work: str | os.PathLike[str], workload: str, *overrides: str, tag: str | None = None
+):
     """configs/<workload>.yaml with data, runs and registry under `<work>/<tag or workload>/`."""
     from app.config import load_config
 
@@ -289,10 +306,16 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
     start = time.perf_counter()
     if address:
         ray.init(address=address, log_to_driver=False)
-        info = {"ray_cluster": "shared by run_all", "ray_init_s": float(os.environ.get(RAY_INIT_S_ENV, "nan"))}
+        info = {
+            "ray_cluster": "shared by run_all",
+            "ray_init_s": float(os.environ.get(RAY_INIT_S_ENV, "nan")),
+        }
     else:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        info = {"ray_cluster": "private to this benchmark", "ray_init_s": time.perf_counter() - start}
+        info = {
+            "ray_cluster": "private to this benchmark",
+            "ray_init_s": time.perf_counter() - start,
+        }
     info["ray_connect_s"] = time.perf_counter() - start
     try:
         yield info
@@ -323,7 +346,9 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
     return TrainState.create(model, config, total_steps=steps)
 
 
-def train_inprocess(config, *, precision: str | None = None, checkpoint_dir: str | None = None) -> dict[str, Any]:
+def train_inprocess(
+    config, *, precision: str | None = None, checkpoint_dir: str | None = None
+) -> dict[str, Any]:
     """Single-process training with app.train.train_epoch/validate_epoch (no Ray, no DDP).
 
     Data streams from the prepared Parquet shards through the fitted preprocessor

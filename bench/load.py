@@ -8,6 +8,7 @@ It runs on the same 2 cores as the server under test, so its own CPU time is rep
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -33,7 +34,12 @@ class LoadGenerator:
         host = urlparse(url).hostname
         if host not in LOOPBACK:
             raise ValueError(f"load is only ever sent to loopback, not {host!r}")
-        self.url, self.body, self.connections, self.max_requests = url, body, connections, max_requests
+        self.url, self.body, self.connections, self.max_requests = (
+            url,
+            body,
+            connections,
+            max_requests,
+        )
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.timeout_s = timeout_s
         # (start, end, status, replica) per request; list.append is atomic under the GIL.
@@ -56,7 +62,9 @@ class LoadGenerator:
         while not self._stop.is_set() and self._take_ticket():
             start = time.perf_counter()
             try:
-                response = session.post(self.url, data=self.body, headers=self.headers, timeout=self.timeout_s)
+                response = session.post(
+                    self.url, data=self.body, headers=self.headers, timeout=self.timeout_s
+                )
                 _ = response.content
                 status, replica = response.status_code, response.headers.get("x-model-replica")
             except requests.RequestException:
@@ -66,7 +74,9 @@ class LoadGenerator:
 
     def start(self) -> LoadGenerator:
         self.started_at = time.perf_counter()
-        self._threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.connections)]
+        self._threads = [
+            threading.Thread(target=self._worker, daemon=True) for _ in range(self.connections)
+        ]
         for t in self._threads:
             t.start()
         return self
@@ -77,7 +87,9 @@ class LoadGenerator:
             t.join(timeout=self.timeout_s + 5)
 
 
-def summarize(records: list[tuple[float, float, int, str | None]], t0: float, t1: float) -> dict[str, Any]:
+def summarize(
+    records: list[tuple[float, float, int, str | None]], t0: float, t1: float
+) -> dict[str, Any]:
     """Requests that finished inside [t0, t1]: throughput, latency percentiles, errors."""
     done = [r for r in records if t0 <= r[1] <= t1]
     ok = [r for r in done if r[2] == 200]
@@ -100,6 +112,72 @@ def summarize(records: list[tuple[float, float, int, str | None]], t0: float, t1
     }
 
 
+# --- server-side CPU, read from /proc (Linux): where each request's CPU time goes ----------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user+system CPU seconds) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace")
+    if first.startswith("ray::"):  # "ray::ServeReplica:app:dep.method" while running a method
+        return first.split()[0].split(".")[0]
+    if len(argv) > 2 and argv[1] == b"-m":
+        return "python -m " + argv[2].decode(errors="replace")
+    return os.path.basename(first) or "?"
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """The root process and all its descendants: pid -> short name."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat:
+                parents[int(entry)] = stat[0]
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return {pid: _name(pid) for pid in tree}
+
+
+def parent_of(pid: int) -> int | None:
+    stat = _stat(pid)
+    return stat[0] if stat else None
+
+
+def cpu_by_name(
+    root: int, before: dict[int, float] | None = None
+) -> tuple[dict[int, float], dict[str, float]]:
+    """CPU seconds of every process under `root` (minus `before`), summed by process name."""
+    now, totals = {}, {}
+    for pid, name in process_tree(root).items():
+        stat = _stat(pid)
+        if stat is None:
+            continue
+        now[pid] = stat[1]
+        delta = stat[1] - (before or {}).get(pid, 0.0)
+        totals[name] = totals.get(name, 0.0) + delta
+    return now, {k: v for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v > 0.005}
+
+
 def closed_loop(
     url: str,
     body: bytes,
@@ -108,17 +186,29 @@ def closed_loop(
     warmup_s: float = 1.0,
     max_requests: int = 100_000,
     headers: dict[str, str] | None = None,
+    server_root: int | None = None,
 ) -> dict[str, Any]:
-    """Warm up, then measure for `duration_s` (or until `max_requests` were sent)."""
+    """Warm up, then measure for `duration_s` (or until `max_requests` were sent).
+
+    With `server_root`, the CPU seconds of that process and its descendants over the window are
+    reported by process name (`server_cpu_s`), and per answered request (`server_cpu_ms_per_request`).
+    """
     gen = LoadGenerator(url, body, connections, max_requests, headers).start()
     time.sleep(warmup_s)
+    base = cpu_by_name(server_root)[0] if server_root else None
     t0, cpu0 = time.perf_counter(), time.process_time()
     deadline = t0 + duration_s
     while time.perf_counter() < deadline and any(t.is_alive() for t in gen._threads):
         time.sleep(0.05)
     t1, cpu1 = time.perf_counter(), time.process_time()
+    server_cpu = cpu_by_name(server_root, base)[1] if server_root else None
     gen.stop()
     result = summarize(gen.records, t0, t1)
+    if server_cpu is not None:
+        result["server_cpu_s"] = server_cpu
+        total = sum(server_cpu.values())
+        result["server_cpu_ms_per_request"] = 1000 * total / result["ok"] if result["ok"] else None
+        result["server_cores_busy"] = total / (t1 - t0)
     result.update(
         connections=connections,
         duration_s=duration_s,

@@ -53,10 +53,15 @@ def build(artifact_uri: str, serve_config: dict[str, Any]):
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None
     cfg = ServeConfig.model_validate(serve_config)
     server = ModelServer(
-        resolve(resolve_uri(artifact_uri)), cfg.max_batch_size, cfg.batch_wait_timeout_s, max(1, math.floor(cfg.replica_cpus))
+        resolve(resolve_uri(artifact_uri)),
+        cfg.max_batch_size,
+        cfg.batch_wait_timeout_s,
+        max(1, math.floor(cfg.replica_cpus)),
     )
     server.reconfigure({"variant": cfg.variant})
-    return create_api(cfg, ModelRouter({server.artifact.name: LocalHandle(server)}), IngressMetrics())
+    return create_api(
+        cfg, ModelRouter({server.artifact.name: LocalHandle(server)}), IngressMetrics()
+    )
 
 
 def main(argv=None) -> None:

@@ -54,7 +54,9 @@ def describe_machine(results: list[dict[str, Any]]) -> str:
     if machine.get("memory_gib"):
         text += f", {machine['memory_gib']} GiB RAM"
     text += ", GPU " + (machine.get("gpu") or "none")
-    text += "; " + ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("python", "torch", "ray", "onnxruntime"))
+    text += "; " + ", ".join(
+        f"{k} {v}" for k, v in versions.items() if k in ("python", "torch", "ray", "onnxruntime")
+    )
     if loads:
         text += f"; 1-min load average while writing results {min(loads):.1f}-{max(loads):.1f}"
     return text
@@ -75,8 +77,10 @@ def table(results: list[dict[str, Any]]) -> str:
     if machine:
         header.append(f"Machine: {machine}.")
     if dates:
-        header.append(f"Run: {dates[0]} to {dates[-1]} ({', '.join(modes)} mode); `make bench` reproduces it, "
-                      "details (per-variant numbers, method) are in `bench/results/<id>.json`.")
+        header.append(
+            f"Run: {dates[0]} to {dates[-1]} ({', '.join(modes)} mode); `make bench` reproduces it, "
+            "details (per-variant numbers, method) are in `bench/results/<id>.json`."
+        )
     return "\n\n".join([*header, "\n".join(lines)]) + "\n"
 
 
@@ -97,7 +101,9 @@ def render(results_dir: str | Path = RESULTS_DIR, readme: str | Path = REPO / "R
     updated = replace_block(readme.read_text(), block) if readme.exists() else None
     if updated is None:
         print(block)
-        print(f"render: {readme} has no {START} ... {END} markers; table printed above, README not changed.")
+        print(
+            f"render: {readme} has no {START} ... {END} markers; table printed above, README not changed."
+        )
     else:
         if updated != readme.read_text():
             readme.write_text(updated)

@@ -34,7 +34,13 @@ from bench.common import (
 
 # id -> (module, what, needs Ray, timeout full s, timeout smoke s)
 BENCHMARKS = {
-    "B1": ("bench.b1_train", "training: Ray TorchTrainer vs plain DDP vs 1 process", True, 420, 180),
+    "B1": (
+        "bench.b1_train",
+        "training: Ray TorchTrainer vs plain DDP vs 1 process",
+        True,
+        420,
+        180,
+    ),
     "B2": ("bench.b2_ingest", "ingest: Ray Data vs torch DataLoader", True, 300, 150),
     "B3": ("bench.b3_precision", "precision: bf16 vs fp32 on CPU", False, 240, 120),
     "B4": ("bench.b4_quant", "quantization: ONNX int8 vs fp32 vs torch eager", False, 300, 150),
@@ -45,8 +51,14 @@ BENCHMARKS = {
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds each; results outside bench/results")
-    p.add_argument("--out", help="results folder (default bench/results, smoke: bench/results/smoke)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, seconds each; results outside bench/results",
+    )
+    p.add_argument(
+        "--out", help="results folder (default bench/results, smoke: bench/results/smoke)"
+    )
     p.add_argument("--only", help="comma-separated ids, e.g. B1,B3")
     p.add_argument("--work", help="scratch folder to keep (default: a temporary one)")
     p.add_argument("--no-render", action="store_true", help="do not update the README table")
@@ -75,18 +87,24 @@ def last_line(log: Path, prefix: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def run_one(bid: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> tuple[bool, float]:
+def run_one(
+    bid: str, args: argparse.Namespace, work: Path, env: dict[str, str]
+) -> tuple[bool, float]:
     module, what, _, timeout_full, timeout_smoke = BENCHMARKS[bid]
     timeout = timeout_smoke if args.smoke else timeout_full
     log = work / "logs" / f"{bid}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", module, "--out", args.out, "--work", str(work)] + (["--smoke"] if args.smoke else [])
+    cmd = [sys.executable, "-m", module, "--out", args.out, "--work", str(work)] + (
+        ["--smoke"] if args.smoke else []
+    )
     result_file = Path(args.out) / f"{bid}.json"
     before = result_file.stat().st_mtime if result_file.exists() else None
     start = time.perf_counter()
     print(f"== {bid} {what} ...", flush=True)
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
             error = None if rc == 0 else f"exited with code {rc}"
@@ -99,8 +117,19 @@ def run_one(bid: str, args: argparse.Namespace, work: Path, env: dict[str, str])
         error = "finished without writing its result"
     if error is not None:
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        write_result(bid, "error", None, "", False, {"error": error, "log_tail": tail}, args.out,
-                     what=what, summary=f"FAILED: {error}", mode="smoke" if args.smoke else "full", elapsed_s=elapsed)
+        write_result(
+            bid,
+            "error",
+            None,
+            "",
+            False,
+            {"error": error, "log_tail": tail},
+            args.out,
+            what=what,
+            summary=f"FAILED: {error}",
+            mode="smoke" if args.smoke else "full",
+            elapsed_s=elapsed,
+        )
         print(f"{bid}: FAILED ({error}); last output:\n{tail[-1500:]}", file=sys.stderr, flush=True)
         return False, elapsed
     print(last_line(log, f"{bid}:") or f"{bid}: done", f"({elapsed:.0f}s)", flush=True)
@@ -132,7 +161,14 @@ def main(argv=None) -> None:
         if shared_ray:
             address, init_s = start_shared_ray()
             env.update({RAY_ADDRESS_ENV: address, RAY_INIT_S_ENV: f"{init_s:.3f}"})
-            print(f"private Ray for the benchmarks at {address} (started in {init_s:.1f}s)", flush=True)
+            # ray.init turns token authentication on for the cluster it starts (in this process's
+            # environment); the benchmark processes need the same mode to join it.
+            if os.environ.get("RAY_AUTH_MODE"):
+                env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+            print(
+                f"private Ray for the benchmarks at {address} (started in {init_s:.1f}s)",
+                flush=True,
+            )
         try:
             for bid in args.ids:
                 ok, times[bid] = run_one(bid, args, work, env)
@@ -143,8 +179,11 @@ def main(argv=None) -> None:
 
                 ray.shutdown()
     total = time.perf_counter() - started
-    print(f"benchmarks: {', '.join(f'{k} {v:.0f}s' for k, v in times.items())}; total {total:.0f}s"
-          f" ({'smoke' if args.smoke else 'full'} mode, results in {args.out})", flush=True)
+    print(
+        f"benchmarks: {', '.join(f'{k} {v:.0f}s' for k, v in times.items())}; total {total:.0f}s"
+        f" ({'smoke' if args.smoke else 'full'} mode, results in {args.out})",
+        flush=True,
+    )
     if not args.smoke and not args.no_render and Path(args.out).resolve() == RESULTS_DIR.resolve():
         from bench.render import render
 

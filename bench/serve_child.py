@@ -35,11 +35,21 @@ def main(argv=None) -> None:
     ray_init_s = time.perf_counter() - start
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        app = build_app({"models": [{"name": "digits", "artifact": args.artifact}], "serve": json.loads(args.serve_json)})
+        app = build_app(
+            {
+                "models": [{"name": "digits", "artifact": args.artifact}],
+                "serve": json.loads(args.serve_json),
+            }
+        )
         serve.run(app, name="models", route_prefix="/")
         ready_s = wait_ready(f"http://127.0.0.1:{args.port}")
         env = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
-        info = {"ray_init_s": ray_init_s, "deploy_s": time.perf_counter() - start - ray_init_s, "ready_wait_s": ready_s, "env": env}
+        info = {
+            "ray_init_s": ray_init_s,
+            "deploy_s": time.perf_counter() - start - ray_init_s,
+            "ready_wait_s": ready_s,
+            "env": env,
+        }
         print("READY " + json.dumps(info), flush=True)
         sys.stdin.read()
     finally:

@@ -117,12 +117,23 @@ class ShardStream(IterableDataset):
 class TorchShard:
     """What app.train's loop needs of a dataset shard, backed by a torch DataLoader."""
 
-    def __init__(self, files: list[str], preprocessor: Preprocessor, rank: int = 0, world: int = 1, num_workers: int = 0):
+    def __init__(
+        self,
+        files: list[str],
+        preprocessor: Preprocessor,
+        rank: int = 0,
+        world: int = 1,
+        num_workers: int = 0,
+    ):
         self.files, self.state_json = files, preprocessor.to_json()
         self.rank, self.world, self.num_workers = rank, world, num_workers
 
-    def loader(self, batch_size: int, shuffle_buffer: int | None = None, seed: int | None = None) -> DataLoader:
-        stream = ShardStream(self.files, self.state_json, batch_size, self.rank, self.world, shuffle_buffer, seed)
+    def loader(
+        self, batch_size: int, shuffle_buffer: int | None = None, seed: int | None = None
+    ) -> DataLoader:
+        stream = ShardStream(
+            self.files, self.state_json, batch_size, self.rank, self.world, shuffle_buffer, seed
+        )
         return DataLoader(
             stream,
             batch_size=None,  # the stream yields whole batches
