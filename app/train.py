@@ -92,24 +92,12 @@ def train(config: Config) -> dict[str, Any]:
 
 
 def check_precision(config: Config) -> None:
-    if config.train.precision == "fp16" and not (config.train.use_gpu and _cuda_possible()):
+    """fp16 needs CUDA (GradScaler); refuse it up front rather than in a worker."""
+    if config.train.precision == "fp16" and not config.train.use_gpu:
         raise ConfigError(
             "config error: train.precision: fp16 needs CUDA (GradScaler); set train.use_gpu=true "
             "on a GPU cluster, or use bf16 / fp32 on CPU"
         )
-
-
-def _cuda_possible() -> bool:
-    # The driver may have no GPU while the cluster does: trust the cluster's resources then.
-    import ray
-
-    if torch.cuda.is_available():
-        return True
-    return (
-        ray.is_initialized()
-        and ray.cluster_resources().get("GPU", 0) > 0
-        or bool(os.environ.get("RAY_ADDRESS"))
-    )
 
 
 def worker_resources(config: Config) -> dict[str, float]:
@@ -191,6 +179,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(model)
     state.model = model
     device = ray.train.torch.get_device()
+    if t.precision == "fp16" and device.type != "cuda":
+        raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
     metrics_sink = TrainMetrics(loop_config["run_dir"]) if rank == 0 else None
     state.worker_nodes = gather_node_ids(world)
 
