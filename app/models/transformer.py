@@ -23,7 +23,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pad_bias: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        )
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + pad_bias
         attn = self.dropout(torch.softmax(scores, dim=-1))
         return self.out((attn @ v).transpose(1, 2).reshape(b, t, d))
