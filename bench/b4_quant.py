@@ -24,6 +24,7 @@ from bench.common import (
     main_wrapper,
     percentile,
     ratio,
+    timed_ms,
     write_result,
 )
 
@@ -35,13 +36,7 @@ LINEAR_HEAVY = ("tabular", "text")
 
 
 def p50_ms(fn, repeats: int) -> dict[str, float]:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
+    times = timed_ms(fn, repeats, warmup=3)
     return {"p50_ms": percentile(times, 50), "p90_ms": percentile(times, 90)}
 
 

@@ -137,8 +137,8 @@ def ratio(a: float, b: float) -> float:
     return float(a / b) if b else float("nan")
 
 
-def timed_median(fn, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of fn() in milliseconds."""
+def timed_ms(fn, repeats: int, warmup: int = 2) -> list[float]:
+    """Wall times of `repeats` calls of fn() in milliseconds, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -146,7 +146,12 @@ def timed_median(fn, repeats: int, warmup: int = 2) -> float:
         start = time.perf_counter()
         fn()
         times.append(1000 * (time.perf_counter() - start))
-    return median(times)
+    return times
+
+
+def timed_median(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn() in milliseconds."""
+    return median(timed_ms(fn, repeats, warmup))
 
 
 # --- results -----------------------------------------------------------------------------------
