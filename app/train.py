@@ -132,6 +132,9 @@ def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
         raise UserError(f"training run {run_name} finished without a checkpoint")
     uri = checkpoint_uri(config, best.path)
     meta = storage.read_json(storage.join(uri, checkpoint.META))
+    # The latest checkpoint tells how far the run got; the best one can be an earlier epoch.
+    latest = result.checkpoint or best
+    last = storage.read_json(storage.join(checkpoint_uri(config, latest.path), checkpoint.META))
     return {
         "stage": "train",
         "run_name": run_name,
@@ -139,7 +142,8 @@ def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
         "num_workers": t.num_workers,
         "precision": t.precision,
         "epoch": meta["epoch"],
-        "resume_history": meta.get("resume_history", []),
+        "final_epoch": last["epoch"],
+        "resume_history": last.get("resume_history", []),
         "worker_nodes": meta.get("worker_nodes", []),
         "metrics": meta["metrics"],
     }

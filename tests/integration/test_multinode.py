@@ -29,7 +29,7 @@ def test_workers_spread_over_two_nodes(prepared, workspace):
             "train.run_name=digits-multinode",
         )
         summary = train(config)
-        assert summary["epoch"] == 2
+        assert summary["final_epoch"] == 2
         assert summary["metrics"]["val_accuracy"] > 0.5
         workers = summary["worker_nodes"]
         assert len(workers) == 2 and len(set(workers)) == 2
