@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,15 +48,26 @@ def resolve(uri: str) -> str:
     uri = uri.rstrip("/")
     if storage.exists(storage.join(uri, MANIFEST)):
         return uri
-    fs, path = storage.filesystem(uri)
-    import pyarrow.fs as pafs
-
-    if os.path.basename(uri) == LATEST and fs.get_file_info(path).type == pafs.FileType.File:
+    if os.path.basename(uri) == LATEST and storage.is_file(uri):
         version = storage.read_bytes(uri).decode().strip()
         return storage.join(uri.rsplit("/", 1)[0], version)
     if not storage.exists(uri):
         raise ArtifactError(f"{uri}: no such artifact")
     raise ArtifactError(f"{uri}: {MANIFEST} is missing")
+
+
+def versions(folder: str) -> list[int]:
+    """Version numbers under `<registry>/<name>/`, claimed or complete, ascending."""
+    return sorted(int(v) for v in storage.list_dir(folder) if v.isdigit())
+
+
+def newest_complete_version(folder: str) -> int:
+    """The highest version of `<registry>/<name>/` that has its manifest (0 when none): a version
+    counts only once its manifest, written last, is there."""
+    for version in reversed(versions(folder)):
+        if storage.exists(storage.join(folder, str(version), MANIFEST)):
+            return version
+    return 0
 
 
 def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
@@ -80,14 +92,51 @@ def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
 
 
 def check_no_external_data(name: str, model_bytes: bytes) -> None:
+    """Refuse a model any of whose tensors points at external data (a file path ONNX Runtime
+    would open): initializers, sparse initializers and tensor attributes (Constant), in the main
+    graph, in every subgraph (If/Loop/Scan bodies, nested to any depth) and in model functions."""
     import onnx
 
     model = onnx.load_model_from_string(model_bytes)
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+    for tensor in all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
             raise ArtifactError(
-                f"{name}: refers to external data; artifacts must be self-contained"
+                f"{name}: tensor {tensor.name!r} refers to external data; artifacts must be "
+                "self-contained"
             )
+
+
+def all_tensors(model) -> Iterator[Any]:
+    """Every TensorProto a model holds, wherever it sits."""
+    training = [g for info in model.training_info for g in (info.initialization, info.algorithm)]
+    for graph in [model.graph, *training]:
+        yield from _graph_tensors(graph)
+    for function in model.functions:
+        yield from _nodes_tensors(function.node)
+
+
+def _graph_tensors(graph) -> Iterator[Any]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    yield from _nodes_tensors(graph.node)
+
+
+def _nodes_tensors(nodes) -> Iterator[Any]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            sparse = list(attr.sparse_tensors)
+            if attr.HasField("sparse_tensor"):
+                sparse.append(attr.sparse_tensor)
+            for s in sparse:
+                yield from (s.values, s.indices)
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for graph in attr.graphs:
+                yield from _graph_tensors(graph)
 
 
 def read_manifest(folder: str) -> dict[str, Any]:

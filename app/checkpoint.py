@@ -7,10 +7,12 @@ This is the training-time format; the final, serving format is the artifact (app
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from app import storage
+from app.cli import UserError
 from app.config import Config, validate
 from app.preprocess import Preprocessor
 
@@ -37,19 +40,43 @@ def save(folder: str, model: nn.Module, train_state: dict[str, Any], meta: dict[
         json.dump(meta, f, indent=2, sort_keys=True)
 
 
-def load_weights(folder: str, model: nn.Module) -> None:
-    load_model(
-        unwrap(model), os.path.join(folder, WEIGHTS), device=str(next(model.parameters()).device)
-    )
+class CheckpointError(UserError):
+    """A checkpoint file that is missing or unreadable; the one-line message names the file."""
 
 
-def load_train_state(folder: str) -> dict[str, Any]:
-    return torch.load(os.path.join(folder, STATE), map_location="cpu", weights_only=True)
+@contextlib.contextmanager
+def reading(folder: str, name: str, origin: str | None = None) -> Iterator[str]:
+    """Yield the path of one checkpoint file; any failure to read it becomes a CheckpointError
+    naming it (under `origin`, the checkpoint's URI, when `folder` is a local copy of it)."""
+    path = os.path.join(folder, name)
+    shown = storage.join(origin or folder, name)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{shown}: missing; not a complete checkpoint")
+    try:
+        yield path
+    except Exception as e:  # noqa: BLE001 - safetensors, torch and json raise many kinds
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        detail = f"no {lines[0]} key" if isinstance(e, KeyError) else lines[0]
+        raise CheckpointError(f"{shown}: unreadable ({detail})") from e
 
 
-def read_meta(folder: str) -> dict[str, Any]:
-    with open(os.path.join(folder, META)) as f:
-        return json.load(f)
+def load_weights(folder: str, model: nn.Module, origin: str | None = None) -> None:
+    with reading(folder, WEIGHTS, origin) as path:
+        load_model(unwrap(model), path, device=str(next(model.parameters()).device))
+
+
+def load_train_state(folder: str, origin: str | None = None) -> dict[str, Any]:
+    # weights_only: tensors and plain containers only; anything else is refused, never run.
+    with reading(folder, STATE, origin) as path:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_meta(folder: str, origin: str | None = None) -> dict[str, Any]:
+    with reading(folder, META, origin) as path, open(path) as f:
+        meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+        return meta
 
 
 # --- RNG state as tensors and plain tuples, so that weights_only loading accepts it -------------
@@ -76,21 +103,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class LoadedCheckpoint:
-    def __init__(self, folder: str):
-        self.meta = read_meta(folder)
-        self.config: Config = validate(self.meta["config"])
-        self.preprocessor = Preprocessor.from_json(self.meta["preprocessor"])
+    """A checkpoint ready for evaluation and export: every file is read (and so checked) here,
+    the train state too, so a damaged checkpoint fails with one line before any work."""
+
+    def __init__(self, folder: str, origin: str | None = None):
+        self.meta = read_meta(folder, origin)
+        with reading(folder, META, origin):  # missing keys or a bad config: the file's fault
+            self.config: Config = validate(self.meta["config"])
+            self.preprocessor = Preprocessor.from_json(self.meta["preprocessor"])
+        load_train_state(folder, origin)  # not needed to export, but a truncated one is damage
         from app.models import build_model
 
         self.model = build_model(self.config.model, self.preprocessor)
-        load_weights(folder, self.model)
+        load_weights(folder, self.model, origin)
         self.model.eval()
 
 
 def load_checkpoint(uri: str) -> LoadedCheckpoint:
     if not storage.exists(storage.join(uri, META)):
-        from app.cli import UserError
-
-        raise UserError(f"{uri}: not a checkpoint (no {META})")
+        raise CheckpointError(f"{storage.join(uri, META)}: missing; {uri} is not a checkpoint")
     with tempfile.TemporaryDirectory() as tmp:
-        return LoadedCheckpoint(storage.download_dir(uri, tmp))
+        return LoadedCheckpoint(storage.download_dir(uri, tmp), origin=uri)

@@ -1,10 +1,24 @@
-"""Prepare: a raw source -> train/val(/test) Parquet shards + manifest.json, written atomically."""
+"""Prepare: a raw source -> train/val(/test) Parquet shards + manifest.json, published whole.
+
+The manifest (schema, rows, and the sha256 of every shard) is written last and is the only way in:
+readers take a dataset through it and `verify_shards` checks a split against it.
+
+- Local disk: the whole folder is built under a staging sibling and renamed into place, so a
+  failed run leaves the previous dataset untouched (`storage.staged_dir`).
+- Object stores cannot rename a folder. There each run writes its shards under a fresh
+  generation prefix, `<output>/gen-<utc time>-<random>/<split>/part-*.parquet`, then replaces
+  `manifest.json` (one atomic write) to name them, and only then deletes old generations. Until
+  the new manifest is in, readers see the previous dataset whole; the generation the new manifest
+  replaced is kept too, so a job still reading through the old manifest can finish.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import uuid
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,6 +34,7 @@ from app.sources import IMAGE_COLUMN, SourceData, load_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+GENERATION_MARK = "gen-"
 
 
 def prepare(config: Config) -> dict[str, Any]:
@@ -28,17 +43,84 @@ def prepare(config: Config) -> dict[str, Any]:
     splits = split_rows(len(data.frame), cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
-    with storage.staged_dir(output) as staging:
-        split_entries = {
-            name: write_split(data, idx, os.path.join(staging, name), name, cfg.rows_per_shard)
-            for name, idx in splits.items()
-        }
-        manifest = build_manifest(data, split_entries)
-        # The manifest goes last: a folder without one is never taken for a dataset.
-        storage.write_json(os.path.join(staging, MANIFEST), manifest)
-    rows = {name: entry["rows"] for name, entry in split_entries.items()}
+    if storage.is_local(output):
+        with storage.staged_dir(output) as staging:
+            manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard)
+            # The manifest goes last: a folder without one is never taken for a dataset.
+            storage.write_json(os.path.join(staging, MANIFEST), manifest)
+    else:
+        manifest = publish_generation(data, splits, output, cfg.rows_per_shard)
+    rows = {name: entry["rows"] for name, entry in manifest["splits"].items()}
     log.info("prepare: wrote %s", rows)
     return {"stage": "prepare", "output": output, "rows": rows}
+
+
+def write_dataset(
+    data: SourceData, splits: dict[str, np.ndarray], folder: str, prefix: str, rows_per_shard: int
+) -> dict[str, Any]:
+    """Every split's shards under `folder` (a local path or URI); the manifest to describe them,
+    its shard paths relative to the dataset root (`prefix` is `folder` relative to that root)."""
+    entries = {
+        name: write_split(
+            data,
+            idx,
+            storage.join(folder, name),
+            f"{prefix}/{name}" if prefix else name,
+            rows_per_shard,
+        )
+        for name, idx in splits.items()
+    }
+    return build_manifest(data, entries)
+
+
+def publish_generation(
+    data: SourceData, splits: dict[str, np.ndarray], output: str, rows_per_shard: int
+) -> dict[str, Any]:
+    """Object stores: shards under a new generation prefix, then the manifest, then clean-up."""
+    stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+    generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
+    previous = current_generation(output)
+    try:
+        manifest = write_dataset(
+            data, splits, storage.join(output, generation), generation, rows_per_shard
+        )
+        storage.write_json(storage.join(output, MANIFEST), manifest)  # the commit point
+    except BaseException:
+        # Best effort: a leftover is collected by a later run anyway.
+        with contextlib.suppress(Exception):
+            if current_generation(output) != generation:
+                storage.delete_dir(storage.join(output, generation))
+        raise
+    collect_generations(output, {generation, previous})
+    return manifest
+
+
+def current_generation(output: str) -> str:
+    """The generation the dataset's manifest names ("" when none, or not a generation layout)."""
+    uri = storage.join(output, MANIFEST)
+    if not storage.is_file(uri):
+        return ""
+    try:
+        manifest = storage.read_json(uri)
+    except ValueError:
+        return ""
+    for entry in manifest.get("splits", {}).values():
+        for shard in entry.get("shards", []):
+            first = shard["file"].split("/", 1)[0]
+            return first if first.startswith(GENERATION_MARK) else ""
+    return ""
+
+
+def collect_generations(output: str, keep: set[str]) -> None:
+    """Delete the generations older than every kept one: those of failed or superseded runs.
+
+    A generation newer than the kept ones is left alone: it can be another prepare still writing.
+    """
+    oldest_kept = min(g for g in keep if g)  # the new generation is always kept
+    for name in storage.list_dir(output):
+        if name.startswith(GENERATION_MARK) and name not in keep and name < oldest_kept:
+            log.info("prepare: deleting the unused shards of %s", name)
+            storage.delete_dir(storage.join(output, name))
 
 
 def split_rows(
@@ -72,18 +154,18 @@ def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
 
 
 def write_split(
-    data: SourceData, idx: np.ndarray, folder: str, name: str, rows_per_shard: int
+    data: SourceData, idx: np.ndarray, folder: str, rel: str, rows_per_shard: int
 ) -> dict[str, Any]:
-    os.makedirs(folder, exist_ok=True)
+    """Shards of one split into `folder` (a local path or URI), listed as `<rel>/<file>`."""
     shards = []
     for i, start in enumerate(range(0, len(idx), rows_per_shard)):
         part = data.frame.iloc[idx[start : start + rows_per_shard]]
         filename = f"part-{i:05d}.parquet"
-        path = os.path.join(folder, filename)
-        pq.write_table(to_arrow(part, data), path)
-        shards.append(
-            {"file": f"{name}/{filename}", "rows": len(part), "sha256": sha256_file(path)}
-        )
+        # Written through a local file (uploaded when `folder` is remote) and hashed there.
+        with storage.local_path_for(storage.join(folder, filename)) as path:
+            pq.write_table(to_arrow(part, data), path)
+            digest = sha256_file(path)
+        shards.append({"file": f"{rel}/{filename}", "rows": len(part), "sha256": digest})
     return {"rows": int(len(idx)), "shards": shards}
 
 
@@ -124,3 +206,25 @@ def split_files(output: str, manifest: dict[str, Any], split: str) -> list[str]:
     if split not in manifest["splits"]:
         raise UserError(f"{output}: the prepared dataset has no {split!r} split")
     return [storage.join(output, s["file"]) for s in manifest["splits"][split]["shards"]]
+
+
+def verify_shards(output: str, manifest: dict[str, Any], split: str) -> list[str]:
+    """`split_files`, each shard hashed (streamed) against the sha256 the manifest lists.
+
+    Refuses a missing, altered or truncated shard with a one-line UserError naming it. Costs one
+    read of the split: call it where shards are read once anyway (on the driver) or once per run.
+    """
+    files = split_files(output, manifest, split)
+    for uri, shard in zip(files, manifest["splits"][split]["shards"], strict=True):
+        try:
+            digest = storage.sha256(uri)
+        except FileNotFoundError:
+            raise UserError(
+                f"{uri}: shard missing (listed in {MANIFEST}); run jobs.prepare again"
+            ) from None
+        if digest != shard["sha256"]:
+            raise UserError(
+                f"{uri}: sha256 differs from {MANIFEST} (altered or truncated); "
+                "run jobs.prepare again"
+            )
+    return files

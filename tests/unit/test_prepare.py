@@ -15,7 +15,7 @@ from sklearn import datasets
 
 import app.prepare
 from app.cli import UserError
-from app.prepare import MANIFEST, prepare, read_manifest, split_rows
+from app.prepare import MANIFEST, prepare, read_manifest, split_files, split_rows, verify_shards
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
@@ -363,3 +363,46 @@ def test_folder_without_manifest_is_not_a_dataset(tmp_path):
     table_frame().to_parquet(tmp_path / "half" / "train" / "part-00000.parquet")
     with pytest.raises(UserError, match="manifest.json"):
         read_manifest(str(tmp_path / "half"))
+
+
+# --- verify_shards: the manifest's sha256 checked where shards are read ----------------------
+
+
+@pytest.fixture
+def prepared_small(config_factory):
+    config = config_factory("data.source=wine", "data.rows_per_shard=50")
+    prepare(config)
+    return config.data_output, read_manifest(config.data_output)
+
+
+def test_verify_shards_passes_an_intact_split(prepared_small):
+    output, manifest = prepared_small
+    files = verify_shards(output, manifest, "train")
+    assert files == split_files(output, manifest, "train")
+    assert len(files) == 3
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [(flip_last_byte, "sha256"), (cut_in_half, "sha256"), (Path.unlink, "missing")],
+)
+def test_verify_shards_refuses_a_damaged_shard_by_name(prepared_small, damage, problem):
+    output, manifest = prepared_small
+    shard = manifest["splits"]["train"]["shards"][1]["file"]
+    damage(Path(output) / shard)
+    with pytest.raises(UserError) as info:
+        verify_shards(output, manifest, "train")
+    message = str(info.value)
+    assert message.startswith(f"{output}/{shard}: ") and problem in message, message
+    assert "\n" not in message
+    verify_shards(output, manifest, "val")  # the other split is still fine

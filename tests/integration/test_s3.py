@@ -1,0 +1,222 @@
+"""The pipeline on real object storage: an S3 API server (moto) on 127.0.0.1, no cloud account.
+
+Every location is an `s3://` URI; the endpoint and credentials reach pyarrow the standard way
+(`AWS_ENDPOINT_URL_S3`, `AWS_ACCESS_KEY_ID`, ...) in this process and, because they are set
+before Ray starts, in every Ray worker (Ray Data read tasks, Ray Train workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from app import storage
+from app.artifact import LATEST, open_artifact
+from app.config import Config, load_config
+from app.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
+from tests.conftest import REPO
+from tests.integration.conftest import ensure_local_ray
+
+pytestmark = [pytest.mark.integration]
+BUCKET = "raytorch-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str]:
+    """An S3 server on a free 127.0.0.1 port with one bucket; yields `s3://<bucket>`.
+
+    The AWS_* variables are set for its lifetime and restored afterwards.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield f"s3://{BUCKET}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_bucket() -> Iterator[str]:
+    with moto_s3() as bucket:
+        yield bucket
+
+
+@pytest.fixture
+def s3_root(s3_bucket) -> str:
+    return f"{s3_bucket}/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def ray_with_s3_env(s3_bucket):
+    """A local Ray started after the AWS_* variables are set, so that its workers inherit them;
+    shut down at the end so that later tests get a Ray without them."""
+    import ray
+
+    ray.shutdown()
+    ensure_local_ray()
+    yield
+    ray.shutdown()
+
+
+def s3_config(root: str, *overrides: str) -> Config:
+    """configs/tabular.yaml with data, runs and registry under the `s3://` URI `root`."""
+    base = [f"data.output={root}/data", f"train.storage_path={root}/runs"]
+    return load_config(
+        REPO / "configs" / "tabular.yaml", [*base, f"export.registry={root}/registry", *overrides]
+    )
+
+
+def generations(output: str) -> list[str]:
+    return [n for n in storage.list_dir(output) if n.startswith(GENERATION_MARK)]
+
+
+# --- prepare on an object store: re-runs are safe -------------------------------------------------
+
+
+def test_prepare_on_s3_publishes_through_the_manifest(s3_root):
+    config = s3_config(s3_root)
+    summary = prepare(config)
+    output = config.data_output
+    manifest = read_manifest(output)
+    assert summary["rows"] == manifest["rows"] == {"train": 427, "val": 142}
+    [generation] = generations(output)
+    files = verify_shards(output, manifest, "train")
+    assert all(f.startswith(f"{output}/{generation}/train/part-") for f in files)
+    fs, path = storage.filesystem(files[0])
+    assert pq.read_table(path, filesystem=fs).num_rows == 200
+    assert sorted(storage.list_dir(output)) == sorted([generation, MANIFEST])
+
+
+def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(s3_root, monkeypatch):
+    config = s3_config(s3_root)
+    output = config.data_output
+    prepare(config)
+    first = read_manifest(output)
+
+    # A re-run that dies after its first shard: the previous dataset stays whole and usable.
+    real, written = pq.write_table, []
+
+    def flaky(table, where, *args, **kwargs):
+        if written:
+            raise OSError("disk full")
+        real(table, where, *args, **kwargs)
+        written.append(where)
+
+    monkeypatch.setattr(pq, "write_table", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        prepare(s3_config(s3_root, "data.seed=7"))
+    monkeypatch.setattr(pq, "write_table", real)
+    assert read_manifest(output) == first
+    for split in first["splits"]:
+        verify_shards(output, first, split)
+    assert len(generations(output)) == 1  # the failed run's shards were removed
+
+    # Two successful re-runs: each keeps the generation it replaced (a job may still read it),
+    # and the one before that is deleted.
+    prepare(s3_config(s3_root, "data.seed=7"))
+    second = read_manifest(output)
+    assert second != first and len(generations(output)) == 2
+    for split in first["splits"]:
+        verify_shards(output, first, split)  # the replaced dataset is still readable
+    prepare(s3_config(s3_root, "data.seed=8"))
+    third = read_manifest(output)
+    assert len(generations(output)) == 2
+    for manifest in (second, third):
+        for split in manifest["splits"]:
+            verify_shards(output, manifest, split)
+
+
+# --- the whole pipeline on s3 -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pipeline_on_s3(s3_root, ray_with_s3_env):
+    from app.evaluate import evaluate
+    from app.export import export
+    from app.train import train
+
+    config = s3_config(
+        s3_root,
+        "train.epochs=2",
+        "train.log_every_steps=1000",
+        "train.run_name=tabular-s3",
+        # This test is about storage, not the gate: a 2-epoch model need not pass it.
+        "export.max_accuracy_drop=100",
+        "export.max_size_ratio=",
+        "export.latency_repeats=3",
+        "export.parity_rows=32",
+    )
+    assert config.storage_path.startswith("s3://") and config.registry.startswith("s3://")
+    prepare(config)
+
+    trained = train(config)
+    checkpoint = trained["checkpoint"]
+    assert checkpoint.startswith(f"{s3_root}/runs/tabular-s3/")
+    assert storage.exists(storage.join(checkpoint, "model.safetensors"))
+
+    metrics = evaluate(config, checkpoint)["metrics"]
+    assert metrics["rows"] == 142
+    assert storage.exists(storage.join(checkpoint, "evaluation.json"))
+
+    exported = export(config, checkpoint)
+    assert exported["artifact"] == f"{s3_root}/registry/tabular/1"
+    latest = f"{s3_root}/registry/tabular/{LATEST}"
+    assert storage.read_int(latest) == 1
+
+    artifact = open_artifact(latest)  # resolves the pointer, hashes every file, then parses
+    assert (artifact.name, artifact.version) == ("tabular", "1")
+    manifest = read_manifest(config.data_output)
+    frame = pq.read_table(
+        storage.filesystem(verify_shards(config.data_output, manifest, "val")[0])[1],
+        filesystem=storage.filesystem(config.data_output)[0],
+    ).to_pandas()
+    inputs = artifact.preprocessor.transform_batch(
+        {c: frame[c].to_numpy()[:8] for c in frame.columns}
+    )
+    inputs.pop("label")
+    logits = artifact.session("int8").run(["logits"], inputs)[0]
+    assert logits.shape == (8, 2) and np.isfinite(logits).all()
+
+    # A Ray worker process opens it the way a Serve replica does (ModelServer -> open_artifact),
+    # with the endpoint and credentials it inherited, and gets the same answer.
+    import ray
+
+    @ray.remote(num_cpus=0.5)
+    def infer_in_worker(uri: str, batch: dict) -> tuple[str, np.ndarray]:
+        remote = open_artifact(uri)
+        return remote.version, remote.session("int8").run(["logits"], batch)[0]
+
+    version, remote_logits = ray.get(infer_in_worker.remote(latest, inputs), timeout=120)
+    assert version == "1"
+    np.testing.assert_allclose(remote_logits, logits, rtol=1e-6)
