@@ -52,6 +52,19 @@ class DataConfig(_Section):
     # CPUs each Ray Data read/preprocess task asks for. Fractional, so ingest still schedules on
     # a 2-core machine beside train workers and Serve replicas (Ray Data's default is 1 CPU).
     task_cpus: float = Field(0.25, gt=0)
+    # How training gets its batches (app/data.py:plan_data_path decides, and the job log says
+    # why): `memory` preprocesses each worker's shard once and keeps it in the worker for every
+    # epoch; `stream` reads and preprocesses with Ray Data every epoch; `auto` picks memory when
+    # the preprocessed train + val splits fit `cache_budget_mb`.
+    cache: Literal["auto", "memory", "stream"] = "auto"
+    # Default (null): a quarter of the cluster's object store memory.
+    cache_budget_mb: float | None = Field(None, gt=0)
+    # Streaming: Ray Data read tasks per train worker (parallel reads that overlap training),
+    # batches each worker prefetches, and the CPUs Ray Data may use at once (null: what the
+    # train workers leave free, at least one task's worth), so neither side starves the other.
+    stream_read_tasks_per_worker: int = Field(4, ge=1)
+    stream_prefetch_batches: int = Field(4, ge=0)
+    stream_max_cpus: float | None = Field(None, gt=0)
     # Generators and image folders.
     num_rows: int = Field(4000, ge=10)
     num_classes: int = Field(4, ge=2, le=64)
@@ -120,7 +133,9 @@ class TrainConfig(_Section):
     checkpoint_mode: Literal["max", "min"] = "max"
     max_failures: int = Field(0, ge=-1)
     fail_at: FaultInjection | None = None
-    log_every_steps: int = Field(20, ge=1)
+    # Progress line every N optimizer steps inside an epoch (long streamed epochs); 0: one
+    # line per epoch only.
+    log_every_steps: int = Field(0, ge=0)
 
 
 class ExportConfig(_Section):
@@ -128,8 +143,15 @@ class ExportConfig(_Section):
     name: str | None = None  # default: the workload name
     opset: int = Field(17, ge=13)
     quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static for conv nets
-    calibration_batches: int = Field(8, ge=1)
-    max_accuracy_drop: float = 1.0  # percentage points; negative demands int8 beat fp32
+    calibration_batches: int = Field(32, ge=1)  # of 32 train rows, spread over the split
+    # Percentage points int8 may lose against fp32 (never less than one validation sample);
+    # negative demands that int8 beat fp32.
+    max_accuracy_drop: float = 0.5
+    # int8 bytes / fp32 bytes at most (null: no bound). Export keeps at most `max_fp32_layers`
+    # of the most accuracy-sensitive layers in fp32 when int8 would lose too much, and only
+    # while this bound holds.
+    max_size_ratio: float | None = Field(None, gt=0)
+    max_fp32_layers: int = Field(2, ge=0)
     parity_tolerance: float = Field(1e-3, gt=0)
     parity_rows: int = Field(256, ge=1)
     latency_repeats: int = Field(30, ge=3)
@@ -151,9 +173,13 @@ class ServeConfig(_Section):
     port: int = Field(8000, ge=1, le=65535)
     variant: Literal["fp32", "int8"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
-    # needs `Authorization: Bearer <key>`. Required when `host` is not loopback.
+    # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
+    # on (http_options.host) is not loopback (the rule: app.serve.ingress.api_key).
     api_key_env: str = "RAYTORCH_API_KEY"
+    # Rows after flattening: a text tensor of shape [1, N] is N rows.
     max_request_rows: int = Field(1024, ge=1)
+    # How long the ingress waits for a model replica's answer before replying 504.
+    request_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)

@@ -1,15 +1,22 @@
 """Ingest: prepared Parquet shards -> Ray Data -> fitted preprocessing -> training workers.
 
-Everything streams: `read_parquet` reads shards lazily, `map_batches` applies the preprocessor's
-plain-numpy transform, and workers pull their share with `iter_torch_batches`. The preprocessor is
-fitted on the train split one shard at a time on the driver.
+The driver decides the data path once per run (`plan_data_path`, logged with its reason):
+- `memory`: the preprocessed splits fit the cache budget. Ray Data reads and preprocesses them
+  once; each worker keeps its shard as tensors (app/feed.py) and reshuffles it every epoch, so
+  later epochs have no per-epoch set-up at all (no streaming execution, no task start-up).
+- `stream`: they do not fit. Every epoch streams `read_parquet` -> `map_batches` into the workers,
+  with several read tasks per worker so reading overlaps training, prefetching in the workers,
+  and Ray Data's CPUs bounded so it cannot starve the trainers (nor they it).
+The preprocessor is fitted on the train split one shard at a time on the driver.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -18,6 +25,50 @@ from app import storage
 from app.config import Config
 from app.prepare import read_manifest, split_files
 from app.preprocess import Preprocessor
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "val")
+# Share of the object store that the cache may take by default: the rest stays for Ray Data
+# blocks in flight, Serve and checkpoints on the same cluster.
+DEFAULT_BUDGET_FRACTION = 0.25
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Which data path a run takes, and why (logged and kept in the train summary)."""
+
+    mode: Literal["memory", "stream"]
+    reason: str
+    preprocessed_bytes: int
+    budget_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_data_path(config: Config, manifest: dict[str, Any], pre: Preprocessor) -> DataPlan:
+    """The one place that chooses between the in-memory cache and streaming."""
+    rows = sum(manifest["rows"].get(split, 0) for split in SPLITS)
+    size = rows * pre.row_bytes()
+    budget = cache_budget_bytes(config)
+    sizes = f"preprocessed train + val {size / MIB:.1f} MiB ({rows} rows), budget {budget / MIB:.1f} MiB"
+    choice = config.data.cache
+    if choice != "auto":
+        return DataPlan(choice, f"data.cache={choice} ({sizes})", size, budget)
+    if size <= budget:
+        return DataPlan("memory", f"fits the cache budget: {sizes}", size, budget)
+    return DataPlan("stream", f"over the cache budget: {sizes}", size, budget)
+
+
+def cache_budget_bytes(config: Config) -> int:
+    """`data.cache_budget_mb`, else a safe fraction of the cluster's object store (Ray connected)."""
+    if config.data.cache_budget_mb is not None:
+        return int(config.data.cache_budget_mb * MIB)
+    import ray
+
+    store = ray.cluster_resources().get("object_store_memory", 0.0)
+    return int(DEFAULT_BUDGET_FRACTION * store)
 
 
 def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
@@ -49,7 +100,11 @@ def _transform(batch: dict[str, Any], state_json: str) -> dict[str, Any]:
 
 
 def load_split(
-    config: Config, split: str, preprocessor: Preprocessor, manifest: dict[str, Any] | None = None
+    config: Config,
+    split: str,
+    preprocessor: Preprocessor,
+    manifest: dict[str, Any] | None = None,
+    mode: str = "stream",
 ):
     """A lazy Ray Dataset of model-ready batches for one split (nothing is read until consumed)."""
     import ray.data
@@ -60,17 +115,45 @@ def load_split(
     files = split_files(output, manifest, split)
     fs, _ = storage.filesystem(files[0])
     cpus = config.data.task_cpus
+    read_args: dict[str, Any] = {}
+    if mode == "stream":
+        # One read task per shard file at least, several per worker: small blocks start flowing
+        # while the rest is read, instead of one bin-packed read unit the first batch waits for.
+        tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
+        read_args["override_num_blocks"] = max(len(files), tasks)
     ds = ray.data.read_parquet(
-        [storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus
+        [storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus, **read_args
     )
     return ds.map_batches(
         _transform,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"state_json": preprocessor.to_json()},
         batch_format="numpy",
-        batch_size=256,
+        batch_size=256 if mode == "stream" else 1024,
         zero_copy_batch=True,
         num_cpus=cpus,
     )
+
+
+def ingest_options(config: Config, mode: str):
+    """Ray Data execution options for the training datasets.
+
+    Streaming bounds Data's CPUs to what the train workers leave free (at least one task's
+    worth), so a fast reader cannot take the trainers' cores and the trainers' reservation
+    cannot leave Data with nothing.
+    """
+    import ray
+    from ray.data import DataContext, ExecutionOptions, ExecutionResources
+
+    current = DataContext.get_current().execution_options
+    options = ExecutionOptions(resource_limits=current.resource_limits, preserve_order=False)
+    if mode == "stream":
+        limit = config.data.stream_max_cpus
+        if limit is None:
+            total = ray.cluster_resources().get("CPU", 1.0)
+            reserved = config.train.num_workers * config.train.cpus_per_worker
+            limit = max(total - reserved, config.data.task_cpus)
+        options.resource_limits = ExecutionResources.for_limits(cpu=limit)
+    return options
 
 
 def quiet_progress() -> None:

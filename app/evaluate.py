@@ -1,7 +1,7 @@
 """Evaluate: accuracy, per-class precision/recall/F1 and the confusion matrix on held-out rows.
 
 Runs on the driver without Ray: shards stream one at a time through the checkpoint's own
-preprocessor. The held-out split is `test` when the dataset has one, else `val`.
+preprocessor; the metrics are scikit-learn's. The held-out split is `test` when the dataset has one, else `val`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from app import storage
 from app.checkpoint import load_checkpoint
 from app.config import Config
 from app.data import iter_shards
-from app.prepare import read_manifest, split_files
+from app.prepare import read_manifest, split_files, verify_shards
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     loaded = load_checkpoint(checkpoint_uri)
     manifest = read_manifest(config.data_output)
     split = "test" if "test" in manifest["splits"] else "val"
+    verify_shards(config.data_output, manifest, split)
     batches = labeled_batches(config, loaded.preprocessor, split, manifest)
     y_true, y_pred = predictions(torch_predict(loaded.model), batches)
     metrics = classification_metrics(y_true, y_pred, loaded.preprocessor.labels)
@@ -56,6 +57,13 @@ def labeled_batches(
             yield batch, labels
 
 
+def verify_dataset(config: Config, splits: tuple[str, ...]) -> None:
+    """Hash every shard of `splits` once against the dataset manifest (a one-line refusal)."""
+    manifest = read_manifest(config.data_output)
+    for split in splits:
+        verify_shards(config.data_output, manifest, split)
+
+
 def torch_predict(model: torch.nn.Module) -> Predict:
     model.eval()
 
@@ -77,25 +85,23 @@ def predictions(predict: Predict, batches) -> tuple[np.ndarray, np.ndarray]:
 def classification_metrics(
     y_true: np.ndarray, y_pred: np.ndarray, labels: list[str]
 ) -> dict[str, Any]:
-    k = len(labels)
-    confusion = np.zeros((k, k), dtype=np.int64)
-    np.add.at(confusion, (y_true, y_pred), 1)
-    tp = np.diag(confusion).astype(float)
-    precision = np.divide(tp, confusion.sum(0), out=np.zeros(k), where=confusion.sum(0) > 0)
-    recall = np.divide(tp, confusion.sum(1), out=np.zeros(k), where=confusion.sum(1) > 0)
-    f1 = np.divide(
-        2 * precision * recall, precision + recall, out=np.zeros(k), where=(precision + recall) > 0
+    from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
+
+    classes = list(range(len(labels)))
+    confusion = confusion_matrix(y_true, y_pred, labels=classes)
+    precision, recall, f1, support = precision_recall_fscore_support(
+        y_true, y_pred, labels=classes, zero_division=0
     )
     return {
-        "accuracy": float(tp.sum() / max(len(y_true), 1)),
+        "accuracy": float(accuracy_score(y_true, y_pred)) if len(y_true) else 0.0,
         "rows": int(len(y_true)),
-        "macro_f1": float(f1.mean()),
+        "macro_f1": float(np.mean(f1)),
         "per_class": {
             name: {
                 "precision": float(precision[i]),
                 "recall": float(recall[i]),
                 "f1": float(f1[i]),
-                "support": int(confusion[i].sum()),
+                "support": int(support[i]),
             }
             for i, name in enumerate(labels)
         },

@@ -112,6 +112,13 @@ class Preprocessor:
         assert self._tokenizer is not None
         return int(self._tokenizer.get_vocab_size())
 
+    def row_bytes(self) -> int:
+        """Bytes of one transformed row (model inputs + label index): sizes the data cache."""
+        label = 8  # int64 label index
+        if self.kind == "text":
+            return 2 * 8 * int(self.state["max_length"]) + label  # int64 ids + mask
+        return 4 * self.num_features + label  # float32 features
+
     def input_names(self) -> list[str]:
         return ["input_ids", "attention_mask"] if self.kind == "text" else ["x"]
 

@@ -1,29 +1,26 @@
-"""Train: Ray Train `TorchTrainer` workers (DDP, native AMP) fed by streamed Ray Data shards.
+"""Train: Ray Train `TorchTrainer` workers (DDP, native AMP) fed by Ray Data.
 
-The driver fits the preprocessor, builds the lazy datasets and launches the trainer; each worker
-runs `train_loop` top to bottom: build model -> maybe resume -> epochs of (train, validate,
-report + checkpoint). Re-running with the same run name and storage path resumes the run.
+The driver fits the preprocessor, chooses the data path (app/data.py: in-memory cache or
+streaming), builds the lazy datasets and launches the trainer; each worker runs `train_loop` top
+to bottom: build model -> maybe resume -> epochs of (train, validate, report + checkpoint). The
+epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
-import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from app import checkpoint, storage
 from app.cli import UserError
 from app.config import Config, ConfigError, dump, validate
-from app.preprocess import LABEL_KEY, Preprocessor
+from app.loop import TrainState, median_data_wait, steps_per_epoch, train_epoch, validate_epoch
+from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RAYTORCH_FAIL_AT"  # "rank:epoch", test-only, same as train.fail_at
@@ -40,22 +37,26 @@ def train(config: Config) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from app.cli import connect_ray
-    from app.data import fit_preprocessor, load_split
-    from app.prepare import read_manifest
+    from app.data import fit_preprocessor, ingest_options, load_split, plan_data_path
+    from app.prepare import read_manifest, verify_shards
 
     check_precision(config)
     run_name = config.run_name()
     run_dir = storage.join(config.storage_path, run_name)
     manifest = read_manifest(config.data_output)
+    for split in ("train", "val"):  # a damaged shard is refused here, naming the file
+        verify_shards(config.data_output, manifest, split)
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
     from app.models import build_model
 
-    build_model(
-        config.model, preprocessor
-    )  # a model that cannot take this data fails here, not in a worker
+    # A model that cannot take this data fails here, not in a worker.
+    build_model(config.model, preprocessor)
     connect_ray()
+    plan = plan_data_path(config, manifest, preprocessor)
+    log.info("train: data path %s: %s", plan.mode, plan.reason)
     datasets = {
-        split: load_split(config, split, preprocessor, manifest) for split in ("train", "val")
+        split: load_split(config, split, preprocessor, manifest, plan.mode)
+        for split in ("train", "val")
     }
     t = config.train
     trainer = TorchTrainer(
@@ -65,6 +66,7 @@ def train(config: Config) -> dict[str, Any]:
             "preprocessor": preprocessor.to_json(),
             "run_dir": run_dir,
             "train_rows": manifest["rows"]["train"],
+            "data_path": plan.mode,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
@@ -84,11 +86,26 @@ def train(config: Config) -> dict[str, Any]:
         ),
         datasets=datasets,
         # Validation is split too: each worker scores its share and the sums are all-reduced.
-        dataset_config=ray.train.DataConfig(datasets_to_split="all"),
+        dataset_config=ray.train.DataConfig(
+            datasets_to_split="all", execution_options=ingest_options(config, plan.mode)
+        ),
     )
     log.info("train: run %s -> %s (%d workers, %s)", run_name, run_dir, t.num_workers, t.precision)
-    result = trainer.fit()
-    return summarize(config, run_name, result)
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise UserError(f"training run {run_name} failed: {first_cause(e)}") from None
+    return summarize(config, run_name, result, plan.to_dict())
+
+
+def first_cause(error: BaseException) -> str:
+    """One line saying what really failed (a worker's own error, not Ray's wrapping of it)."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        lines = [ln for ln in str(failure).splitlines() if ln.strip()]
+        return f"rank {rank}: {lines[-1] if lines else type(failure).__name__}"
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def check_precision(config: Config) -> None:
@@ -123,9 +140,11 @@ def checkpoint_uri(config: Config, path: str) -> str:
     return f"{scheme}://{path}" if scheme else path
 
 
-def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
+def summarize(
+    config: Config, run_name: str, result: Any, data_path: dict[str, Any]
+) -> dict[str, Any]:
     if result.error:
-        raise UserError(f"training run {run_name} failed: {str(result.error).splitlines()[0]}")
+        raise UserError(f"training run {run_name} failed: {first_cause(result.error)}")
     t = config.train
     best = result.get_best_checkpoint(t.checkpoint_metric, t.checkpoint_mode) or result.checkpoint
     if best is None:
@@ -135,6 +154,7 @@ def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
     # The latest checkpoint tells how far the run got; the best one can be an earlier epoch.
     latest = result.checkpoint or best
     last = storage.read_json(storage.join(checkpoint_uri(config, latest.path), checkpoint.META))
+    waits = last.get("data_wait_history", [])
     return {
         "stage": "train",
         "run_name": run_name,
@@ -146,6 +166,10 @@ def summarize(config: Config, run_name: str, result: Any) -> dict[str, Any]:
         "resume_history": last.get("resume_history", []),
         "worker_nodes": meta.get("worker_nodes", []),
         "metrics": meta["metrics"],
+        "data_path": data_path,
+        # Median over epochs 2..N of the slowest rank's share of loop time spent waiting.
+        "data_wait_fraction": median_data_wait(waits),
+        "data_wait_history": waits,
     }
 
 
@@ -160,6 +184,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     config = validate(loop_config["config"])
     t = config.train
+    quiet_ray_train_logs()
     preprocessor = Preprocessor.from_json(loop_config["preprocessor"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -169,17 +194,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     from app.models import build_model
 
     model = build_model(config.model, preprocessor)
-    steps_per_epoch = math.ceil(
-        loop_config["train_rows"] / world / t.batch_size / t.grad_accum_steps
-    )
-    state = TrainState.create(model, config, total_steps=steps_per_epoch * t.epochs)
+    total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
+    state = TrainState.create(model, config, total_steps)
     resumed = ray.train.get_checkpoint()
     if resumed:
         with resumed.as_directory() as folder:
             state.restore(folder)
         log.info("rank %d: resumed from epoch %d (step %d)", rank, state.epoch, state.step)
     else:
-        torch.manual_seed(t.seed + rank)  # ranks then differ in dropout and shuffling
+        torch.manual_seed(t.seed + rank)  # ranks then differ in dropout
     model = ray.train.torch.prepare_model(model)
     state.model = model
     device = ray.train.torch.get_device()
@@ -188,187 +211,62 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     metrics_sink = TrainMetrics(loop_config["run_dir"]) if rank == 0 else None
     state.worker_nodes = gather_node_ids(world)
 
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
+    train_feed, val_feed = (feed(config, loop_config["data_path"], s) for s in ("train", "val"))
+    log_every = t.log_every_steps if rank == 0 else 0
     for epoch in range(state.epoch + 1, t.epochs + 1):
         maybe_inject_fault(config, loop_config["run_dir"], rank, epoch)
-        train_stats = train_epoch(state, train_shard, device, epoch, rank, world)
-        val_stats = validate_epoch(model, val_shard, device, t.batch_size, t.precision)
+        # Seeded per epoch and rank: a fresh order each epoch, reproducible for a given seed.
+        order_seed = t.seed * 1_000_003 + epoch * 1009 + rank
+        batches = train_feed.batches(t.batch_size, seed=order_seed)
+        train_stats = train_epoch(state, batches, device, log_every)
+        val_batches = val_feed.batches(t.batch_size * 4)
+        val_stats = validate_epoch(model, val_batches, device, t.precision)
         state.epoch = epoch
+        state.data_wait_history.append(train_stats["data_wait_fraction"])
         metrics = {"epoch": epoch, "step": state.step, **train_stats, **val_stats}
         if rank == 0:
-            log.info(
-                "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f %.0f samples/s data_wait %.1f%%",
-                epoch,
-                t.epochs,
-                metrics["train_loss"],
-                metrics["val_loss"],
-                metrics["val_accuracy"],
-                metrics["samples_per_second"],
-                100 * metrics["data_wait_fraction"],
-            )
+            log_epoch(metrics, t.epochs)
             assert metrics_sink is not None
             metrics_sink.record(metrics)
         report(state, metrics, preprocessor, config, rank)
 
 
-class TrainState:
-    """Everything a resumed worker needs: model, optimizer, scheduler, scaler, counters, RNG."""
-
-    def __init__(self, model, optimizer, scheduler, scaler, config: Config):
-        self.model, self.optimizer, self.scheduler, self.scaler = (
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-        )
-        self.config = config
-        self.epoch, self.step = 0, 0
-        self.resume_history: list[int] = []
-        self.worker_nodes: list[str] = []
-
-    @classmethod
-    def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
-        t = config.train
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        warmup = int(t.warmup_fraction * total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total_steps))
-        scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
-        return cls(model, optimizer, scheduler, scaler, config)
-
-    def restore(self, folder: str) -> None:
-        checkpoint.load_weights(folder, self.model)
-        saved = checkpoint.load_train_state(folder)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.scaler.load_state_dict(saved["scaler"])
-        checkpoint.set_rng_state(saved["rng"])
-        meta = checkpoint.read_meta(folder)
-        self.epoch, self.step = meta["epoch"], meta["step"]
-        self.resume_history = [*meta.get("resume_history", []), self.epoch + 1]
-
-    def train_state(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "rng": checkpoint.rng_state(),
-        }
+def quiet_ray_train_logs() -> None:
+    """Ray Train logs every report's full metrics dict and checkpoint path at INFO, per rank,
+    per epoch; the job log keeps our one line per epoch instead."""
+    for name in (
+        "ray.train.v2._internal.execution.context",
+        "ray.train.v2._internal.execution.storage",
+    ):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class WarmupCosine:
-    """Linear warmup to the base rate, then cosine decay to 10% of it."""
+def feed(config: Config, mode: str, split: str):
+    """This worker's batches of one split: its shard kept in memory, or streamed each epoch."""
+    import ray.train
 
-    def __init__(self, warmup: int, total: int):
-        self.warmup, self.total = warmup, max(total, 1)
+    from app.feed import MemoryFeed, StreamFeed
 
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    shard = ray.train.get_dataset_shard(split)
+    if mode == "memory":
+        return MemoryFeed.from_shard(shard)
+    d = config.data
+    return StreamFeed(shard, d.stream_prefetch_batches, config.train.shuffle_buffer)
 
 
-def split_batch(
-    batch: dict[str, torch.Tensor], device: torch.device
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    labels = batch[LABEL_KEY].to(device)
-    inputs = {k: v.to(device) for k, v in batch.items() if k != LABEL_KEY}
-    return inputs, labels
-
-
-def train_epoch(
-    state: TrainState, shard, device: torch.device, epoch: int, rank: int, world: int
-) -> dict[str, float]:
-    t = state.config.train
-    model = state.model
-    model.train()
-    seed = t.seed * 1000 + epoch * 10 + rank
-    batches = shard.iter_torch_batches(
-        batch_size=t.batch_size,
-        local_shuffle_buffer_size=t.shuffle_buffer or None,
-        local_shuffle_seed=seed,
+def log_epoch(metrics: dict[str, Any], epochs: int) -> None:
+    log.info(
+        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f | %.2fs %.0f samples/s "
+        "data_wait %.1f%%",
+        metrics["epoch"],
+        epochs,
+        metrics["train_loss"],
+        metrics["val_loss"],
+        metrics["val_accuracy"],
+        metrics["epoch_seconds"],
+        metrics["samples_per_second"],
+        100 * metrics["data_wait_fraction"],
     )
-    loss_sum, rows, wait, micro = 0.0, 0, 0.0, 0
-    start = tick = time.perf_counter()
-    for batch in batches:
-        wait += time.perf_counter() - tick
-        inputs, labels = split_batch(batch, device)
-        micro += 1
-        last_micro = micro % t.grad_accum_steps == 0
-        sync = nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with autocast(device, t.precision):
-                loss = F.cross_entropy(model(**inputs), labels)
-            state.scaler.scale(loss / t.grad_accum_steps).backward()
-        if last_micro:
-            optimizer_step(state)
-        loss_sum += loss.item() * len(labels)
-        rows += len(labels)
-        if rank == 0 and micro % t.log_every_steps == 0:
-            log.info(
-                "epoch %d step %d loss %.4f %.0f rows/s",
-                epoch,
-                state.step,
-                loss.item(),
-                rows / (time.perf_counter() - start),
-            )
-        tick = time.perf_counter()
-    if micro % t.grad_accum_steps:
-        optimizer_step(state)
-    elapsed = time.perf_counter() - start
-    total_loss, total_rows = all_reduce_sums([loss_sum, float(rows)], device)
-    return {
-        "train_loss": total_loss / max(total_rows, 1),
-        "samples_per_second": total_rows / max(elapsed, 1e-9),
-        "data_wait_fraction": wait / max(elapsed, 1e-9),
-        "learning_rate": state.scheduler.get_last_lr()[0],
-    }
-
-
-def optimizer_step(state: TrainState) -> None:
-    t = state.config.train
-    if t.grad_clip > 0:
-        state.scaler.unscale_(state.optimizer)
-        nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
-    state.scaler.step(state.optimizer)
-    state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.scheduler.step()
-    state.step += 1
-
-
-@torch.no_grad()
-def validate_epoch(
-    model: nn.Module, shard, device: torch.device, batch_size: int, precision: str
-) -> dict[str, float]:
-    model.eval()
-    loss_sum, correct, rows = 0.0, 0.0, 0.0
-    for batch in shard.iter_torch_batches(batch_size=batch_size * 4):
-        inputs, labels = split_batch(batch, device)
-        with autocast(device, precision):
-            logits = model(**inputs)
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
-        rows += len(labels)
-    loss_sum, correct, rows = all_reduce_sums([loss_sum, correct, rows], device)
-    return {"val_loss": loss_sum / max(rows, 1), "val_accuracy": correct / max(rows, 1)}
-
-
-def all_reduce_sums(values: list[float], device: torch.device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
 
 
 def gather_node_ids(world: int) -> list[str]:
@@ -390,7 +288,11 @@ def report(
     config: Config,
     rank: int,
 ) -> None:
-    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint."""
+    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint.
+
+    The checkpoint is uploaded asynchronously (Ray deletes the local folder once it is
+    persisted), so the next epoch starts while it is copied to `train.storage_path`.
+    """
     import ray.train
 
     if rank != 0:
@@ -402,13 +304,18 @@ def report(
         "step": state.step,
         "metrics": metrics,
         "resume_history": state.resume_history,
+        "data_wait_history": state.data_wait_history,
         "worker_nodes": state.worker_nodes,
         "preprocessor": preprocessor.to_json(),
         "torch_version": torch.__version__,
     }
-    with tempfile.TemporaryDirectory() as folder:
-        checkpoint.save(folder, state.model, state.train_state(), meta)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+    folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
+    checkpoint.save(folder, state.model, state.train_state(), meta)
+    ray.train.report(
+        metrics,
+        checkpoint=ray.train.Checkpoint.from_directory(folder),
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+    )
 
 
 def maybe_inject_fault(config: Config, run_dir: str, rank: int, epoch: int) -> None:

@@ -116,8 +116,8 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> Non
     import torch.distributed as dist
 
     from app.config import validate
+    from app.loop import train_epoch, validate_epoch
     from app.preprocess import Preprocessor
-    from app.train import train_epoch, validate_epoch
     from bench.common import inprocess_state
     from bench.torch_data import TorchShard
 
@@ -133,11 +133,12 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> Non
     if world > 1:
         state.model = torch.nn.parallel.DistributedDataParallel(state.model)
     device = torch.device("cpu")
-    train_shard = TorchShard(spec["train_files"], pre, rank, world)
+    train_shard = TorchShard(spec["train_files"], pre, rank, world, shuffle_buffer=t.shuffle_buffer)
     val_shard = TorchShard(spec["val_files"], pre, rank, world)
     for epoch in range(1, t.epochs + 1):
-        stats = train_epoch(state, train_shard, device, epoch, rank, world)
-        val = validate_epoch(state.model, val_shard, device, t.batch_size, t.precision)
+        order_seed = t.seed * 1_000_003 + epoch * 1009 + rank  # as app.train.train_loop
+        stats = train_epoch(state, train_shard.batches(t.batch_size, seed=order_seed), device)
+        val = validate_epoch(state.model, val_shard.batches(t.batch_size * 4), device, t.precision)
         state.epoch = epoch
         if rank == 0:
             save_checkpoint(

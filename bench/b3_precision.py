@@ -1,7 +1,7 @@
 """B3 precision: bf16 (torch.autocast) vs fp32 training-step throughput and final accuracy on CPU.
 
-Throughput: one process, 1 torch thread, the project's step code (app.train.autocast, the
-TrainState optimizer and app.train.optimizer_step) on a fixed real batch of each reference
+Throughput: one process, 1 torch thread, the project's step code (app.loop.autocast, the
+TrainState optimizer and app.loop.optimizer_step) on a fixed real batch of each reference
 workload (digits CNN, tabular MLP, text Transformer); fp32 and bf16 rounds alternate so that load
 from other processes hits both alike; median of rounds. Accuracy: digits trained in-process with
 each precision, same seed and epochs (bench.common.train_inprocess), validation accuracy at the end.
@@ -53,7 +53,7 @@ def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> 
     import torch
     import torch.nn.functional as F
 
-    from app.train import autocast, optimizer_step
+    from app.loop import autocast, optimizer_step
 
     config.train.precision = precision
     state = inprocess_state(config, pre, rows)

@@ -338,23 +338,22 @@ def train_files(config, manifest: dict[str, Any], split: str) -> list[str]:
 
 
 def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
-    """Model + app.train.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
+    """Model + app.loop.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
     import torch
 
+    from app.loop import TrainState, steps_per_epoch
     from app.models import build_model
-    from app.train import TrainState
 
     t = config.train
     torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.train_loop
     model = build_model(config.model, preprocessor)
-    steps = math.ceil(train_rows / world / t.batch_size / t.grad_accum_steps) * t.epochs
-    return TrainState.create(model, config, total_steps=steps)
+    return TrainState.create(model, config, steps_per_epoch(train_rows, world, config) * t.epochs)
 
 
 def train_inprocess(
     config, *, precision: str | None = None, checkpoint_dir: str | None = None
 ) -> dict[str, Any]:
-    """Single-process training with app.train.train_epoch/validate_epoch (no Ray, no DDP).
+    """Single-process training with app.loop.train_epoch/validate_epoch (no Ray, no DDP).
 
     Data streams from the prepared Parquet shards through the fitted preprocessor
     (bench.torch_data), so the step code, optimizer, schedule and autocast are the project's own.
@@ -362,7 +361,7 @@ def train_inprocess(
     import torch
 
     from app.data import fit_preprocessor
-    from app.train import train_epoch, validate_epoch
+    from app.loop import train_epoch, validate_epoch
     from bench.torch_data import TorchShard
 
     if precision:
@@ -373,13 +372,15 @@ def train_inprocess(
     pre = fit_preprocessor(config, manifest)
     state = inprocess_state(config, pre, manifest["rows"]["train"])
     device = torch.device("cpu")
-    train_shard = TorchShard(train_files(config, manifest, "train"), pre)
+    train_shard = TorchShard(
+        train_files(config, manifest, "train"), pre, shuffle_buffer=t.shuffle_buffer
+    )
     val_shard = TorchShard(train_files(config, manifest, "val"), pre)
     epochs = []
     for epoch in range(1, t.epochs + 1):
         start = time.perf_counter()
-        stats = train_epoch(state, train_shard, device, epoch, 0, 1)
-        val = validate_epoch(state.model, val_shard, device, t.batch_size, t.precision)
+        stats = train_epoch(state, train_shard.batches(t.batch_size, seed=epoch), device)
+        val = validate_epoch(state.model, val_shard.batches(t.batch_size * 4), device, t.precision)
         state.epoch = epoch
         epochs.append({"epoch": epoch, **stats, **val, "wall_s": time.perf_counter() - start})
     metrics = {"step": state.step, **epochs[-1]}

@@ -1,9 +1,9 @@
 """The plain-PyTorch baseline of the ingest path: a torch DataLoader over the same Parquet shards,
 transformed by the same fitted preprocessor (app.preprocess), no Ray.
 
-`TorchShard` has the one method app.train's worker code calls on a Ray dataset shard,
-`iter_torch_batches(batch_size, local_shuffle_buffer_size, local_shuffle_seed)`, so the baseline
-runs app.train.train_epoch / validate_epoch unchanged: only the data feeding differs.
+`TorchShard.batches(batch_size, seed)` is the feed interface of app.feed (a seed shuffles, None
+keeps the stored order), so the baseline runs app.loop.train_epoch / validate_epoch unchanged:
+only the data feeding differs.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class ShardStream(IterableDataset):
 
 
 class TorchShard:
-    """What app.train's loop needs of a dataset shard, backed by a torch DataLoader."""
+    """A feed (app.feed's `batches` interface) backed by a torch DataLoader over the shards."""
 
     def __init__(
         self,
@@ -124,9 +124,11 @@ class TorchShard:
         rank: int = 0,
         world: int = 1,
         num_workers: int = 0,
+        shuffle_buffer: int = 0,
     ):
         self.files, self.state_json = files, preprocessor.to_json()
         self.rank, self.world, self.num_workers = rank, world, num_workers
+        self.shuffle_buffer = shuffle_buffer
 
     def loader(
         self, batch_size: int, shuffle_buffer: int | None = None, seed: int | None = None
@@ -139,14 +141,11 @@ class TorchShard:
             batch_size=None,  # the stream yields whole batches
             num_workers=self.num_workers,
             prefetch_factor=2 if self.num_workers else None,
+            persistent_workers=False,
         )
 
-    def iter_torch_batches(
-        self,
-        *,
-        batch_size: int = 256,
-        local_shuffle_buffer_size: int | None = None,
-        local_shuffle_seed: int | None = None,
-        **_: Any,
+    def batches(
+        self, batch_size: int, seed: int | None = None
     ) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(self.loader(batch_size, local_shuffle_buffer_size, local_shuffle_seed))
+        shuffle = self.shuffle_buffer if seed is not None else None
+        return iter(self.loader(batch_size, shuffle, seed))

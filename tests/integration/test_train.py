@@ -49,6 +49,29 @@ def test_digits_two_workers_reach_the_bar_and_loss_falls(digits_fp32):
     assert os.path.exists(os.path.join(summary["checkpoint"], "model.safetensors"))
 
 
+def test_cached_run_never_waits_for_data(digits_fp32):
+    _, summary = digits_fp32
+    assert summary["data_path"]["mode"] == "memory"
+    assert "fits the cache budget" in summary["data_path"]["reason"]
+    assert len(summary["data_wait_history"]) == 5
+    assert summary["data_wait_fraction"] < 0.10
+
+
+def test_streamed_run_reaches_the_cached_runs_accuracy(digits_fp32, workspace, prepared):
+    _, cached = digits_fp32
+    # A budget below the dataset's size: `data.cache: auto` must stream it.
+    config = workload_config(
+        workspace, "digits", *FAST, "data.cache_budget_mb=0.1", "train.run_name=digits-stream"
+    )
+    streamed = train(config)
+    assert streamed["data_path"]["mode"] == "stream"
+    assert "over the cache budget" in streamed["data_path"]["reason"]
+    assert streamed["metrics"]["val_accuracy"] >= 0.97
+    # Same seed, same model and steps; only the batch order differs: within noise.
+    gap = abs(streamed["metrics"]["val_accuracy"] - cached["metrics"]["val_accuracy"])
+    assert gap <= 0.02
+
+
 def test_bf16_within_one_point_of_fp32(digits_fp32, workspace, prepared):
     _, fp32 = digits_fp32
     config = workload_config(

@@ -1,0 +1,133 @@
+"""The data path without Ray: the cache-or-stream decision, the in-memory feed, the epoch loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.data import plan_data_path
+from app.feed import MemoryFeed
+from app.loop import TrainState, median_data_wait, train_epoch, validate_epoch
+from app.models.mlp import MLP
+from app.preprocess import Preprocessor
+
+pytestmark = pytest.mark.unit
+
+
+def tabular_pre(features: int = 4) -> Preprocessor:
+    return Preprocessor(
+        {
+            "kind": "tabular",
+            "feature_columns": [f"f{i}" for i in range(features)],
+            "label_column": "label",
+            "labels": ["a", "b"],
+            "mean": [0.0] * features,
+            "std": [1.0] * features,
+        }
+    )
+
+
+MANIFEST = {"rows": {"train": 1000, "val": 250}}  # 1250 rows x (4 x 4 + 8) bytes = 30,000 bytes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mode", "says"),
+    [
+        (["data.cache_budget_mb=1"], "memory", "fits the cache budget"),
+        (["data.cache_budget_mb=0.01"], "stream", "over the cache budget"),
+        (["data.cache=stream", "data.cache_budget_mb=1"], "stream", "data.cache=stream"),
+        (["data.cache=memory", "data.cache_budget_mb=0.01"], "memory", "data.cache=memory"),
+    ],
+)
+def test_the_data_path_is_chosen_by_size_and_can_be_overridden(
+    config_factory, overrides, mode, says
+):
+    plan = plan_data_path(config_factory(*overrides), MANIFEST, tabular_pre())
+    assert plan.mode == mode
+    assert says in plan.reason
+    assert plan.preprocessed_bytes == 1250 * (4 * 4 + 8)
+    assert "0.0 MiB (1250 rows)" in plan.reason  # the log line says the size it judged
+
+
+def test_bad_cache_setting_is_refused_naming_the_key(config_factory):
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.cache"):
+        config_factory("data.cache=disk")
+
+
+def make_feed(rows: int = 100) -> tuple[MemoryFeed, dict[str, np.ndarray]]:
+    arrays = {
+        "x": np.arange(rows * 2, dtype=np.float32).reshape(rows, 2),
+        "label": np.arange(rows, dtype=np.int64),
+    }
+    # Two source batches, as Ray Data hands them over.
+    halves = [
+        {k: v[: rows // 2] for k, v in arrays.items()},
+        {k: v[rows // 2 :] for k, v in arrays.items()},
+    ]
+    return MemoryFeed(lambda: halves), arrays
+
+
+def labels_of(feed: MemoryFeed, seed: int | None) -> list[int]:
+    return [int(v) for b in feed.batches(32, seed=seed) for v in b["label"]]
+
+
+def test_memory_feed_yields_every_row_once_per_epoch_in_a_seeded_order():
+    feed, arrays = make_feed()
+    epoch1, epoch2 = labels_of(feed, seed=1), labels_of(feed, seed=2)
+    assert sorted(epoch1) == sorted(epoch2) == list(range(100))
+    assert epoch1 != epoch2  # reshuffled every epoch
+    assert labels_of(feed, seed=1) == epoch1  # reproducible for a given seed
+    assert labels_of(feed, seed=None) == list(range(100))  # validation: stored order
+    for batch in feed.batches(32, seed=3):  # features travel with their label
+        assert torch.equal(batch["x"][:, 0], batch["label"].float() * 2)
+
+
+def test_memory_feed_reads_its_source_once():
+    calls = []
+    feed = MemoryFeed(lambda: calls.append(1) or [{"x": np.zeros((4, 2)), "label": np.zeros(4)}])
+    for seed in range(3):
+        list(feed.batches(2, seed=seed))
+    assert len(calls) == 1 and len(feed) == 4
+
+
+def test_data_wait_is_the_median_of_epochs_after_the_first():
+    assert median_data_wait([0.9, 0.01, 0.03, 0.02]) == pytest.approx(0.02)
+    assert median_data_wait([0.5]) == 0.5  # a one-epoch run has only its first epoch
+    assert median_data_wait([]) is None
+
+
+def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
+    torch.manual_seed(0)
+    config = config_factory("train.lr=0.01", "train.warmup_fraction=0")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype(np.float32)
+    feed = MemoryFeed.from_arrays({"x": x, "label": (x[:, 0] > 0).astype(np.int64)})
+    model = MLP(4, 2, hidden=[16], dropout=0.0)
+    state = TrainState.create(model, config, total_steps=10 * 8)
+    device = torch.device("cpu")
+    losses = [train_epoch(state, feed.batches(32, seed=e), device)["train_loss"] for e in range(10)]
+    stats = train_epoch(state, feed.batches(32, seed=10), device)
+    assert losses[-1] < 0.5 * losses[0]
+    assert 0 <= stats["data_wait_fraction"] < 1 and stats["epoch_seconds"] > 0
+    assert validate_epoch(model, feed.batches(128), device, "fp32")["val_accuracy"] > 0.9
+
+
+def test_training_refuses_an_altered_shard_before_any_work(config_factory):
+    from app.cli import UserError
+    from app.prepare import prepare, read_manifest
+    from app.train import train
+
+    config = config_factory("train.run_name=altered")
+    prepare(config)
+    shard = read_manifest(config.data_output)["splits"]["train"]["shards"][0]["file"]
+    path = f"{config.data_output}/{shard}"
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(UserError, match=r"part-00000\.parquet: sha256 differs"):
+        train(config)
