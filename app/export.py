@@ -12,12 +12,10 @@ import json
 import logging
 import os
 import platform
-import shutil
 import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +24,12 @@ import torch
 from torch import nn
 
 from app import artifact as art
+from app import quantize as q
 from app import storage
 from app.checkpoint import LoadedCheckpoint, load_checkpoint
 from app.cli import UserError
 from app.config import Config
-from app.evaluate import labeled_batches, predictions, torch_predict
+from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
 from app.models import is_conv_net
 from app.preprocess import Preprocessor
 
@@ -38,13 +37,19 @@ log = logging.getLogger(__name__)
 
 
 class GateError(UserError):
-    """Export refused: int8 lost too much accuracy or ONNX disagrees with torch (exit 3)."""
+    """Export refused: int8 lost too much accuracy, is too big, or ONNX disagrees with torch
+    (exit 3). Carries the report, per-layer sensitivity included, for tools and benchmarks."""
 
     exit_code = 3
+
+    def __init__(self, message: str, report: dict[str, Any]):
+        super().__init__(message)
+        self.report = report
 
 
 def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     loaded = load_checkpoint(checkpoint_uri)
+    verify_dataset(config, ("train", "val"))  # calibration and the gate read both
     pre, model = loaded.preprocessor, loaded.model
     e = config.export
     with tempfile.TemporaryDirectory() as work:
@@ -54,9 +59,8 @@ def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
         )
         sample = next(iter(labeled_batches(config, pre, "val", batch_rows=e.parity_rows)))[0]
         export_onnx(model, pre, sample, fp32_path, e.opset)
-        method = quantize(config, pre, model, fp32_path, int8_path, work)
-        report = verify_variants(config, loaded, fp32_path, int8_path, sample, method)
-        gate(report, e.parity_tolerance, e.max_accuracy_drop)
+        report = quantize_within_gate(config, loaded, fp32_path, int8_path, sample, work)
+        gate(report, config)
         write_metadata(work, config, loaded, report, checkpoint_uri)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
@@ -105,63 +109,64 @@ def export_onnx(
 # --- quantization -----------------------------------------------------------------------------
 
 
-def quantize(
-    config: Config, pre: Preprocessor, model: nn.Module, fp32: str, int8: str, work: str
-) -> str:
-    from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    method = config.export.quantization
-    if method == "auto":
-        method = "static" if is_conv_net(model) else "dynamic"
+def quantize_within_gate(
+    config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, work: str
+) -> dict[str, Any]:
+    """Quantize, verify, and while int8 loses more accuracy than the gate allows, keep the most
+    sensitive layer in fp32 (at most `export.max_fp32_layers`, and only while the size bound
+    `export.max_size_ratio` still holds). Returns the report of the last attempt."""
+    e, pre = config.export, loaded.preprocessor
+    method = q.method_for(config, is_conv_net(loaded.model))
     prepared = os.path.join(work, "prepared.onnx")
-    quant_pre_process(fp32, prepared, skip_symbolic_shape=True)
-    if method == "dynamic":
-        # Linear-heavy nets: int8 weights, activations quantized on the fly (MatMulInteger).
-        quantize_dynamic(prepared, int8, weight_type=QuantType.QInt8, per_channel=False)
-    else:
-        # Conv nets: static QDQ with activation ranges calibrated on train batches.
-        from onnxruntime.quantization import CalibrationMethod, QuantFormat
-
-        reader = _CalibrationReader(config, pre)
-        quantize_static(
-            prepared,
-            int8,
-            reader,
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-        )
+    q.prepare_for_quantization(fp32, prepared)
+    calibration = q.calibration_inputs(config, pre) if method == "static" else []
+    fp32_session = art.create_session(Path(fp32).read_bytes())
+    excluded: list[str] = []
+    ranking: list[str] | None = None
+    while True:
+        q.quantize(prepared, int8, method, calibration, excluded)
+        report = verify_variants(config, loaded, (fp32, fp32_session), int8, sample)
+        report["quantization"] = {"method": method, "weight_type": "QInt8", "per_channel": True}
+        report["quantization"]["excluded_nodes"] = list(excluded)
+        if accuracy_drop_allowed(report, e.max_accuracy_drop):
+            break
+        if ranking is None:  # measured once, on the fully quantized model
+            sensitivity = q.layer_sensitivity(
+                prepared, method, calibration, lambda p: onnx_accuracy(config, pre, p), work, []
+            )
+            ranking = sorted(sensitivity, key=lambda node: -sensitivity[node])
+        report["sensitivity"] = sensitivity
+        if len(excluded) >= min(e.max_fp32_layers, len(ranking)) or not size_allows(report, e):
+            break
+        excluded.append(ranking[len(excluded)])
+        log.info("export: keeping %s in fp32 (the most sensitive layer left)", excluded[-1])
     os.remove(prepared)
-    return method
+    return report
 
 
-class _CalibrationReader:
-    def __init__(self, config: Config, pre: Preprocessor):
-        batches = labeled_batches(config, pre, "train", batch_rows=32)
-        self._batches = iter(
-            [inputs for inputs, _ in islice(batches, config.export.calibration_batches)]
-        )
+def size_allows(report: dict[str, Any], e) -> bool:
+    """Whether one more fp32 layer could still fit under the size bound (checked again after)."""
+    return e.max_size_ratio is None or report["size_ratio_int8"] < e.max_size_ratio
 
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)
 
-    def rewind(self) -> None:  # the quantizer may call it; one pass is enough here
-        pass
+def onnx_accuracy(config: Config, pre: Preprocessor, path: str) -> float:
+    session = art.create_session(Path(path).read_bytes())
+    y_true, y_pred = predictions(
+        lambda x: art.run_logits(session, x), labeled_batches(config, pre, "val")
+    )
+    return float((y_true == y_pred).mean())
 
 
 # --- verification -----------------------------------------------------------------------------
 
 
 def verify_variants(
-    config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, method: str
+    config: Config, loaded: LoadedCheckpoint, fp32: tuple[str, Any], int8: str, sample
 ) -> dict[str, Any]:
+    """Parity, accuracy, size and latency of both variants. `fp32` is (path, session): the
+    session is built once and reused across quantization attempts."""
     pre = loaded.preprocessor
-    sessions = {
-        v: art.create_session(Path(p).read_bytes()) for v, p in (("fp32", fp32), ("int8", int8))
-    }
+    sessions = {"fp32": fp32[1], "int8": art.create_session(Path(int8).read_bytes())}
     with torch.no_grad():
         torch_logits = torch_predict(loaded.model)(sample)
     onnx_logits = art.run_logits(sessions["fp32"], sample)
@@ -173,30 +178,32 @@ def verify_variants(
         "label_agreement": float((torch_logits.argmax(1) == onnx_logits.argmax(1)).mean()),
     }
 
-    def accuracy(predict) -> float:
+    def accuracy(predict) -> tuple[float, int]:
         y_true, y_pred = predictions(predict, labeled_batches(config, pre, "val"))
-        return float((y_true == y_pred).mean())
+        return float((y_true == y_pred).mean()), len(y_true)
 
-    accuracies = {
-        "torch_fp32": accuracy(torch_predict(loaded.model)),
-        "onnx_fp32": accuracy(lambda x: art.run_logits(sessions["fp32"], x)),
-        "onnx_int8": accuracy(lambda x: art.run_logits(sessions["int8"], x)),
-    }
-    sizes = {"fp32": os.path.getsize(fp32), "int8": os.path.getsize(int8)}
+    (torch_acc, rows), (fp32_acc, _), (int8_acc, _) = (
+        accuracy(torch_predict(loaded.model)),
+        accuracy(lambda x: art.run_logits(sessions["fp32"], x)),
+        accuracy(lambda x: art.run_logits(sessions["int8"], x)),
+    )
+    accuracies = {"torch_fp32": torch_acc, "onnx_fp32": fp32_acc, "onnx_int8": int8_acc}
+    sizes = {"fp32": os.path.getsize(fp32[0]), "int8": os.path.getsize(int8)}
     latency = {v: latency_ms(s, sample, config.export.latency_repeats) for v, s in sessions.items()}
     log.info("export: accuracy %s sizes %s parity %.2e", accuracies, sizes, parity["max_abs_diff"])
     return {
         "parity": parity,
         "accuracy": accuracies,
+        "accuracy_rows": rows,
         "accuracy_drop_points": 100 * (accuracies["onnx_fp32"] - accuracies["onnx_int8"]),
         "size_bytes": sizes,
         "size_ratio_int8": sizes["int8"] / sizes["fp32"],
         "latency_ms": latency,
         "latency_speedup_int8_batch32": latency["fp32"]["batch_32"] / latency["int8"]["batch_32"],
-        "quantization": {"method": method, "weight_type": "QInt8"},
         "thresholds": {
             "parity_tolerance": config.export.parity_tolerance,
             "max_accuracy_drop": config.export.max_accuracy_drop,
+            "max_size_ratio": config.export.max_size_ratio,
         },
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1},
     }
@@ -216,20 +223,53 @@ def latency_ms(session, sample: dict[str, np.ndarray], repeats: int) -> dict[str
     return out
 
 
-def gate(report: dict[str, Any], parity_tolerance: float, max_drop: float) -> None:
+def allowed_drop_points(report: dict[str, Any], max_drop: float) -> float:
+    """`export.max_accuracy_drop`, but never below one validation sample: on a few hundred rows
+    a single flipped prediction is noise, not a quantization loss. A negative setting (tests
+    make the gate fire with it) is taken as is."""
+    if max_drop < 0:
+        return max_drop
+    return max(max_drop, 100.0 / max(report["accuracy_rows"], 1))
+
+
+def accuracy_drop_allowed(report: dict[str, Any], max_drop: float) -> bool:
+    return report["accuracy_drop_points"] <= allowed_drop_points(report, max_drop) + 1e-9
+
+
+def gate(report: dict[str, Any], config: Config) -> None:
+    e = config.export
     parity = report["parity"]["max_abs_diff"]
-    if parity > parity_tolerance:
+    if parity > e.parity_tolerance:
         raise GateError(
             f"export refused: ONNX fp32 differs from torch by {parity:.3g} (max abs logit diff), "
-            f"above export.parity_tolerance={parity_tolerance}"
+            f"above export.parity_tolerance={e.parity_tolerance}",
+            report,
         )
-    acc = report["accuracy"]
-    drop = report["accuracy_drop_points"]
-    if drop > max_drop:
+    ratio = report["size_ratio_int8"]
+    if e.max_size_ratio is not None and ratio > e.max_size_ratio:
+        raise GateError(
+            f"export refused: int8 model is {ratio:.2f}x the fp32 size, above "
+            f"export.max_size_ratio={e.max_size_ratio}",
+            report,
+        )
+    if not accuracy_drop_allowed(report, e.max_accuracy_drop):
+        acc, drop = report["accuracy"], report["accuracy_drop_points"]
         raise GateError(
             f"export refused: int8 accuracy {100 * acc['onnx_int8']:.2f}% is {drop:.2f} points below "
-            f"fp32 {100 * acc['onnx_fp32']:.2f}%, more than export.max_accuracy_drop={max_drop}"
+            f"fp32 {100 * acc['onnx_fp32']:.2f}%, more than export.max_accuracy_drop="
+            f"{e.max_accuracy_drop}{sensitivity_hint(report)}",
+            report,
         )
+
+
+def sensitivity_hint(report: dict[str, Any]) -> str:
+    """The layers that cost the most, for the one-line refusal (all of them are in the report)."""
+    sensitivity = report.get("sensitivity") or {}
+    worst = sorted(sensitivity.items(), key=lambda kv: -kv[1])[:3]
+    if not worst:
+        return ""
+    listed = ", ".join(f"{node} {100 * acc:.2f}%" for node, acc in worst)
+    return f"; int8 accuracy with one layer kept in fp32: {listed}"
 
 
 # --- metadata and publishing ------------------------------------------------------------------
@@ -298,26 +338,42 @@ def write_metadata(
 
 
 def next_version(registry: str, name: str) -> int:
-    existing = [int(v) for v in storage.list_dir(storage.join(registry, name)) if v.isdigit()]
-    return max(existing, default=0) + 1
+    """One above every version number already claimed (complete or not) under `<registry>/<name>`."""
+    return max(art.versions(storage.join(registry, name)), default=0) + 1
 
 
-def publish(work: str, registry: str, name: str) -> str:
-    for _ in range(5):  # another export may take the same number: try the next one
+def publish(work: str, registry: str, name: str, attempts: int = 50) -> str:
+    """Publish the finished folder `work` as the next version of `<registry>/<name>`; its URI.
+
+    Safe for concurrent exports into one registry, on local disk and on object stores:
+    1. claim the number: `storage.claim_dir` on `<name>/<next_version>` (os.mkdir locally, a claim
+       object and a listing on object stores) gives each number to one export only; a loser
+       recomputes the next number and tries again, so every export gets its own version;
+    2. commit: the files go into the claimed folder with `manifest.json` last (locally a staged
+       folder renamed onto the claim), so a reader never takes a half-written version for whole;
+    3. `latest` moves only forward (`storage.advance_pointer`): it ends at the newest complete
+       version whichever export finishes last.
+    """
+    import random
+
+    folder = storage.join(registry, name)
+    manifest_path = os.path.join(work, art.MANIFEST)
+    for attempt in range(attempts):
         version = next_version(registry, name)
-        manifest_path = os.path.join(work, art.MANIFEST)
+        uri = storage.join(folder, str(version))
+        if not storage.claim_dir(uri):
+            # Taken, or every contender lost: back off (exponential, jittered) so that the next
+            # round has fewer contenders.
+            time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+            continue
         with open(manifest_path) as f:
             manifest = json.load(f)
         manifest["version"] = str(version)
         with open(manifest_path, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
-        uri = storage.join(registry, name, str(version))
-        try:
-            with storage.staged_dir(uri, replace=False) as staging:
-                for file in os.listdir(work):
-                    shutil.copy2(os.path.join(work, file), os.path.join(staging, file))
-        except FileExistsError:
-            continue
-        storage.write_bytes(storage.join(registry, name, art.LATEST), f"{version}\n".encode())
+        storage.commit_dir(work, uri, art.MANIFEST)
+        storage.advance_pointer(
+            storage.join(folder, art.LATEST), version, lambda: art.newest_complete_version(folder)
+        )
         return uri
-    raise UserError(f"{registry}/{name}: could not claim a new version number")
+    raise UserError(f"{folder}: could not claim a new version number in {attempts} attempts")

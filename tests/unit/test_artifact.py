@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from app import checkpoint
-from app.artifact import LATEST, MANIFEST, ArtifactError, open_artifact, resolve, verify
+from app.artifact import (
+    LATEST,
+    MANIFEST,
+    ArtifactError,
+    check_no_external_data,
+    open_artifact,
+    resolve,
+    verify,
+)
 from app.config import dump
 from app.data import fit_preprocessor
 from app.evaluate import labeled_batches, torch_predict
@@ -267,24 +275,43 @@ def test_gate_firing_publishes_nothing(built):
     assert staging_leftovers(registry) == []
 
 
-def report(parity: float, fp32: float, int8: float) -> dict:
+def report(parity: float, fp32: float, int8: float, rows: int = 1000, ratio: float = 0.25) -> dict:
     return {
         "parity": {"max_abs_diff": parity},
         "accuracy": {"onnx_fp32": fp32, "onnx_int8": int8},
+        "accuracy_rows": rows,
         "accuracy_drop_points": 100 * (fp32 - int8),
+        "size_ratio_int8": ratio,
     }
 
 
+def gate_with(rep: dict, max_drop: float = 1.0, max_size_ratio: float | None = None) -> None:
+    from app.config import Config
+
+    config = Config()
+    config.export.parity_tolerance = 1e-3
+    config.export.max_accuracy_drop = max_drop
+    config.export.max_size_ratio = max_size_ratio
+    gate(rep, config)
+
+
 def test_gate_rules():
-    gate(report(1e-5, 0.90, 0.895), parity_tolerance=1e-3, max_drop=1.0)  # 0.5 points: fine
+    gate_with(report(1e-5, 0.90, 0.895))  # 0.5 points: fine
     with pytest.raises(GateError, match="max_accuracy_drop"):
-        gate(report(1e-5, 0.90, 0.88), parity_tolerance=1e-3, max_drop=1.0)  # 2 points
+        gate_with(report(1e-5, 0.90, 0.88))  # 2 points
     with pytest.raises(GateError, match="parity_tolerance"):
-        gate(report(5e-3, 0.90, 0.90), parity_tolerance=1e-3, max_drop=1.0)
+        gate_with(report(5e-3, 0.90, 0.90))
     # A negative allowance demands that int8 beat fp32 by that much.
     with pytest.raises(GateError):
-        gate(report(0.0, 0.90, 0.90), parity_tolerance=1e-3, max_drop=-1.0)
-    gate(report(0.0, 0.90, 0.92), parity_tolerance=1e-3, max_drop=-1.0)
+        gate_with(report(0.0, 0.90, 0.90), max_drop=-1.0)
+    gate_with(report(0.0, 0.90, 0.92), max_drop=-1.0)
+    # One validation sample is never a refusal: 1 of 142 rows is 0.70 points > 0.5.
+    gate_with(report(0.0, 0.972, 0.972 - 1 / 142, rows=142), max_drop=0.5)
+    with pytest.raises(GateError, match="max_accuracy_drop"):
+        gate_with(report(0.0, 0.972, 0.972 - 2 / 142, rows=142), max_drop=0.5)
+    # The size bound (tabular and text: 0.3x).
+    with pytest.raises(GateError, match="max_size_ratio=0.3"):
+        gate_with(report(0.0, 0.9, 0.9, ratio=0.31), max_size_ratio=0.3)
 
 
 def test_export_cli_gate_exits_3_with_one_line(built, tmp_path):
@@ -320,3 +347,75 @@ def test_export_cli_gate_exits_3_with_one_line(built, tmp_path):
     ]
     assert proc.stdout.strip() == ""
     assert snapshot(registry) == before
+
+
+# --- ONNX external data, wherever the tensor sits -----------------------------------------------
+
+
+def external(name: str):
+    """A float tensor whose data lives in a file next to the model (what artifacts refuse)."""
+    from onnx import TensorProto, helper
+
+    tensor = helper.make_tensor(name, TensorProto.FLOAT, [1], [1.0])
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="../../etc/passwd")
+    return tensor
+
+
+def model_with(where: str) -> bytes:
+    """x -> y through an If whose branches add a constant; `where` puts external data in one spot."""
+    from onnx import TensorProto, helper
+
+    def branch(label: str):
+        const = helper.make_tensor(f"{label}_c", TensorProto.FLOAT, [1], [1.0])
+        if where == f"{label}_initializer":
+            const = external(f"{label}_c")
+        add = helper.make_node("Add", ["x", f"{label}_c"], [f"{label}_y"])
+        graph = helper.make_graph(
+            [add], label, [], [helper.make_tensor_value_info(f"{label}_y", TensorProto.FLOAT, [1])]
+        )
+        graph.initializer.append(const)
+        return graph
+
+    then_branch, else_branch = branch("then"), branch("else")
+    if where == "nested_constant":  # a Constant node inside the subgraph of a subgraph
+        inner = helper.make_graph(
+            [helper.make_node("Constant", [], ["k"], value=external("k"))],
+            "inner",
+            [],
+            [helper.make_tensor_value_info("k", TensorProto.FLOAT, [1])],
+        )
+        else_branch.node.append(
+            helper.make_node("If", ["cond"], ["unused"], then_branch=inner, else_branch=inner)
+        )
+    nodes = [
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "main",
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    if where == "top_initializer":
+        graph.initializer.append(external("w"))
+    return helper.make_model(graph).SerializeToString()
+
+
+def test_self_contained_model_with_subgraphs_passes():
+    check_no_external_data("model.onnx", model_with("nowhere"))
+
+
+@pytest.mark.parametrize(
+    "where", ["top_initializer", "then_initializer", "else_initializer", "nested_constant"]
+)
+def test_external_data_is_refused_in_every_graph(where):
+    with pytest.raises(ArtifactError) as info:
+        check_no_external_data("model.onnx", model_with(where))
+    message = str(info.value)
+    assert message.startswith("model.onnx:") and "external data" in message
+    assert "\n" not in message

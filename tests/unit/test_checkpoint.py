@@ -6,18 +6,20 @@ import json
 import os
 import pickle
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_model
 
 from app import checkpoint
 from app.cli import UserError
 from app.config import dump, load_config
+from app.loop import TrainState
 from app.models import build_model
 from app.preprocess import Preprocessor
-from app.train import TrainState
 
 pytestmark = pytest.mark.unit
 
@@ -149,8 +151,10 @@ def test_train_state_with_arbitrary_objects_is_refused(tmp_path, config):
     folder = str(tmp_path / "ckpt")
     state = make_state(config, seed=0)
     checkpoint.save(folder, state.model, {"step": 1, "payload": Evil()}, meta_for(config, state))
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(checkpoint.CheckpointError, match=checkpoint.STATE) as info:
         checkpoint.load_train_state(folder)
+    assert isinstance(info.value.__cause__, pickle.UnpicklingError)  # refused by weights_only
+    assert "\n" not in str(info.value)
 
 
 def draw() -> tuple:
@@ -197,3 +201,70 @@ def test_load_checkpoint_refuses_a_folder_without_meta(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="not a checkpoint"):
         checkpoint.load_checkpoint(str(tmp_path / "empty"))
+
+
+# --- damaged checkpoints: refused by load_checkpoint with one line naming the file -------------
+
+
+def saved(tmp_path, config) -> str:
+    state = make_state(config, seed=0)
+    folder = str(tmp_path / "ckpt")
+    checkpoint.save(folder, state.model, state.train_state(), meta_for(config, state))
+    return folder
+
+
+def scramble_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:16] = b"\xff" * 16  # safetensors: an 8-byte header length, then the JSON header
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def not_json(path: Path) -> None:
+    path.write_text("{not json")
+
+
+def without_config(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    del meta["config"]
+    path.write_text(json.dumps(meta))
+
+
+def remove(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        (checkpoint.WEIGHTS, scramble_header),
+        (checkpoint.WEIGHTS, truncate),
+        (checkpoint.WEIGHTS, remove),
+        (checkpoint.STATE, truncate),
+        (checkpoint.STATE, remove),
+        (checkpoint.META, remove),
+        (checkpoint.META, not_json),
+        (checkpoint.META, without_config),
+    ],
+)
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, config, name, damage):
+    folder = saved(tmp_path, config)
+    damage(Path(folder) / name)
+    with pytest.raises(UserError) as info:
+        checkpoint.load_checkpoint(folder)
+    message = str(info.value)
+    assert message.startswith(f"{folder}/{name}: "), message
+    assert "\n" not in message
+
+
+def test_weights_of_another_model_are_refused_naming_the_file(tmp_path, config):
+    folder = saved(tmp_path, config)
+    other = config.model_copy(deep=True)
+    other.model.hidden = [16, 4]
+    save_model(build_model(other.model, tabular_pre()), os.path.join(folder, checkpoint.WEIGHTS))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{checkpoint.WEIGHTS}: unreadable") as e:
+        checkpoint.load_checkpoint(folder)
+    assert "\n" not in str(e.value)

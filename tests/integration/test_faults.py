@@ -1,0 +1,144 @@
+"""Faults a real run survives: a worker node lost mid-training, the job's driver killed mid-run.
+
+Both end with the run complete from its last checkpoint, not from scratch; the summary's
+`resume_history` (the epochs a restart began at) says where it picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app.train import train
+from tests.conftest import REPO
+from tests.integration.conftest import ensure_local_ray, workload_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def checkpoint_epochs(run_dir: Path) -> list[int]:
+    """Epochs of the checkpoints already persisted under a run folder."""
+    epochs = []
+    for meta in run_dir.glob("checkpoint_*/meta.json"):
+        try:
+            epochs.append(json.loads(meta.read_text())["epoch"])
+        except (OSError, ValueError, KeyError):
+            continue  # still being written
+    return sorted(epochs)
+
+
+def wait_for_checkpoint(run_dir: Path, timeout: float, alive=lambda: True) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        if checkpoint_epochs(run_dir):
+            return max(checkpoint_epochs(run_dir))
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint under {run_dir} within {timeout}s")
+
+
+def test_node_loss_mid_training_resumes_from_the_last_checkpoint(prepared, workspace):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    prepared("digits")
+    ray.shutdown()  # needs its own multi-node cluster; later tests re-init a local one
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    survivor = cluster.add_node(num_cpus=2)
+    doomed = cluster.add_node(num_cpus=2)
+    config = workload_config(
+        workspace,
+        "digits",
+        "train.epochs=8",
+        "train.max_failures=2",
+        "train.placement_strategy=SPREAD",  # one rank on each worker node
+        "train.run_name=digits-node_loss",
+    )
+    run_dir = Path(config.storage_path) / "digits-node_loss"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = train(config)
+        except Exception as e:  # surfaced by the assertion below
+            outcome["error"] = e
+
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        trainer = threading.Thread(target=run)
+        trainer.start()
+        lost_after = wait_for_checkpoint(run_dir, 180, trainer.is_alive)
+        cluster.remove_node(doomed)  # kills its raylet and every process on it, rank 1 included
+        trainer.join(timeout=300)
+        assert not trainer.is_alive(), "training did not finish after the node loss"
+        assert "error" not in outcome, outcome.get("error")
+        summary = outcome["summary"]
+        assert summary["final_epoch"] == 8
+        # The restart began after a persisted checkpoint, not at epoch 1.
+        assert summary["resume_history"] and summary["resume_history"][0] >= 2
+        assert summary["resume_history"][0] > lost_after - 1
+        assert summary["metrics"]["val_accuracy"] >= 0.9
+        assert set(summary["worker_nodes"]) == {survivor.node_id}  # all ranks on the survivor
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def job_env() -> dict[str, str]:
+    import ray
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # the suite's private cluster
+    return env
+
+
+def train_job(config_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "jobs.train", "--config", "configs/digits.yaml", *config_args]
+
+
+def test_driver_killed_mid_run_and_resubmitted_resumes(prepared, workspace):
+    config = prepared("digits")
+    ensure_local_ray()
+    args = [
+        f"data.output={config.data_output}",
+        f"train.storage_path={workspace / 'digits-driver-runs'}",
+        "train.epochs=8",
+        "train.run_name=digits-driver",
+    ]
+    run_dir = workspace / "digits-driver-runs" / "digits-driver"
+    first = subprocess.Popen(
+        train_job(args),
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        killed_after = wait_for_checkpoint(run_dir, 180, lambda: first.poll() is None)
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and anything it spawned
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert killed_after < 8, "the run finished before the driver could be killed"
+    # Its Train controller and workers die with their owner; the resubmission must find the
+    # run's checkpoints and go on from the newest one.
+    second = subprocess.run(
+        train_job(args), cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["final_epoch"] == 8
+    resumed_at = summary["resume_history"][-1]
+    persisted = checkpoint_epochs(run_dir)
+    assert resumed_at >= 2 and resumed_at >= killed_after + 1
+    assert max(persisted) == 8
