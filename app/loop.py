@@ -39,6 +39,8 @@ class TrainState:
         self.resume_history: list[int] = []
         self.worker_nodes: list[str] = []
         self.data_wait_history: list[float] = []  # per epoch, the slowest rank's fraction
+        self.epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
+        self.first_step_at: float | None = None  # wall clock of the run's first optimizer step
 
     @classmethod
     def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
@@ -60,6 +62,8 @@ class TrainState:
         self.epoch, self.step = meta["epoch"], meta["step"]
         self.resume_history = [*meta.get("resume_history", []), self.epoch + 1]
         self.data_wait_history = list(meta.get("data_wait_history", []))
+        self.epoch_seconds_history = list(meta.get("epoch_seconds_history", []))
+        self.first_step_at = meta.get("first_step_at")
 
     def train_state(self) -> dict[str, Any]:
         return {
@@ -163,6 +167,8 @@ def optimizer_step(state: TrainState) -> None:
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
     state.step += 1
+    if state.first_step_at is None:
+        state.first_step_at = time.time()
 
 
 @torch.no_grad()
@@ -194,7 +200,7 @@ def all_reduce(values: list[float], device: torch.device, op: str = "sum") -> li
     return tensor.tolist()
 
 
-def median_data_wait(history: list[float]) -> float | None:
-    """The run's data wait: median over epochs 2..N (epoch 1 may fill a cache)."""
+def steady_median(history: list[float]) -> float | None:
+    """Median over epochs 2..N (epoch 1 may fill a cache), or epoch 1 alone in a 1-epoch run."""
     steady = history[1:] or history
     return statistics.median(steady) if steady else None

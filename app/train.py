@@ -19,7 +19,7 @@ import torch.distributed as dist
 from app import checkpoint, storage
 from app.cli import UserError
 from app.config import Config, ConfigError, dump, validate
-from app.loop import TrainState, median_data_wait, steps_per_epoch, train_epoch, validate_epoch
+from app.loop import TrainState, steady_median, steps_per_epoch, train_epoch, validate_epoch
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ def summarize(
     latest = result.checkpoint or best
     last = storage.read_json(storage.join(checkpoint_uri(config, latest.path), checkpoint.META))
     waits = last.get("data_wait_history", [])
+    epoch_seconds = last.get("epoch_seconds_history", [])
     return {
         "stage": "train",
         "run_name": run_name,
@@ -168,8 +169,12 @@ def summarize(
         "metrics": meta["metrics"],
         "data_path": data_path,
         # Median over epochs 2..N of the slowest rank's share of loop time spent waiting.
-        "data_wait_fraction": median_data_wait(waits),
+        "data_wait_fraction": steady_median(waits),
         "data_wait_history": waits,
+        # Training-loop time of a steady epoch (median over epochs 2..N), slowest rank.
+        "epoch_seconds": steady_median(epoch_seconds),
+        "epoch_seconds_history": epoch_seconds,
+        "first_step_at": last.get("first_step_at"),
     }
 
 
@@ -223,6 +228,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         val_stats = validate_epoch(model, val_batches, device, t.precision)
         state.epoch = epoch
         state.data_wait_history.append(train_stats["data_wait_fraction"])
+        state.epoch_seconds_history.append(train_stats["epoch_seconds"])
         metrics = {"epoch": epoch, "step": state.step, **train_stats, **val_stats}
         if rank == 0:
             log_epoch(metrics, t.epochs)
@@ -305,6 +311,8 @@ def report(
         "metrics": metrics,
         "resume_history": state.resume_history,
         "data_wait_history": state.data_wait_history,
+        "epoch_seconds_history": state.epoch_seconds_history,
+        "first_step_at": state.first_step_at,
         "worker_nodes": state.worker_nodes,
         "preprocessor": preprocessor.to_json(),
         "torch_version": torch.__version__,

@@ -8,7 +8,7 @@ import torch
 
 from app.data import plan_data_path
 from app.feed import MemoryFeed
-from app.loop import TrainState, median_data_wait, train_epoch, validate_epoch
+from app.loop import TrainState, steady_median, train_epoch, validate_epoch
 from app.models.mlp import MLP
 from app.preprocess import Preprocessor
 
@@ -94,9 +94,9 @@ def test_memory_feed_reads_its_source_once():
 
 
 def test_data_wait_is_the_median_of_epochs_after_the_first():
-    assert median_data_wait([0.9, 0.01, 0.03, 0.02]) == pytest.approx(0.02)
-    assert median_data_wait([0.5]) == 0.5  # a one-epoch run has only its first epoch
-    assert median_data_wait([]) is None
+    assert steady_median([0.9, 0.01, 0.03, 0.02]) == pytest.approx(0.02)
+    assert steady_median([0.5]) == 0.5  # a one-epoch run has only its first epoch
+    assert steady_median([]) is None
 
 
 def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
