@@ -3,7 +3,8 @@
 - `MemoryFeed` keeps the worker's whole shard as tensors after one pass over it and reshuffles
   it every epoch with a seeded generator: after the first epoch there is nothing to set up, read
   or preprocess, so the training loop never waits for data.
-- `StreamFeed` iterates a Ray Data shard anew every epoch (local shuffle buffer, prefetching).
+- `StreamFeed` iterates a Ray Data shard anew every epoch (local shuffle buffer, prefetching),
+  starting each next pass while the current epoch validates and reports.
 
 Both yield dicts of CPU tensors. Nothing here imports Ray: a shard is any object with Ray Data's
 `DataIterator` methods, and plain PyTorch (the benchmarks' DDP baseline) uses `MemoryFeed` too.
@@ -11,7 +12,9 @@ Both yield dicts of CPU tensors. Nothing here imports Ray: a shard is any object
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -47,6 +50,9 @@ class MemoryFeed:
             self._tensors = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
         return self._tensors
 
+    def prefetch(self, batch_size: int, seed: int | None = None) -> None:
+        """Nothing to start ahead: the next pass is an index permutation."""
+
     def __len__(self) -> int:
         return len(next(iter(self.tensors.values()), ()))
 
@@ -65,16 +71,45 @@ class MemoryFeed:
 
 
 class StreamFeed:
-    """A Ray Data shard streamed every epoch."""
+    """A Ray Data shard streamed every epoch.
+
+    Starting a pass costs Ray Data a new streaming execution (planning, read and map tasks,
+    the split coordinator): about a second before the first batch. `prefetch` starts the next
+    pass in the background as soon as a training epoch ends, so that cost overlaps validation
+    and reporting instead of the next epoch's training loop.
+    """
 
     def __init__(self, shard: Any, prefetch_batches: int, shuffle_buffer: int):
-        self.shard, self.prefetch, self.shuffle_buffer = shard, prefetch_batches, shuffle_buffer
+        self.shard, self.prefetch_batches, self.shuffle_buffer = (
+            shard,
+            prefetch_batches,
+            shuffle_buffer,
+        )
+        self._pending: tuple[tuple[int, int | None], Future[Iterator[Batch]]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def batches(self, batch_size: int, seed: int | None = None) -> Iterator[Batch]:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == (batch_size, seed):
+            return pending[1].result()
+        return self._open(batch_size, seed)
+
+    def prefetch(self, batch_size: int, seed: int | None = None) -> None:
+        """Begin the pass that `batches(batch_size, seed)` will return, up to its first batch."""
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="stream-prefetch")
+        future = self._pool.submit(self._started, batch_size, seed)
+        self._pending = ((batch_size, seed), future)
+
+    def _started(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
+        batches = iter(self._open(batch_size, seed))
+        first = next(batches, None)
+        return batches if first is None else itertools.chain([first], batches)
+
+    def _open(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
         shuffle = seed is not None and self.shuffle_buffer > 0
         return self.shard.iter_torch_batches(
             batch_size=batch_size,
-            prefetch_batches=self.prefetch,
+            prefetch_batches=self.prefetch_batches,
             local_shuffle_buffer_size=self.shuffle_buffer if shuffle else None,
             local_shuffle_seed=seed if shuffle else None,
         )

@@ -80,6 +80,11 @@ def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
     return math.ceil(train_rows / world / t.batch_size / t.grad_accum_steps)
 
 
+def order_seed(seed: int, epoch: int, rank: int) -> int:
+    """Batch-order seed per epoch and rank: a fresh order each epoch, reproducible per seed."""
+    return seed * 1_000_003 + epoch * 1009 + rank
+
+
 class WarmupCosine:
     """Linear warmup to the base rate, then cosine decay to 10% of it."""
 

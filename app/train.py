@@ -19,7 +19,14 @@ import torch.distributed as dist
 from app import checkpoint, storage
 from app.cli import UserError
 from app.config import Config, ConfigError, dump, validate
-from app.loop import TrainState, steady_median, steps_per_epoch, train_epoch, validate_epoch
+from app.loop import (
+    TrainState,
+    order_seed,
+    steady_median,
+    steps_per_epoch,
+    train_epoch,
+    validate_epoch,
+)
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -220,10 +227,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     log_every = t.log_every_steps if rank == 0 else 0
     for epoch in range(state.epoch + 1, t.epochs + 1):
         maybe_inject_fault(config, loop_config["run_dir"], rank, epoch)
-        # Seeded per epoch and rank: a fresh order each epoch, reproducible for a given seed.
-        order_seed = t.seed * 1_000_003 + epoch * 1009 + rank
-        batches = train_feed.batches(t.batch_size, seed=order_seed)
+        batches = train_feed.batches(t.batch_size, seed=order_seed(t.seed, epoch, rank))
         train_stats = train_epoch(state, batches, device, log_every)
+        if epoch < t.epochs:  # the next pass starts while this epoch validates and reports
+            train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, rank))
         val_batches = val_feed.batches(t.batch_size * 4)
         val_stats = validate_epoch(model, val_batches, device, t.precision)
         state.epoch = epoch

@@ -149,9 +149,21 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> list[float]:
     return times
 
 
-def timed_median(fn, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of fn() in milliseconds."""
-    return median(timed_ms(fn, repeats, warmup))
+# A window is quiet when the 1-minute load average is below this (2-core reference box: less
+# than half of one core busy besides the measurement itself).
+QUIET_LOAD = float(os.environ.get("BENCH_QUIET_LOAD", "0.6"))
+
+
+def wait_for_quiet(max_wait_s: float = 240.0) -> float:
+    """Wait (up to `max_wait_s`) for a quiet window; returns the load average it started at.
+
+    Measurements taken while something else keeps the cores busy say nothing about the code:
+    each timed run waits for the machine to settle, and records the load it started with.
+    """
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] >= QUIET_LOAD and time.monotonic() < deadline:
+        time.sleep(5)
+    return round(os.getloadavg()[0], 2)
 
 
 # --- results -----------------------------------------------------------------------------------
@@ -322,6 +334,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
             "ray_init_s": time.perf_counter() - start,
         }
     info["ray_connect_s"] = time.perf_counter() - start
+    info["address"] = ray.get_runtime_context().gcs_address
     try:
         yield info
     finally:

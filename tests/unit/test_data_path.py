@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,33 @@ def test_training_refuses_an_altered_shard_before_any_work(config_factory):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(UserError, match=r"part-00000\.parquet: sha256 differs"):
         train(config)
+
+
+class SlowShard:
+    """A stand-in for a Ray Data shard whose passes take `delay` seconds to their first batch."""
+
+    def __init__(self, delay: float):
+        self.delay, self.opened = delay, []
+
+    def iter_torch_batches(self, batch_size, prefetch_batches, **shuffle):
+        self.opened.append(shuffle.get("local_shuffle_seed"))
+        time.sleep(self.delay)  # planning + first read task
+        for start in range(0, 6, batch_size):
+            yield {"label": torch.arange(start, min(start + batch_size, 6))}
+
+
+def test_stream_feed_starts_the_next_pass_ahead():
+    from app.feed import StreamFeed
+
+    shard = SlowShard(delay=0.3)
+    feed = StreamFeed(shard, prefetch_batches=2, shuffle_buffer=10)
+    feed.prefetch(4, seed=7)
+    time.sleep(0.5)  # validation and reporting happen here
+    start = time.perf_counter()
+    labels = [int(v) for b in feed.batches(4, seed=7) for v in b["label"]]
+    assert time.perf_counter() - start < 0.2  # the set-up was already paid
+    assert labels == list(range(6)) and shard.opened == [7]
+    # A pass asked for with other arguments is opened fresh, not taken from the prefetch.
+    feed.prefetch(4, seed=8)
+    assert [int(v) for b in feed.batches(4, seed=9) for v in b["label"]] == list(range(6))
+    assert 9 in shard.opened

@@ -1,0 +1,181 @@
+"""B8 streaming memory: peak memory of an ingest-only training pass when the data grows 10x.
+
+configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
+stream). Each size runs in a fresh private Ray: a TorchTrainer with 2 workers whose loop pulls one
+epoch of batches through the project's streaming feed (app.data.load_split + app.feed.StreamFeed,
+the execution options training uses) and updates no model. A sampler sums the proportional set
+size (PSS: shared pages, the object store's included, counted once) of this process and every
+process under it (GCS, raylet, object store, workers, Ray Data tasks) every 0.2 s.
+Goal: peak(10N) / peak(N) <= 1.2: streaming memory must not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    bench_config,
+    ensure_prepared,
+    main_wrapper,
+    ratio,
+    wait_for_quiet,
+    write_result,
+)
+
+ID = "B8"
+GOAL = "peak memory at 10x the data <= 1.2x"
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Samples the PSS of this process tree in a background thread; `peak` in bytes."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.peak, self.samples = interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = sum(pss_bytes(p) for p in descendants(os.getpid()))
+            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def ingest_loop(loop_config: dict[str, Any]) -> None:
+    import ray.train
+
+    from app.feed import StreamFeed
+
+    shard = ray.train.get_dataset_shard("train")
+    feed = StreamFeed(shard, loop_config["prefetch"], loop_config["shuffle_buffer"])
+    rows = sum(len(b["label"]) for b in feed.batches(loop_config["batch_size"], seed=0))
+    ray.train.report({"rows": rows})
+
+
+def ingest_pass(config) -> dict[str, Any]:
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from app.data import fit_preprocessor, ingest_options, load_split
+
+    manifest = ensure_prepared(config)
+    pre = fit_preprocessor(config, manifest)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            trainer = TorchTrainer(
+                ingest_loop,
+                train_loop_config={
+                    "batch_size": config.train.batch_size,
+                    "prefetch": config.data.stream_prefetch_batches,
+                    "shuffle_buffer": config.train.shuffle_buffer,
+                },
+                scaling_config=ray.train.ScalingConfig(
+                    num_workers=2, resources_per_worker={"CPU": config.train.cpus_per_worker}
+                ),
+                run_config=ray.train.RunConfig(storage_path=config.storage_path),
+                datasets={"train": load_split(config, "train", pre, manifest, mode="stream")},
+                dataset_config=ray.train.DataConfig(
+                    execution_options=ingest_options(config, "stream")
+                ),
+            )
+            result = trainer.fit()
+            elapsed = time.perf_counter() - start
+    finally:
+        ray.shutdown()
+    return {
+        "train_rows": manifest["rows"]["train"],
+        "rows_per_worker": result.metrics.get("rows"),
+        "peak_pss_bytes": memory.peak,
+        "samples": memory.samples,
+        "pass_s": elapsed,
+    }
+
+
+def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    base = 1000 if smoke else 40000
+    sizes = {}
+    for scale in (1, 10):
+        rows = base * scale
+        config = bench_config(
+            work,
+            "stream",
+            f"data.num_rows={rows}",
+            f"data.rows_per_shard={max(rows // 40, 100)}",
+            "data.cache=stream",
+            tag=f"stream-{scale}x",
+        )
+        ensure_prepared(config)
+        wait_for_quiet(0.0 if smoke else 240.0)
+        sizes[f"{scale}x"] = ingest_pass(config)
+    growth = ratio(sizes["10x"]["peak_pss_bytes"], sizes["1x"]["peak_pss_bytes"])
+    summary = (
+        f"peak PSS {sizes['1x']['peak_pss_bytes'] / 2**20:.0f} MiB at {base} rows, "
+        f"{sizes['10x']['peak_pss_bytes'] / 2**20:.0f} MiB at {10 * base} rows (x{growth:.2f})"
+    )
+    return write_result(
+        ID,
+        "peak_memory_ratio_10x_vs_1x",
+        growth,
+        GOAL,
+        bool(growth <= 1.2),
+        {"sizes": sizes, "method": __doc__.split("\n\n", 1)[1].strip()},
+        out,
+        what="streaming memory: ingest-only pass through 2 train workers, data x10",
+        summary=summary,
+        mode="smoke" if smoke else "full",
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+def main(argv=None) -> None:
+    main_wrapper(run, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Plain PyTorch DDP training of a workload: the baseline that B1 and B9 hold Ray against.
+
+    python -m bench.ddp_train --config configs/digits.yaml [overrides] --summary-file F
+        [--loader-workers 1]
+
+What a user without Ray would write: fit the preprocessor on the driver (as app.train does),
+`torch.multiprocessing.spawn` one gloo process per `train.num_workers`, each reading its equal
+share of the prepared shards through a torch DataLoader with its own worker process(es)
+(bench.torch_data), and running the project's own Ray-free epoch (app.loop.train_epoch /
+validate_epoch), so only the data path and Ray differ from `python -m jobs.train`. No
+checkpoints (the Ray side uploads them asynchronously, outside the timed loop). The summary has
+the train summary's timing keys: `epoch_seconds` (steady median), `epoch_seconds_history`,
+`data_wait_fraction`, `first_step_at`, `metrics.val_accuracy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from bench.common import free_port, train_files
+
+
+def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from app.config import validate
+    from app.loop import order_seed, train_epoch, validate_epoch
+    from app.preprocess import Preprocessor
+    from bench.common import inprocess_state
+    from bench.torch_data import TorchShard
+
+    config = validate(spec["config"])
+    t = config.train
+    torch.set_num_threads(t.torch_threads)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    pre = Preprocessor.from_json(spec["preprocessor"])
+    state = inprocess_state(config, pre, spec["train_rows"], world)
+    torch.manual_seed(t.seed + rank)
+    state.model = torch.nn.parallel.DistributedDataParallel(state.model)
+    device = torch.device("cpu")
+    loaders = spec["loader_workers"]
+    train = TorchShard(spec["train_files"], pre, rank, world, loaders, t.shuffle_buffer)
+    val = TorchShard(spec["val_files"], pre, rank, world, loaders)
+    epochs = []
+    for epoch in range(1, t.epochs + 1):
+        seed = order_seed(t.seed, epoch, rank)  # as app.train.train_loop
+        stats = train_epoch(state, train.batches(t.batch_size, seed=seed), device)
+        stats.update(validate_epoch(state.model, val.batches(t.batch_size * 4), device, "fp32"))
+        epochs.append(stats)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"epochs": epochs, "first": state.first_step_at}))
+    dist.destroy_process_group()
+
+
+def run(config, loader_workers: int, out: str) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from app.config import dump
+    from app.data import fit_preprocessor
+    from app.loop import steady_median
+    from app.prepare import read_manifest
+
+    manifest = read_manifest(config.data_output)
+    spec = {
+        "config": dump(config),
+        "preprocessor": fit_preprocessor(config, manifest).to_json(),
+        "train_rows": manifest["rows"]["train"],
+        "train_files": train_files(config, manifest, "train"),
+        "val_files": train_files(config, manifest, "val"),
+        "loader_workers": loader_workers,
+        "out": out,
+    }
+    world = config.train.num_workers
+    mp.spawn(_worker, args=(world, free_port(), spec), nprocs=world, join=True)
+    result = json.loads(Path(out).read_text())
+    seconds = [e["epoch_seconds"] for e in result["epochs"]]
+    waits = [e["data_wait_fraction"] for e in result["epochs"]]
+    return {
+        "stage": "ddp_train",
+        "num_workers": world,
+        "epoch_seconds": steady_median(seconds),
+        "epoch_seconds_history": seconds,
+        "data_wait_fraction": steady_median(waits),
+        "data_wait_history": waits,
+        "first_step_at": result["first"],
+        "metrics": {"val_accuracy": result["epochs"][-1]["val_accuracy"]},
+    }
+
+
+def main(argv=None) -> None:
+    from app.config import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--summary-file", required=True)
+    p.add_argument("--loader-workers", type=int, default=1)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    summary = run(config, args.loader_workers, args.summary_file + ".epochs")
+    Path(args.summary_file).write_text(json.dumps(summary))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
