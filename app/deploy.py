@@ -5,11 +5,19 @@ The application is managed declaratively, the same way `serve deploy cluster/ser
 `models` list and submits it. Serve then rolls only what changed: a new version of one model is a
 rolling update of that model's replicas, with no failed requests; deploying an older version is a
 rollback. The job returns once the model answers with the new version over HTTP.
+
+Two deploys at once would each submit a config without the other's model, so the whole
+read-modify-write, the rollout check and any rollback run under the cluster's deploy lock
+(app.serve.deploy_lock). A version that does not come up (its application or deployment fails,
+or it does not answer in time) is rolled back: the previous config is submitted again, so the
+previous version keeps serving, and the job fails with one line saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import time
 from typing import Any
 
@@ -17,48 +25,25 @@ import requests
 
 from app.artifact import open_artifact
 from app.cli import UserError, connect_ray
-from app.config import Config, resolve_uri
-from app.serve.ingress import api_key, is_loopback
+from app.config import Config, ServeConfig, resolve_uri
+from app.serve.deploy_lock import cluster_lock
+from app.serve.ingress import api_key
 
 log = logging.getLogger(__name__)
 IMPORT_PATH = "app.serve.app:build_app"
+POLL_S = 1.0
+ROLLBACK_TIMEOUT_S = 120.0
 
 
 def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[str, Any]:
     artifact = open_artifact(resolve_uri(artifact_uri))  # verify before touching the cluster
     cfg = config.serve
-    if not is_loopback(cfg.host):
-        api_key(cfg)  # refuses a public bind without a key
+    require_key(cfg, None)  # a public serve.host without a key: refuse before any work
     connect_ray(require_cluster=True)
-    client = serve_client()
-    details = client.get_serve_details()
-    apps = current_apps(details)
-    app = apps.get(cfg.app_name) or {
-        "name": cfg.app_name,
-        "route_prefix": "/",
-        "import_path": IMPORT_PATH,
-        "args": {"models": []},
-    }
-    models = [m for m in app["args"].get("models", []) if m["name"] != artifact.name]
-    models.append({"name": artifact.name, "artifact": artifact.uri})
-    app["args"] = {
-        "models": sorted(models, key=lambda m: m["name"]),
-        "serve": cfg.model_dump(mode="json"),
-    }
-    apps[cfg.app_name] = app
-    log.info(
-        "deploy: %s version %s -> application %r", artifact.name, artifact.version, cfg.app_name
-    )
-    client.deploy_applications(
-        {
-            "http_options": {"host": cfg.host, "port": cfg.port},
-            "applications": list(apps.values()),
-        }
-    )
-    url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
-    deadline = time.monotonic() + timeout_s
-    wait_until_rolled_out(client, cfg.app_name, artifact.name, deadline)
-    wait_until_serving(url, artifact.name, artifact.version, cfg.api_key_env, deadline)
+    model = {"name": artifact.name, "artifact": artifact.uri}
+    # The lease outlives the longest locked section (rollout, then rollback) with room to spare.
+    with cluster_lock(ttl_s=timeout_s + ROLLBACK_TIMEOUT_S + 60, wait_s=timeout_s):
+        url, app = apply(serve_client(), cfg, model, artifact.version, timeout_s)
     return {
         "stage": "deploy",
         "url": url,
@@ -67,6 +52,112 @@ def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[
         "artifact": artifact.uri,
         "models": [m["name"] for m in app["args"]["models"]],
     }
+
+
+def apply(
+    client, cfg: ServeConfig, model: dict[str, str], version: str, timeout_s: float
+) -> tuple[str, dict[str, Any]]:
+    """Read-modify-write of the Serve config (call it under the deploy lock), then check the new
+    version comes up; roll back to the config read here if it does not."""
+    details = client.get_serve_details()
+    host, port = serving_address(details, cfg)
+    require_key(cfg, host)
+    before = current_apps(details)
+    after = with_model(before, cfg, model)
+    log.info("deploy: %s version %s -> application %r", model["name"], version, cfg.app_name)
+    client.deploy_applications(serve_config(cfg, after))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    try:
+        wait_until_up(client, url, cfg, model["name"], version, time.monotonic() + timeout_s)
+    except UserError as e:
+        raise rollback(client, cfg, before, model["name"], str(e)) from None
+    return url, after[cfg.app_name]
+
+
+def require_key(cfg: ServeConfig, serve_host: str | None) -> None:
+    """app.serve.ingress.api_key's rule, as a one-line UserError (the ingress would refuse to
+    start anyway; this says so before anything is submitted)."""
+    try:
+        api_key(cfg, serve_host)
+    except RuntimeError as e:
+        raise UserError(str(e)) from None
+
+
+def serving_address(details: dict[str, Any], cfg: ServeConfig) -> tuple[str, int]:
+    """Where Serve really listens: a running Serve keeps the http_options it started with and
+    ignores a deploy's; before Serve starts, this deploy's serve.host and port will be used."""
+    http = details.get("http_options") or {}
+    return str(http.get("host") or cfg.host), int(http.get("port") or cfg.port)
+
+
+def with_model(
+    apps: dict[str, dict[str, Any]], cfg: ServeConfig, model: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """A copy of `apps` whose application has `model` added or replaced, and this `serve`."""
+    apps = copy.deepcopy(apps)
+    app = apps.get(cfg.app_name) or {
+        "name": cfg.app_name,
+        "route_prefix": "/",
+        "import_path": IMPORT_PATH,
+        "args": {"models": []},
+    }
+    models = [m for m in app["args"].get("models", []) if m["name"] != model["name"]]
+    models.append(dict(model))
+    app["args"] = {
+        "models": sorted(models, key=lambda m: m["name"]),
+        "serve": cfg.model_dump(mode="json"),
+    }
+    apps[cfg.app_name] = app
+    return apps
+
+
+def serve_config(cfg: ServeConfig, apps: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    # Serve's deploy-config default host is 0.0.0.0 (public): always name it.
+    return {
+        "http_options": {"host": cfg.host, "port": cfg.port},
+        "applications": list(apps.values()),
+    }
+
+
+def rollback(
+    client, cfg: ServeConfig, before: dict[str, dict[str, Any]], model: str, reason: str
+) -> UserError:
+    """Submit the previous config again and say what now serves; the returned error is the
+    job's one-line failure."""
+    log.error("deploy: %s did not come up (%s); rolling back", model, reason)
+    try:
+        client.deploy_applications(serve_config(cfg, before))
+    except Exception as e:  # noqa: BLE001 - the job still ends with one line saying both
+        return UserError(
+            f"deploy of {model} failed: {one_line(reason)}; rollback failed: {one_line(str(e))}"
+        )
+    models = (before.get(cfg.app_name) or {}).get("args", {}).get("models", [])
+    entry = next((m for m in models if m["name"] == model), None)
+    restored = f"{model} from {entry['artifact']}" if entry else f"no {model} (it was new)"
+    deadline = time.monotonic() + ROLLBACK_TIMEOUT_S
+    state = wait_for_app(client, cfg.app_name, cfg.app_name in before, deadline)
+    return UserError(
+        f"deploy of {model} failed: {one_line(reason)}; rolled back to the previous config "
+        f"({restored}; application {state}); see `serve status`"
+    )
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else "no reason given")[:limit]
+
+
+def wait_for_app(client, app_name: str, should_exist: bool, deadline: float) -> str:
+    """Until the application is RUNNING again (or gone, when the previous config had none)."""
+    status = "unknown"
+    time.sleep(POLL_S)  # the status read right after a submit can still be the failed one's
+    while time.monotonic() < deadline:
+        app = (client.get_serve_details().get("applications") or {}).get(app_name)
+        status = (app or {}).get("status", "absent")
+        if status == ("RUNNING" if should_exist else "absent"):
+            break
+        time.sleep(POLL_S)
+    return status
 
 
 def serve_client():
@@ -91,41 +182,41 @@ def current_apps(details: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return apps
 
 
-def wait_until_rolled_out(client, app_name: str, model: str, deadline: float) -> None:
-    """Until the application is RUNNING and the model's deployment HEALTHY (no old replicas left)."""
-    time.sleep(1.0)  # let the controller take the new config before reading its status
+def wait_until_up(
+    client, url: str, cfg: ServeConfig, model: str, version: str, deadline: float
+) -> None:
+    """Until the application is RUNNING, the model's deployment HEALTHY (no old replicas left)
+    and the model answers over HTTP with `version`; UserError as soon as Serve reports a failed
+    deploy, or at the deadline."""
+    time.sleep(POLL_S)  # let the controller take the new config before reading its status
     last = "unknown"
     while time.monotonic() < deadline:
-        app = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
+        app = (client.get_serve_details().get("applications") or {}).get(cfg.app_name) or {}
         deployment = (app.get("deployments") or {}).get(f"model-{model}") or {}
         last = f"application {app.get('status')}, model-{model} {deployment.get('status')}"
-        if app.get("status") == "DEPLOY_FAILED":
-            raise UserError(f"deploy failed: {app.get('message', '')[:500]}")
+        if "DEPLOY_FAILED" in (app.get("status"), deployment.get("status")):
+            message = deployment.get("message") or app.get("message") or ""
+            raise UserError(f"{last}: {one_line(message)}")
         if app.get("status") == "RUNNING" and deployment.get("status") == "HEALTHY":
-            return
-        time.sleep(1.0)
-    raise UserError(f"rollout of {model} did not finish in time ({last}); see `serve status`")
+            answer = serving_version(url, model, cfg.api_key_env)
+            if answer == version:
+                log.info("deploy: %s version %s is serving at %s", model, version, url)
+                return
+            last = f"{last}, HTTP answer: {answer}"
+        time.sleep(POLL_S)
+    raise UserError(f"{model} version {version} did not come up in time ({last})")
 
 
-def wait_until_serving(
-    url: str, model: str, version: str, api_key_env: str, deadline: float
-) -> None:
-    import os
-
+def serving_version(url: str, model: str, api_key_env: str) -> str:
+    """The version the model answers with over HTTP, or what went wrong."""
     headers = {}
     if os.environ.get(api_key_env):
         headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        try:
-            r = requests.get(f"{url}/v2/models/{model}", headers=headers, timeout=5)
-            if r.status_code == 200 and r.json().get("versions") == [version]:
-                log.info("deploy: %s version %s is serving at %s", model, version, url)
-                return
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-        except requests.RequestException as e:
-            last = type(e).__name__
-        time.sleep(1.0)
-    raise UserError(
-        f"model {model} version {version} did not come up in time ({last}); see `serve status`"
-    )
+    try:
+        r = requests.get(f"{url}/v2/models/{model}", headers=headers, timeout=5)
+    except requests.RequestException as e:
+        return type(e).__name__
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    versions = r.json().get("versions") or ["?"]
+    return str(versions[0])

@@ -19,7 +19,7 @@ from ray import serve
 
 from app.artifact import resolve
 from app.config import ServeConfig, resolve_uri
-from app.serve.ingress import IngressMetrics, ModelRouter, create_api
+from app.serve.ingress import IngressMetrics, ModelRouter, create_api, serve_http_host
 from app.serve.model_server import ModelServer
 
 
@@ -47,10 +47,13 @@ class AppArgs(BaseModel):
 class Ingress:
     def __init__(self, serve_config: dict[str, Any], models: dict[str, Any]):
         self.config = ServeConfig.model_validate(serve_config)
-        self.router = ModelRouter(models)
+        self.router = ModelRouter(models, self.config.request_timeout_s)
 
-    def __serve_build_asgi_app__(self):
-        return create_api(self.config, self.router, IngressMetrics())
+    async def __serve_build_asgi_app__(self):
+        # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
+        # RayService set it in http_options, not in these args): ask the controller.
+        host = await serve_http_host()
+        return create_api(self.config, self.router, IngressMetrics(), serve_host=host)
 
 
 def model_deployment(spec: ModelSpec, cfg: ServeConfig):
@@ -82,6 +85,7 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
             cfg.max_batch_size,
             cfg.batch_wait_timeout_s,
             max(1, math.floor(cfg.replica_cpus)),
+            cfg.max_request_rows,
         )
     )
 

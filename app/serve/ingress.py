@@ -1,14 +1,16 @@
 """The HTTP API: Open Inference Protocol v2 and a simple JSON API over the model replicas.
 
-Routes (see DESIGN.md): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
+Routes (README.md, "The HTTP API"): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
 (also under /versions/{version}), /v1/models, /v1/models/{name}:predict.
 Every error is a JSON body naming the problem: {"error": ...}; never a traceback, never a 500
-for bad input; 413 for oversize bodies, 503 when the model's bounded queue is full.
+for bad input; 413 for oversize bodies or too many rows, 503 when the model's bounded queue is
+full or its replica died, 504 when it does not answer within serve.request_timeout_s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import logging
@@ -29,6 +31,7 @@ from app.serve.protocol import (
     BINARY_HEADER,
     RequestError,
     check_content_type,
+    claimed_rows,
     decode_v1,
     decode_v2,
     encode_v2,
@@ -38,30 +41,66 @@ log = logging.getLogger("ray.serve")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
 
 
+UNKNOWN_HOST = "<unknown>"
+# The metrics tag of a model name that is not deployed: one series, however many names are tried.
+UNKNOWN_MODEL = "unknown"
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
-def api_key(cfg: ServeConfig) -> str | None:
+def api_key(cfg: ServeConfig, serve_host: str | None = None) -> str | None:
+    """The API key the model routes require, or None when they are open.
+
+    The rule: when the environment variable named by `serve.api_key_env` is set (on the cluster),
+    every route but the health probes needs `Authorization: Bearer <key>`, whatever the host. A
+    key is *required* (no key: the ingress refuses to start, the deploy job refuses to deploy)
+    whenever Serve may be reachable beyond loopback, that is when either host is not loopback:
+    `serve_host`, where Serve's HTTP proxies really listen (`http_options.host` as the running
+    controller has it: cluster/serve.yaml and the RayService set it there, not in `serve`), or
+    `serve.host`. A host that could not be read (UNKNOWN_HOST) counts as public.
+    `serve_host=None` means the caller has no such host to add (unit tests, before Serve runs).
+    """
     key = os.environ.get(cfg.api_key_env) or None
-    if key is None and not is_loopback(cfg.host):
+    public = [h for h in (serve_host, cfg.host) if h is not None and not is_loopback(h)]
+    if key is None and public:
         raise RuntimeError(
-            f"serve.host={cfg.host} listens beyond loopback: set an API key in ${cfg.api_key_env} "
+            f"Serve listens on {public[0]}, beyond loopback: set an API key in ${cfg.api_key_env} "
             "on the cluster (requests then need Authorization: Bearer <key>)"
         )
     return key
 
 
+async def serve_http_host() -> str:
+    """The host Serve's HTTP proxies listen on, read from the running Serve controller.
+
+    Serve keeps the http_options it started with (later deploys cannot change them), so this is
+    the one source of truth. Private API: if it cannot be read, UNKNOWN_HOST (fail closed).
+    """
+    try:
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        options = await controller.get_http_config.remote()
+        return str(options.host)
+    except Exception as e:  # noqa: BLE001 - any failure means "unknown", handled as public
+        log.warning("could not read Serve's HTTP host (%s); requiring an API key", e)
+        return UNKNOWN_HOST
+
+
 class ModelRouter:
     """What the routes need from the models: a name -> DeploymentHandle map plus error mapping."""
 
-    def __init__(self, handles: dict[str, Any]):
+    def __init__(self, handles: dict[str, Any], timeout_s: float = 30.0):
         self.handles = handles
+        self.timeout_s = timeout_s
 
     def get(self, name: str) -> Any:
         handle = self.handles.get(name)
@@ -69,25 +108,80 @@ class ModelRouter:
             raise RequestError(404, f"model {name!r} not found (deployed: {sorted(self.handles)})")
         return handle
 
+    def metrics_tag(self, name: str) -> str:
+        # URL names are client-controlled: tagging with them would make unbounded series (and
+        # Ray's metrics refuse non-ASCII tags outright).
+        return name if name in self.handles else UNKNOWN_MODEL
+
     async def call(self, name: str, method: str, *args: Any) -> Any:
         from ray.serve.exceptions import BackPressureError
 
         handle = self.get(name)
+        unavailable = _unavailable_errors()
         try:
-            return await getattr(handle, method).remote(*args)
+            response = getattr(handle, method).remote(*args)
+            return await asyncio.wait_for(_awaited(response), self.timeout_s)
+        except asyncio.TimeoutError:
+            _cancel(response)  # frees the replica's slot; the client has its answer
+            raise RequestError(
+                504,
+                f"model {name!r} did not answer within serve.request_timeout_s={self.timeout_s:g}",
+            ) from None
         except BackPressureError:
             raise RequestError(
                 503, f"model {name!r} is overloaded (queue full); retry later"
             ) from None
+        except unavailable as e:
+            # The replica died (or none is up): Serve replaces it; say so at once, retryable.
+            raise RequestError(
+                503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
+            ) from None
 
 
-def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> FastAPI:
+@functools.cache
+def _unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What awaiting a replica raises when it died or none is up (503, not 500)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    errors: tuple[type[BaseException], ...] = (
+        RayActorError,  # ActorDiedError, ActorUnavailableError
+        ReplicaUnavailableError,
+        DeploymentUnavailableError,
+    )
+    try:  # Serve's gRPC transport between deployments can surface its own transport error
+        from grpc.aio import AioRpcError
+    except ImportError:
+        return errors
+    return (*errors, AioRpcError)
+
+
+async def _awaited(response: Any) -> Any:
+    return await response
+
+
+def _cancel(response: Any) -> None:
+    cancel = getattr(response, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
+def create_api(
+    cfg: ServeConfig, router: ModelRouter, metrics: Any = None, serve_host: str | None = None
+) -> FastAPI:
     api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
-    key = api_key(cfg)
+    key = api_key(cfg, serve_host)
 
     def error(status: int, message: str, request_id: str = "") -> JSONResponse:
         headers = {"x-request-id": request_id} if request_id else None
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+    def observe(request: Request, status: int, latency_ms: float) -> None:
+        name = request.path_params.get("name")
+        try:
+            metrics.observe("-" if name is None else router.metrics_tag(name), status, latency_ms)
+        except Exception:  # noqa: BLE001 - a metrics failure must never change the answer
+            log.exception("could not record request metrics")
 
     @api.middleware("http")
     async def guard(request: Request, call_next):
@@ -116,11 +210,8 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
             log.exception("request %s failed", request_id)
             response = error(500, "internal error; see the replica log", request_id)
         response.headers["x-request-id"] = request_id
-        model = request.path_params.get("name", "") if hasattr(request, "path_params") else ""
         if metrics is not None:
-            metrics.observe(
-                model or "-", response.status_code, 1000 * (time.perf_counter() - start)
-            )
+            observe(request, response.status_code, 1000 * (time.perf_counter() - start))
         return response
 
     @api.exception_handler(RequestError)
@@ -203,8 +294,8 @@ def create_api(cfg: ServeConfig, router: ModelRouter, metrics: Any = None) -> Fa
         header_length = request.headers.get(BINARY_HEADER)
         check_content_type(request.headers.get("content-type"), binary=header_length is not None)
         parsed = decode_v2(await body(request), header_length)
-        shape = parsed["tensor"]["shape"]
-        check_rows(shape[0] if shape else 0)
+        # A first, cheap count; the replica counts again after flattening the data it reads.
+        check_rows(claimed_rows(parsed["tensor"]))
         result = await infer(name, {"protocol": "v2", "tensor": parsed["tensor"]}, request)
         if version is not None and version != result["version"]:
             raise RequestError(

@@ -1,9 +1,10 @@
 """One model's replica: a verified artifact in ONNX Runtime behind Serve's dynamic batching.
 
-`infer` validates one request against the artifact's schema (bad input comes back as an error
-value, never an exception, so a replica never dies of a request), then waits in `@serve.batch`
-for other requests; the batch is preprocessed with the artifact's fitted preprocessor (the code
-training used) and run in one ONNX Runtime call.
+`infer` validates one request against the artifact's schema and turns it into model inputs with
+the artifact's fitted preprocessor (the code training used), all before it joins a batch: bad input
+comes back as an error value for that request alone, never as an exception, so neither the replica
+nor the requests batched with it fail because of it. `@serve.batch` then runs the batch's inputs in
+one ONNX Runtime call.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 class ModelServer:
     def __init__(
-        self, artifact_uri: str, max_batch_size: int, batch_wait_timeout_s: float, threads: int
+        self,
+        artifact_uri: str,
+        max_batch_size: int,
+        batch_wait_timeout_s: float,
+        threads: int,
+        max_request_rows: int = 1024,
     ):
         self.artifact: Artifact = open_artifact(artifact_uri)
         self.threads = threads
+        self.max_request_rows = max_request_rows
         self.variant = "int8"
         self.session = self.artifact.session(self.variant, threads)
         # serve.batch's wrapper takes its limits at run time, so they come from config.
@@ -70,17 +77,23 @@ class ModelServer:
             "variant": self.variant,
             "artifact": a.uri,
             "schema": a.schema,
-            "manifest": {k: v for k, v in a.manifest.items() if k != "files"},
+            "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
             "replica_pid": os.getpid(),
         }
 
     async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
         """request: {"protocol": "v2", "tensor": {...}} or {"protocol": "v1", "instances": [...]}."""
         try:
-            rows = self._rows(request)
+            inputs = self._inputs(request)
         except RequestError as e:
             return {"error": e.message, "status": e.status}
-        labels, probabilities = await self.infer_batch(rows)
+        except Exception as e:  # noqa: BLE001 - whatever this input breaks stays its own 400
+            log.warning("request refused: %s: %s", type(e).__name__, e)
+            return {"error": f"inputs: could not be read ({type(e).__name__})", "status": 400}
+        result = await self.infer_batch(inputs)
+        if isinstance(result, RequestError):
+            return {"error": result.message, "status": result.status}
+        labels, probabilities = result
         return {
             "labels": labels,
             "probabilities": probabilities,
@@ -90,23 +103,59 @@ class ModelServer:
         }
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def infer_batch(self, requests: list[Any]) -> list[tuple[list[str], np.ndarray]]:
-        pre = self.artifact.preprocessor
-        counts = [len(r) for r in requests]
-        if pre.kind == "text":
-            raw: Any = [text for r in requests for text in r]
-        else:
-            raw = np.concatenate(requests)
-        self._metrics.batch_rows.observe(len(raw), tags=self._metrics.tags)
-        probabilities = softmax(run_logits(self.session, pre.features(raw)))
-        names = np.asarray(pre.labels, dtype=object)[probabilities.argmax(1)].tolist()
+    async def infer_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
+        """Per request: (labels, probabilities), or a RequestError that is that request's alone."""
+        self._metrics.batch_rows.observe(
+            sum(_rows_of(r) for r in requests), tags=self._metrics.tags
+        )
+        try:
+            return self._predict(requests)
+        except Exception:  # noqa: BLE001 - one request must not fail its batch mates
+            log.exception("batch of %d requests failed; running them one by one", len(requests))
+        alone = [self._predict_alone(r) for r in requests]
+        # A request that fails alone while others pass is the odd one out: its input (400).
+        # When all fail, the model itself is broken (500; check_health replaces the replica).
+        status = 400 if any(not isinstance(a, Exception) for a in alone) else 500
+        return [
+            RequestError(
+                status, f"inputs: the model could not run this request ({type(a).__name__})"
+            )
+            if isinstance(a, Exception)
+            else a
+            for a in alone
+        ]
+
+    def _predict(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
+        names = list(requests[0])
+        batch = {k: np.concatenate([r[k] for r in requests]) for k in names}
+        probabilities = softmax(run_logits(self.session, batch))
+        labels = self.artifact.preprocessor.labels
+        predicted = np.asarray(labels, dtype=object)[probabilities.argmax(1)].tolist()
         out, start = [], 0
-        for n in counts:
-            out.append((names[start : start + n], probabilities[start : start + n]))
+        for r in requests:
+            n = _rows_of(r)
+            out.append((predicted[start : start + n], probabilities[start : start + n]))
             start += n
         return out
 
+    def _predict_alone(self, request: dict[str, np.ndarray]) -> Any:
+        try:
+            return self._predict([request])[0]
+        except Exception as e:  # noqa: BLE001 - answered as this request's error
+            log.warning("request failed on its own: %s: %s", type(e).__name__, e)
+            return e
+
     # --- helpers ----------------------------------------------------------------------------
+
+    def _inputs(self, request: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Validated rows -> model inputs, for this request alone (before it joins a batch)."""
+        rows = self._rows(request)
+        if len(rows) > self.max_request_rows:
+            # Counted after flattening: a text tensor of shape [1, N] is N rows.
+            raise RequestError(
+                413, f"{len(rows)} rows exceed serve.max_request_rows={self.max_request_rows}"
+            )
+        return self.artifact.preprocessor.features(rows)
 
     def _rows(self, request: dict[str, Any]) -> Any:
         schema = self.artifact.schema
@@ -124,7 +173,7 @@ class ModelServer:
                 raise RequestError(
                     400, f"inputs[0].datatype: expected BYTES (text), got {tensor['datatype']!r}"
                 )
-            rows = text_rows(list(tensor["data"]), "inputs[0].data")
+            rows = text_rows(tensor["data"], "inputs[0].data")
             if len(rows) != math.prod(tensor["shape"]):
                 raise RequestError(
                     400, f"inputs[0].shape: {tensor['shape']} does not match {len(rows)} strings"
@@ -139,6 +188,10 @@ class ModelServer:
         return (
             ["health check"] if pre.kind == "text" else np.zeros((1, pre.num_features), np.float32)
         )
+
+
+def _rows_of(inputs: dict[str, np.ndarray]) -> int:
+    return len(next(iter(inputs.values())))
 
 
 class _ReplicaMetrics:

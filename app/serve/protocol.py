@@ -122,9 +122,24 @@ def _number_array(data: Any, field: str) -> np.ndarray:
     return array
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages ("got null", not "got NoneType")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "object" if isinstance(value, dict) else type(value).__name__
+
+
 def text_rows(data: Any, field: str) -> list[str]:
+    """Strings, nested lists flattened: every string is one row (a [1, N] tensor is N rows)."""
     if not isinstance(data, list):
-        raise bad(f"{field}: expected a list of strings, got {type(data).__name__}")
+        # A bare string would otherwise be split into one row per character.
+        raise bad(f"{field}: expected a list of strings, got {json_type(data)}")
     flat = _flatten(data)
     if not flat:
         raise bad(f"{field}: empty batch (no rows)")
@@ -132,8 +147,24 @@ def text_rows(data: Any, field: str) -> list[str]:
         if isinstance(item, bytes):
             flat[i] = item.decode("utf-8", errors="replace")
         elif not isinstance(item, str):
-            raise bad(f"{field}[{i}]: expected a string, got {type(item).__name__}")
+            raise bad(f"{field}[{i}]: expected a string, got {json_type(item)}")
+    _check_unicode(flat, field)
     return flat
+
+
+def _check_unicode(texts: list[str], field: str) -> None:
+    # JSON may carry lone surrogates ("\ud800"); the tokenizer refuses them, and it tokenizes a
+    # whole batch at once, so one such string must be refused here, alone, by name.
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(
+                    f"{field}[{i}]: not valid Unicode text (lone surrogate at character {e.start})"
+                ) from None
 
 
 def _flatten(data: list[Any]) -> list[Any]:
@@ -187,14 +218,38 @@ def decode_v2(body: bytes, header_length: str | None) -> dict[str, Any]:
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise bad("inputs[0].shape: expected a list of non-negative integers")
-    if not isinstance(tensor["datatype"], str):
-        raise bad("inputs[0].datatype: expected a string")
-    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    for key in ("name", "datatype"):
+        if not isinstance(tensor[key], str):
+            raise bad(f"inputs[0].{key}: expected a string, got {json_type(tensor[key])}")
+    size = parameters(tensor, "inputs[0].parameters").get("binary_data_size")
     if size is not None:
         tensor = {**tensor, "data": _binary_tensor(binary, size, tensor["datatype"], shape)}
     elif "data" not in tensor:
         raise bad("inputs[0].data: missing")
+    elif not isinstance(tensor["data"], list):
+        # A string would be read as one row per character, a number or null not at all.
+        raise bad(f"inputs[0].data: expected a list, got {json_type(tensor['data'])}")
     return {"id": request.get("id"), "tensor": tensor, "binary_outputs": _binary_outputs(request)}
+
+
+def parameters(holder: dict[str, Any], field: str) -> dict[str, Any]:
+    """The optional `parameters` object of a request, input or output (null reads as absent)."""
+    value = holder.get("parameters")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad(f"{field}: expected an object, got {json_type(value)}")
+    return value
+
+
+def claimed_rows(tensor: dict[str, Any]) -> int:
+    """Rows a v2 tensor will be served as, before any data is read: text (BYTES) is flattened,
+    so each element is a row ([1, N] is N rows); a numeric tensor's rows are its first dimension.
+    """
+    shape = tensor["shape"]
+    if tensor["datatype"] == "BYTES":
+        return math.prod(shape)
+    return shape[0] if shape else 0
 
 
 def _binary_tensor(binary: bytes, size: Any, datatype: str, shape: list[int]) -> Any:
@@ -227,10 +282,17 @@ def _binary_tensor(binary: bytes, size: Any, datatype: str, shape: list[int]) ->
 
 def _binary_outputs(request: dict[str, Any]) -> set[str]:
     wanted: set[str] = set()
-    if (request.get("parameters") or {}).get("binary_data_output"):
+    if parameters(request, "parameters").get("binary_data_output"):
         wanted = {"label", "probabilities"}
-    for out in request.get("outputs") or []:
-        if isinstance(out, dict) and (out.get("parameters") or {}).get("binary_data"):
+    outputs = request.get("outputs")
+    if outputs is None:
+        return wanted
+    if not isinstance(outputs, list):
+        raise bad(f"outputs: expected a list of objects, got {json_type(outputs)}")
+    for i, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            raise bad(f"outputs[{i}]: expected an object, got {json_type(out)}")
+        if parameters(out, f"outputs[{i}].parameters").get("binary_data"):
             wanted.add(str(out.get("name")))
     return wanted
 

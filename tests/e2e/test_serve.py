@@ -7,6 +7,7 @@ Triton client, autoscaling, a killed replica, a rolling update and a rollback un
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -189,8 +190,6 @@ def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, st
 
 def test_missing_content_type_is_read_as_json(served):
     x, _ = val_rows(served["root"], 2)
-    import json
-
     r = requests.post(f"{SERVE}/v2/models/digits/infer", data=json.dumps(v2_body(x)), timeout=10)
     assert r.status_code == 200, r.text
 
@@ -219,6 +218,96 @@ def test_replica_process_survives_bad_requests(served):
     pids = {answering_pid(x) for _ in range(5)}
     for _, body, headers, _, _ in BAD_REQUESTS:
         requests.post(f"{SERVE}/v2/models/digits/infer", data=body, headers=headers, timeout=10)
+    assert {answering_pid(x) for _ in range(5)} <= pids
+
+
+def _v2(datatype: str = "FP32", shape=(1, 64), data=None, **extra) -> bytes:
+    """A v2 body for digits' input; json.dumps writes a lone surrogate as the escape "\\ud800"."""
+    tensor = {"name": "image", "datatype": datatype, "shape": list(shape), "data": data}
+    if tensor["data"] is None and datatype == "FP32":
+        tensor["data"] = [0.0] * 64
+    tensor.update(extra.pop("tensor", {}))
+    return json.dumps({"inputs": [tensor], **extra}).encode()
+
+
+INFER, PREDICT = "/v2/models/digits/infer", "/v1/models/digits:predict"
+NAMED = "'Z\u00c6' not found"
+# Issue 11, items 1-4: (what, method, path, body, status, fragment of the JSON error).
+ISSUE_11_REQUESTS = [
+    (
+        "text [1, 5000]",
+        "POST",
+        INFER,
+        _v2("BYTES", [1, 5000], ["a"] * 5000),
+        413,
+        "max_request_rows",
+    ),
+    # digits is numeric: a 5000-string instance is refused as strings (a text model: 413).
+    (
+        "v1 5000 strings",
+        "POST",
+        PREDICT,
+        json.dumps({"instances": [["a"] * 5000]}).encode(),
+        400,
+        "numbers",
+    ),
+    ("parameters list", "POST", INFER, _v2(parameters=[1]), 400, "parameters: expected an object"),
+    (
+        "input parameters",
+        "POST",
+        INFER,
+        _v2(tensor={"parameters": "x"}),
+        400,
+        "inputs[0].parameters",
+    ),
+    ("outputs number", "POST", INFER, _v2(outputs=3), 400, "outputs: expected a list"),
+    ("text data number", "POST", INFER, _v2("BYTES", [1, 1], 5), 400, "inputs[0].data"),
+    (
+        "text data null",
+        "POST",
+        INFER,
+        _v2("BYTES", [1, 1], None),
+        400,
+        "inputs[0].data",
+    ),
+    ("text data string", "POST", INFER, _v2("BYTES", [1, 1], "abc"), 400, "inputs[0].data"),
+    ("surrogate v2", "POST", INFER, _v2("FP32", [1, 1], ["\ud800"]), 400, "inputs[0]"),
+    (
+        "surrogate v1",
+        "POST",
+        PREDICT,
+        json.dumps({"instances": [["\ud800"]]}).encode(),
+        400,
+        "instances[0]",
+    ),
+    ("non-ASCII ready", "GET", "/v2/models/Z%C3%86/ready", b"", 404, NAMED),
+    ("non-ASCII metadata", "GET", "/v2/models/Z%C3%86", b"", 404, NAMED),
+    ("non-ASCII infer", "POST", "/v2/models/Z%C3%86/infer", _v2(), 404, NAMED),
+    ("non-ASCII v1", "POST", "/v1/models/Z%C3%86:predict", b'{"instances": [[1]]}', 404, NAMED),
+]
+
+
+def test_issue_11_bad_requests_get_4xx_and_the_replica_survives(served):
+    """Every bad request of issue 11 (items 1-4) against the live endpoint, interleaved with good
+    requests: each gets its 4xx with a JSON error naming the field, the good ones all succeed,
+    and the same replica process answers before and after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x, _ = val_rows(served["root"], 1)
+    pids = {answering_pid(x) for _ in range(5)}
+
+    def send(case):
+        _, method, path, body, _, _ = case
+        return requests.request(method, f"{SERVE}{path}", data=body, headers=JSON, timeout=30)
+
+    with ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(infer, x) for _ in range(len(ISSUE_11_REQUESTS))]
+        answers = list(pool.map(send, ISSUE_11_REQUESTS))
+    for (what, _, _, _, status, fragment), r in zip(ISSUE_11_REQUESTS, answers, strict=True):
+        assert r.status_code == status, f"{what}: {r.status_code} {r.text[:300]}"
+        assert r.headers["content-type"].startswith("application/json"), what
+        assert fragment in r.json()["error"], f"{what}: {r.json()}"
+    assert [f.result().status_code for f in good] == [200] * len(good)
     assert {answering_pid(x) for _ in range(5)} <= pids
 
 
@@ -335,8 +424,10 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(served):
         wait_for(lambda: running_replicas() >= 2, 30, 0.5, "a replacement replica")
         replaced_in = time.monotonic() - killed_at
     assert replaced_in < 30
-    # Only requests in flight on the killed replica may fail (at most one per load thread).
+    # Only requests in flight on the killed replica may fail (at most one per load thread), and
+    # fast, as a JSON 503 to retry (serve.request_timeout_s bounds the rest): never a 500.
     assert load.failures <= threads, load.errors[:5]
+    assert all(e.startswith("503 ") for e in load.errors), load.errors[:5]
 
 
 def test_rolling_update_to_v2_and_rollback_fail_no_request(served):

@@ -3,12 +3,15 @@ Serve path is covered by tests/e2e/test_serve.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from app.config import ServeConfig
-from app.serve.ingress import ModelRouter, api_key, create_api
+from app.serve.ingress import UNKNOWN_HOST, ModelRouter, api_key, create_api, serve_http_host
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +21,8 @@ class _Method:
         self.fn = fn
 
     async def _call(self, *args):
-        return self.fn(*args)
+        result = self.fn(*args)
+        return await result if asyncio.iscoroutine(result) else result
 
     def remote(self, *args):
         return self._call(*args)
@@ -27,8 +31,9 @@ class _Method:
 class FakeModel:
     """Answers like ModelServer: metadata() and infer() results as plain dicts."""
 
-    def __init__(self, overloaded: bool = False):
+    def __init__(self, overloaded: bool = False, fault: str | None = None):
         self.overloaded = overloaded
+        self.fault = fault
         self.metadata = _Method(
             lambda: {
                 "name": "m",
@@ -46,6 +51,12 @@ class FakeModel:
         self.infer = _Method(self._infer)
 
     def _infer(self, payload):
+        if self.fault == "hang":
+            return asyncio.sleep(30)  # a replica that never answers in time
+        if self.fault == "died":
+            from ray.exceptions import ActorDiedError
+
+            raise ActorDiedError()
         if self.overloaded:
             from ray.serve.exceptions import BackPressureError
 
@@ -60,12 +71,38 @@ class FakeModel:
         }
 
 
-def client(monkeypatch, key: str | None = None, overloaded: bool = False, **cfg) -> TestClient:
+class RayLikeMetrics:
+    """Records like IngressMetrics, and refuses non-ASCII tags the way Ray's metrics do."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, int]] = []
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        model.encode("ascii")  # Ray: UnicodeEncodeError, which once became a plain-text 500
+        self.seen.append((model, code))
+
+
+def client(
+    monkeypatch,
+    key: str | None = None,
+    overloaded: bool = False,
+    fault: str | None = None,
+    metrics=None,
+    serve_host: str | None = None,
+    **cfg,
+) -> TestClient:
     if key:
         monkeypatch.setenv("RAYTORCH_API_KEY", key)
     else:
         monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
-    return TestClient(create_api(ServeConfig(**cfg), ModelRouter({"m": FakeModel(overloaded)})))
+    config = ServeConfig(**cfg)
+    router = ModelRouter({"m": FakeModel(overloaded, fault)}, config.request_timeout_s)
+    return TestClient(create_api(config, router, metrics, serve_host=serve_host))
+
+
+def v2(datatype="FP32", shape=(1, 2), data=(1, 2), **extra) -> dict:
+    tensor = {"name": "features", "datatype": datatype, "shape": list(shape), "data": list(data)}
+    return {"inputs": [tensor], **extra}
 
 
 def test_v1_and_v2_answers(monkeypatch):
@@ -108,3 +145,108 @@ def test_limits_errors_and_overload(monkeypatch):
     overloaded = client(monkeypatch, overloaded=True)
     r = overloaded.post("/v1/models/m:predict", json={"instances": [[1, 2]]})
     assert r.status_code == 503 and "overloaded" in r.json()["error"]
+
+
+def test_text_rows_are_counted_after_flattening(monkeypatch):
+    c = client(monkeypatch, max_request_rows=1024)
+    r = c.post("/v2/models/m/infer", json=v2("BYTES", [1, 5000], ["a"] * 5000))
+    assert r.status_code == 413, r.text
+    assert "5000 rows exceed serve.max_request_rows=1024" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (v2(parameters=[1]), "parameters"),
+        ({"inputs": [{**v2()["inputs"][0], "parameters": "x"}]}, "inputs[0].parameters"),
+        (v2(outputs=3), "outputs"),
+        (v2(outputs=[{"name": "label", "parameters": 1}]), "outputs[0].parameters"),
+        ({"inputs": [{**v2("BYTES")["inputs"][0], "data": 3}]}, "inputs[0].data"),
+        ({"inputs": [{**v2("BYTES")["inputs"][0], "data": None}]}, "inputs[0].data"),
+        ({"inputs": [{**v2("BYTES")["inputs"][0], "data": "ab"}]}, "inputs[0].data"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_400s_naming_the_field(monkeypatch, body, field):
+    r = client(monkeypatch).post("/v2/models/m/infer", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith(f"{field}: expected")
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v2/models/Z%C3%86"),
+        ("GET", "/v2/models/Z%C3%86/ready"),
+        ("GET", "/v2/models/Z%C3%86/versions/1/ready"),
+        ("POST", "/v2/models/Z%C3%86/infer"),
+        ("POST", "/v1/models/Z%C3%86:predict"),
+    ],
+)
+def test_unknown_non_ascii_model_is_a_json_404_tagged_unknown(monkeypatch, method, path):
+    metrics = RayLikeMetrics()
+    c = client(monkeypatch, metrics=metrics)
+    r = c.request(method, path, json={"instances": [[1, 2]]} if "predict" in path else v2())
+    assert r.status_code == 404, r.text
+    assert "'Z\u00c6' not found" in r.json()["error"]
+    assert metrics.seen == [("unknown", 404)]  # one series for every unknown name
+
+
+def test_metrics_tag_known_models_and_survive_a_failing_backend(monkeypatch):
+    metrics = RayLikeMetrics()
+    c = client(monkeypatch, metrics=metrics)
+    assert c.post("/v2/models/m/infer", json=v2()).status_code == 200
+    assert c.get("/v2/models/nope").status_code == 404
+    assert c.get("/v2").status_code == 200
+    assert metrics.seen == [("m", 200), ("unknown", 404), ("-", 200)]
+
+    class Broken:
+        def observe(self, *args):
+            raise RuntimeError("metrics backend down")
+
+    assert client(monkeypatch, metrics=Broken()).get("/v2/models/m").status_code == 200
+
+
+def test_a_replica_that_does_not_answer_in_time_is_a_504_and_counted(monkeypatch):
+    metrics = RayLikeMetrics()
+    c = client(monkeypatch, fault="hang", metrics=metrics, request_timeout_s=0.2)
+    start = time.monotonic()
+    r = c.post("/v2/models/m/infer", json=v2())
+    assert r.status_code == 504 and time.monotonic() - start < 5
+    assert "serve.request_timeout_s=0.2" in r.json()["error"]
+    assert metrics.seen == [("m", 504)]
+
+
+def test_a_dead_replica_is_a_fast_503(monkeypatch):
+    r = client(monkeypatch, fault="died").post("/v1/models/m:predict", json={"instances": [[1]]})
+    assert r.status_code == 503 and "unavailable" in r.json()["error"], r.text
+
+
+def test_the_key_follows_the_host_serve_really_listens_on(monkeypatch):
+    monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
+    assert api_key(ServeConfig(), serve_host="127.0.0.1") is None
+    # serve.host says loopback, but http_options (serve.yaml, the RayService) says 0.0.0.0.
+    for host in ("0.0.0.0", "10.1.2.3", UNKNOWN_HOST):
+        with pytest.raises(RuntimeError, match=f"Serve listens on {host}"):
+            api_key(ServeConfig(host="127.0.0.1"), serve_host=host)
+    c = client(monkeypatch, key="s3cret", serve_host="0.0.0.0")
+    assert c.get("/v1/models").status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_serve_http_host_reads_the_controller_and_fails_closed(monkeypatch):
+    import ray
+
+    class Options:
+        host = "0.0.0.0"
+
+    class Controller:
+        get_http_config = _Method(lambda: Options())
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: Controller())
+    assert asyncio.run(serve_http_host()) == "0.0.0.0"
+
+    def no_controller(name, namespace=None):
+        raise ValueError(f"Failed to look up actor {name}")
+
+    monkeypatch.setattr(ray, "get_actor", no_controller)
+    assert asyncio.run(serve_http_host()) == UNKNOWN_HOST

@@ -11,6 +11,7 @@ import pytest
 from app.serve.protocol import (
     RequestError,
     check_content_type,
+    claimed_rows,
     decode_v1,
     decode_v2,
     encode_v2,
@@ -84,6 +85,28 @@ def test_text_rows():
     assert text_rows([["a"], ["b"]], "t") == ["a", "b"]
     assert "expected a string" in error_of(text_rows, ["a", 3], "t").message
     assert "empty batch" in error_of(text_rows, [], "t").message
+
+
+@pytest.mark.parametrize(
+    "data,fragment",
+    [
+        ("abc", "t: expected a list of strings, got string"),  # not one row per character
+        (7, "t: expected a list of strings, got number"),
+        (None, "t: expected a list of strings, got null"),
+        (["ok", None], "t[1]: expected a string, got null"),
+        (["ok", "fine", "bad \ud800 text"], "t[2]: not valid Unicode text"),
+    ],
+)
+def test_text_rows_refuse_non_lists_and_lone_surrogates(data, fragment):
+    err = error_of(text_rows, data, "t")
+    assert err.status == 400 and fragment in err.message
+
+
+def test_text_rows_are_counted_after_flattening():
+    # A text tensor of shape [1, N] is N rows: the row limit must see N, not 1.
+    assert len(text_rows([["x"] * 5000], "t")) == 5000
+    assert claimed_rows({"datatype": "BYTES", "shape": [1, 5000]}) == 5000
+    assert claimed_rows({"datatype": "FP32", "shape": [3, 64]}) == 3
 
 
 def test_v2_binary_extension_round_trip():
@@ -161,6 +184,39 @@ def test_v2_binary_bytes_input_and_bad_lengths():
 def test_v2_structure_errors(request_json, fragment):
     err = error_of(decode_v2, json.dumps(request_json).encode(), None)
     assert err.status == 400 and fragment in err.message
+
+
+def _tensor(**extra):
+    return {"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2], **extra}
+
+
+@pytest.mark.parametrize(
+    "request_json,fragment",
+    [
+        ({"inputs": [_tensor()], "parameters": [1]}, "parameters: expected an object, got list"),
+        ({"inputs": [_tensor()], "parameters": "x"}, "parameters: expected an object, got string"),
+        ({"inputs": [_tensor(parameters=3)]}, "inputs[0].parameters: expected an object"),
+        ({"inputs": [_tensor()], "outputs": 3}, "outputs: expected a list of objects, got number"),
+        ({"inputs": [_tensor()], "outputs": {"name": "label"}}, "outputs: expected a list"),
+        ({"inputs": [_tensor()], "outputs": ["label"]}, "outputs[0]: expected an object"),
+        (
+            {"inputs": [_tensor()], "outputs": [{"name": "label", "parameters": 5}]},
+            "outputs[0].parameters: expected an object, got number",
+        ),
+        ({"inputs": [_tensor(data="abc")]}, "inputs[0].data: expected a list, got string"),
+        ({"inputs": [_tensor(data=5)]}, "inputs[0].data: expected a list, got number"),
+        ({"inputs": [_tensor(data=None)]}, "inputs[0].data: expected a list, got null"),
+        ({"inputs": [_tensor(name=5)]}, "inputs[0].name: expected a string"),
+    ],
+)
+def test_v2_fields_of_the_wrong_json_type_are_400s_naming_the_field(request_json, fragment):
+    err = error_of(decode_v2, json.dumps(request_json).encode(), None)
+    assert err.status == 400 and fragment in err.message
+
+
+def test_v2_null_parameters_and_outputs_read_as_absent():
+    body = {"inputs": [_tensor(parameters=None)], "parameters": None, "outputs": None}
+    assert decode_v2(json.dumps(body).encode(), None)["binary_outputs"] == set()
 
 
 def test_v1_rows_for_each_kind():

@@ -1,0 +1,161 @@
+"""The model replica's request handling without Ray: rows counted after flattening, and a bad
+request failing alone, never its batch mates (Serve's @serve.batch is stood in for)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from app.preprocess import Preprocessor
+from app.serve.model_server import ModelServer
+
+pytestmark = pytest.mark.unit
+
+LABELS = ["cat", "dog"]
+
+
+class FakeSession:
+    """ONNX Runtime stand-in: logits favour "dog" when the first token id is odd; a batch with a
+    `poison` row of token ids fails as a whole (a fault no validation could foresee)."""
+
+    def __init__(self, poison: np.ndarray | None = None):
+        self.poison = poison
+        self.runs: list[int] = []
+
+    def run(self, names, inputs):
+        ids = inputs["input_ids"]
+        self.runs.append(len(ids))
+        if self.poison is not None and (ids == self.poison).all(axis=1).any():
+            raise RuntimeError("ONNX Runtime failed")
+        odd = (ids[:, 0] % 2).astype(np.float32)
+        return [np.stack([1 - odd, odd], axis=1)]
+
+
+class NoMetrics:
+    tags: dict[str, str] = {}
+    batch_rows = SimpleNamespace(observe=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def text_pre() -> Preprocessor:
+    frame = pd.DataFrame(
+        {"text": ["a cat sat", "a dog ran", "cats and dogs"], "label": LABELS + LABELS[:1]}
+    )
+    manifest = {"kind": "text", "feature_columns": ["text"], "label_column": "label"}
+    return Preprocessor.fit(iter([frame]), manifest, max_length=8, vocab_size=60)
+
+
+def text_server(pre: Preprocessor, session=None, max_request_rows: int = 1024) -> ModelServer:
+    """A ModelServer on a fake text artifact; its batch method runs every concurrent call as one
+    batch, as @serve.batch would."""
+    server = ModelServer.__new__(ModelServer)
+    server.artifact = SimpleNamespace(  # type: ignore[assignment]
+        name="topics",
+        version="3",
+        preprocessor=pre,
+        schema={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}]},
+    )
+    server.session = session or FakeSession()
+    server.max_request_rows = max_request_rows
+    server._metrics = NoMetrics()  # type: ignore[assignment]
+    server.infer_batch = Batcher(server)  # type: ignore[method-assign]
+    return server
+
+
+class Batcher:
+    """Collects the calls made in one event-loop turn into a single batch."""
+
+    def __init__(self, server: ModelServer):
+        self.server, self.pending, self.sizes = server, [], []
+
+    async def __call__(self, inputs):
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((inputs, future))
+        if len(self.pending) == 1:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        return await future
+
+    async def _flush(self):
+        batch, self.pending = self.pending, []
+        self.sizes.append(len(batch))
+        raw = ModelServer.infer_batch.__wrapped__  # the function under @serve.batch
+        results = await raw(self.server, [inputs for inputs, _ in batch])
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)
+
+
+def v2(data, shape=None) -> dict:
+    shape = shape if shape is not None else [len(data)]
+    return {
+        "protocol": "v2",
+        "tensor": {"name": "text", "datatype": "BYTES", "shape": shape, "data": data},
+    }
+
+
+def run(server: ModelServer, *requests: dict) -> list[dict]:
+    async def main():
+        return await asyncio.gather(*(server.infer(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def test_text_rows_are_counted_after_flattening(text_pre):
+    server = text_server(text_pre, max_request_rows=10)
+    wide = v2([["a cat"] * 11], shape=[1, 11])
+    one_instance = {"protocol": "v1", "instances": [["a dog"] * 11]}
+    for answer in run(server, wide, one_instance):
+        assert answer["status"] == 413
+        assert answer["error"] == "11 rows exceed serve.max_request_rows=10"
+    ok = run(server, v2([["a cat"] * 10], shape=[1, 10]))[0]
+    assert len(ok["labels"]) == 10
+
+
+@pytest.mark.parametrize(
+    "data,fragment",
+    [
+        ("a cat", "inputs[0].data: expected a list of strings, got string"),
+        (5, "inputs[0].data: expected a list of strings, got number"),
+        (None, "inputs[0].data: expected a list of strings, got null"),
+    ],
+)
+def test_text_data_that_is_not_a_list_is_a_400(text_pre, data, fragment):
+    answer = run(text_server(text_pre), v2(data, shape=[1]))[0]
+    assert answer["status"] == 400 and fragment in answer["error"]
+
+
+def test_a_lone_surrogate_fails_alone_and_its_batch_mates_are_answered(text_pre):
+    server = text_server(text_pre)
+    good = [v2(["a cat sat"]), v2(["a dog ran", "cats"])]
+    bad = v2(["fine", "broken \ud800 text"])
+    answers = run(server, good[0], bad, good[1])
+    assert answers[1] == {
+        "status": 400,
+        "error": "inputs[0].data[1]: not valid Unicode text (lone surrogate at character 7)",
+    }
+    assert [len(a["labels"]) for a in (answers[0], answers[2])] == [1, 2]
+    assert server.infer_batch.sizes == [2]  # the bad one never joined the batch
+
+
+def test_a_request_that_breaks_the_batch_fails_alone(text_pre):
+    poison = text_pre.features(["zzz"])["input_ids"][0]
+    session = FakeSession(poison=poison)
+    server = text_server(text_pre, session)
+    answers = run(server, v2(["a cat sat"]), v2(["zzz"]), v2(["a dog ran"]))
+    assert answers[1]["status"] == 400 and "RuntimeError" in answers[1]["error"]
+    assert all(len(a["labels"]) == 1 for a in (answers[0], answers[2]))
+    assert session.runs == [3, 1, 1, 1]  # the batch, then each request alone
+    broken = text_server(text_pre, FakeSession(poison=poison))
+    assert run(broken, v2(["zzz"]))[0]["status"] == 500  # nobody passes: the model is at fault
+
+
+def test_shape_mismatch_and_good_answers(text_pre):
+    server = text_server(text_pre)
+    mismatch, ok = run(server, v2(["a", "b"], shape=[3]), v2(["a cat", "a dog"]))
+    assert mismatch["status"] == 400 and "inputs[0].shape" in mismatch["error"]
+    assert ok["version"] == "3" and ok["label_names"] == LABELS
+    assert math.isclose(float(np.asarray(ok["probabilities"]).sum()), 2.0, rel_tol=1e-5)
