@@ -41,8 +41,9 @@ bench: install
 cluster-up: install
 	bash cluster/start.sh
 
+# Stops only the cluster cluster/start.sh recorded; FORCE=1: every Ray cluster on this machine.
 cluster-down:
-	bash cluster/stop.sh
+	bash cluster/stop.sh $(if $(FORCE),--force)
 
 clean:
 	rm -rf outputs build .pytest_cache .mypy_cache .ruff_cache

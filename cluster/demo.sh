@@ -11,7 +11,7 @@ bash cluster/start.sh
 mkdir -p outputs
 rm -f "$SUMMARY"
 echo "demo: submitting the pipeline for $CONFIG (logs follow)" >&2
-.venv/bin/ray job submit --address http://127.0.0.1:8265 \
+.venv/bin/ray job submit --address "http://127.0.0.1:${RAYTORCH_DASHBOARD_PORT:-8265}" \
     --runtime-env cluster/runtime_env.yaml --working-dir . \
     -- python -m jobs.pipeline --config "$CONFIG" --summary-file "$SUMMARY"
 

@@ -6,7 +6,12 @@
 #     by cluster/serve.yaml and the deploy job;
 #   - Serve's high-throughput mode is switched on in the environment Ray starts with, since Serve
 #     reads it in the controller and replica processes the cluster spawns;
-#   - idempotent: a running cluster is left alone;
+#   - idempotent: a cluster already running on the GCS port is reused, but only if its Jobs API
+#     requires a token (RAY_AUTH_MODE=token); one without token auth is refused (exit 3);
+#   - refuses (exit 3) to start while something else listens on Serve's ports (8000, and HAProxy's
+#     8404 / 9101), e.g. a Serve HAProxy left over, with parent pid 1, from a cluster that died;
+#   - records the cluster it starts in a state file, so that cluster/stop.sh stops that cluster
+#     and nothing else;
 #   - returns only once the Jobs API really accepts submissions.
 #
 # Environment (all optional):
@@ -18,11 +23,17 @@
 #   RAYTORCH_NUM_CPUS        --num-cpus;  RAYTORCH_NUM_GPUS: --num-gpus
 #   RAYTORCH_METRICS_PORT    --metrics-export-port (default 8080)
 #   RAYTORCH_DASHBOARD_PORT  --dashboard-port (default 8265);  RAYTORCH_GCS_PORT: --port (6379)
+#   RAYTORCH_SERVE_PORT      Serve's HTTP port, checked free before a start (default 8000; it must
+#                            match cluster/serve.yaml and serve.port).
+#   RAY_SERVE_HAPROXY_STATS_PORT / RAY_SERVE_HAPROXY_METRICS_PORT  HAProxy's ports (Ray's own
+#                            variables, default 8404 / 9101), checked free when RAYTORCH_SERVE_FAST=1.
+#   RAYTORCH_CLUSTER_STATE   the state file (default ~/.ray/raytorch-cluster-<GCS port>.state).
 #   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1 and
 #                            RAY_SERVE_ENABLE_HA_PROXY=1; 0 leaves Serve's defaults.
 #   RAYTORCH_ROOT            where jobs resolve relative output paths (default: the repo root).
 #   RAYTORCH_RAY_START_ARGS  extra arguments for `ray start` (word-split).
 #   RAYTORCH_READY_TIMEOUT_S how long to wait for the Jobs API (default 60).
+# Exit codes: 0 up, 1 failed, 2 unsafe or invalid settings, 3 refused: something is in the way.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,6 +67,10 @@ GCS_PORT="${RAYTORCH_GCS_PORT:-6379}"
 METRICS_PORT="${RAYTORCH_METRICS_PORT:-8080}"
 SERVE_FAST="${RAYTORCH_SERVE_FAST:-1}"
 READY_TIMEOUT_S="${RAYTORCH_READY_TIMEOUT_S:-60}"
+SERVE_PORT="${RAYTORCH_SERVE_PORT:-8000}"
+HAPROXY_STATS_PORT="${RAY_SERVE_HAPROXY_STATS_PORT:-8404}"
+HAPROXY_METRICS_PORT="${RAY_SERVE_HAPROXY_METRICS_PORT:-9101}"
+STATE_FILE="${RAYTORCH_CLUSTER_STATE:-$HOME/.ray/raytorch-cluster-$GCS_PORT.state}"
 
 # --- 1. Refuse unsafe settings before anything starts. -------------------------------------
 case "$AUTH_MODE" in
@@ -85,7 +100,8 @@ if [[ "$AUTH_MODE" == "disabled" ]]; then
 fi
 [[ "$SERVE_FAST" == "0" || "$SERVE_FAST" == "1" ]] ||
     die 2 "RAYTORCH_SERVE_FAST must be 0 or 1 (got '$SERVE_FAST')"
-for var in DASHBOARD_PORT GCS_PORT METRICS_PORT READY_TIMEOUT_S; do
+for var in DASHBOARD_PORT GCS_PORT METRICS_PORT READY_TIMEOUT_S SERVE_PORT HAPROXY_STATS_PORT \
+    HAPROXY_METRICS_PORT; do
     [[ "${!var}" =~ ^[0-9]+$ ]] || die 2 "$var must be a number (got '${!var}')"
 done
 for var in RAYTORCH_NUM_CPUS RAYTORCH_NUM_GPUS; do
@@ -131,11 +147,169 @@ if ! is_loopback "$BIND_HOST" && [[ "$BIND_HOST" != "0.0.0.0" && "$BIND_HOST" !=
     DASHBOARD_URL="http://$BIND_HOST:$DASHBOARD_PORT"
 fi
 
-# --- 4. Start the head node unless one is already running. ----------------------------------
-if "$RAY" status >/dev/null 2>&1; then
-    log "a Ray cluster is already running; not starting another (run 'make cluster-down' first" \
-        "to restart it with this script's settings)"
+# --- 4. Reuse the cluster on the GCS port (only with token auth on), else start one. ---------
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# The HTTP status `GET /api/jobs/` answers *without* a token (401: token auth is on), or
+# "no answer: <why>" once READY_TIMEOUT_S has passed without one.
+jobs_api_status_without_token() {
+    "$PY" - "$DASHBOARD_URL" "$READY_TIMEOUT_S" <<'EOF'
+import sys, time, urllib.error, urllib.request
+
+url, timeout_s = sys.argv[1], float(sys.argv[2])
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+deadline = time.monotonic() + timeout_s
+while True:
+    try:
+        with opener.open(f"{url}/api/jobs/", timeout=5) as response:
+            print(response.status)
+    except urllib.error.HTTPError as e:
+        print(e.code)
+    except OSError as e:
+        if time.monotonic() < deadline:
+            time.sleep(1)
+            continue
+        print(f"no answer: {getattr(e, 'reason', e)}")
+    break
+EOF
+}
+
+# Process helpers, with psutil (Ray ships it in ray/thirdparty_files):
+#   procs listeners PORT...  print one line naming whoever listens on those ports; exit 3 if any
+#   procs record FILE ID GCS_PORT DASHBOARD_URL  record the processes carrying
+#       RAYTORCH_CLUSTER_ID=ID in FILE (mode 600) for cluster/stop.sh; exit 1 if there are none
+procs() {
+    "$PY" - "$@" <<'EOF'
+import importlib.util, os, socket, sys, time
+
+try:
+    import psutil
+except ImportError:
+    spec = importlib.util.find_spec("ray")
+    if spec and spec.submodule_search_locations:
+        sys.path.insert(0, os.path.join(list(spec.submodule_search_locations)[0], "thirdparty_files"))
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+
+
+def listeners(ports):
+    held = {}  # pid (None: unknown) -> ports it listens on
+    try:
+        conns = psutil.net_connections("tcp") if psutil else None
+    except psutil.AccessDenied:  # e.g. macOS without root
+        conns = None
+    if conns is not None:
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports:
+                held.setdefault(c.pid, set()).add(c.laddr.port)
+    else:
+        for port in ports:
+            with socket.socket() as s:
+                s.settimeout(1)
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    held.setdefault(None, set()).add(port)
+    if not held:
+        return 0
+    parts, pids = [], []
+    for pid, taken in held.items():
+        taken = sorted(taken)
+        what = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(map(str, taken))} are"
+        what += " in use by "
+        if pid is None:
+            what += f"a process this user cannot see (find it with: lsof -i :{taken[0]})"
+        else:
+            pids.append(str(pid))
+            try:
+                p = psutil.Process(pid)
+                name, ppid = os.path.basename((p.cmdline() or [p.name()])[0]), p.ppid()
+            except psutil.Error:
+                name, ppid = "?", "?"
+            what += f"pid {pid} ({name}, parent pid {ppid}"
+            if "haproxy" in name and ppid == 1:
+                what += ": a Serve HAProxy left over from a cluster that died"
+            what += ")"
+        parts.append(what)
+    fix = f"'make cluster-down' or 'kill {' '.join(pids)}'" if pids else "'make cluster-down'"
+    print(f"cannot start: {'; '.join(parts)}; run {fix}, then run this again")
+    return 3
+
+
+def record(path, cluster_id, gcs_port, dashboard_url):
+    found, info = [], {"NODE_ID": "", "SESSION_NAME": "", "SESSION_DIR": ""}
+    flags = {"--node_id": "NODE_ID", "--node-id": "NODE_ID", "--session-name": "SESSION_NAME",
+             "--session_dir": "SESSION_DIR", "--session-dir": "SESSION_DIR"}
+    for p in psutil.process_iter(["pid", "cmdline", "environ", "create_time"], ad_value=None):
+        if (p.info["environ"] or {}).get("RAYTORCH_CLUSTER_ID") != cluster_id:
+            continue
+        found.append(f"{p.info['pid']}:{p.info['create_time']!r}")
+        for arg in p.info["cmdline"] or []:
+            key, _, value = arg.partition("=")
+            if key in flags and value:
+                info[flags[key]] = value
+    if not found:
+        return 1
+    lines = [
+        "# Written by cluster/start.sh for cluster/stop.sh, which stops exactly this cluster:",
+        "# the processes carrying RAYTORCH_CLUSTER_ID, these PIDS (pid:start time), and the Serve",
+        "# HAProxy whose config lives under NODE_ID.",
+        f"CLUSTER_ID={cluster_id}",
+        f"GCS_PORT={gcs_port}",
+        f"DASHBOARD_URL={dashboard_url}",
+        *(f"{k}={v}" for k, v in info.items()),
+        f"STARTED={time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
+        f"PIDS={' '.join(found)}",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    print(f"cluster/start.sh: recorded the cluster's {len(found)} processes in {path}", file=sys.stderr)
+    return 0
+
+
+mode, args = sys.argv[1], sys.argv[2:]
+if mode == "listeners":
+    sys.exit(listeners({int(a) for a in args}))
+if psutil is None:
+    sys.exit("cluster/start.sh: psutil not found (it comes with Ray)")
+sys.exit(record(*args))
+EOF
+}
+
+if port_open "$GCS_PORT"; then
+    # Something holds the GCS port: reuse that cluster, but never one without token auth.
+    status="$(jobs_api_status_without_token)"
+    case "$status" in
+        401 | 403)
+            log "a Ray cluster with token auth is already running on port $GCS_PORT; reusing it" \
+                "(run 'make cluster-down' first to restart it with this script's settings)" ;;
+        200)
+            [[ "$AUTH_MODE" == "disabled" ]] ||
+                die 3 "refusing to reuse the Ray cluster on port $GCS_PORT: its Jobs API" \
+                    "($DASHBOARD_URL/api/jobs/) answers without a token, so token auth is off; stop it" \
+                    "('make cluster-down', or 'ray stop' if you started it by hand), then run this again"
+            log "reusing the Ray cluster on port $GCS_PORT (token auth off, as RAY_AUTH_MODE=disabled asks)" ;;
+        *)
+            die 3 "port $GCS_PORT is in use but no Ray dashboard answers at $DASHBOARD_URL ($status)," \
+                "so its token auth cannot be checked; stop that cluster ('make cluster-down') or set" \
+                "RAYTORCH_GCS_PORT / RAYTORCH_DASHBOARD_PORT to its ports" ;;
+    esac
+    [[ -f "$STATE_FILE" ]] ||
+        log "note: that cluster was not started by this script (no $STATE_FILE), so" \
+            "'make cluster-down' will not stop it"
 else
+    # Serve must be able to bind its ports, or the first deploy fails with a long traceback.
+    serve_ports=("$SERVE_PORT")
+    [[ "$SERVE_FAST" == "1" ]] && serve_ports+=("$HAPROXY_STATS_PORT" "$HAPROXY_METRICS_PORT")
+    if ! taken="$(procs listeners "${serve_ports[@]}")"; then
+        [[ -n "$taken" ]] || taken="could not check the Serve ports ${serve_ports[*]} (see above)"
+        die 3 "$taken"
+    fi
+
     args=(start --head
         --port "$GCS_PORT"
         --dashboard-host "$BIND_HOST"
@@ -163,8 +337,18 @@ else
     fi
     log "starting a Ray head node (dashboard on $BIND_HOST:$DASHBOARD_PORT, auth: $AUTH_MODE," \
         "serve fast mode: $SERVE_FAST, RAYTORCH_ROOT=$RAYTORCH_ROOT)"
+    # Every process of this cluster inherits RAYTORCH_CLUSTER_ID (Ray passes its environment on to
+    # its daemons, its workers and the HAProxy a Serve actor spawns): cluster/stop.sh finds them by
+    # it, even once re-parented to pid 1. It is recorded even if `ray start` fails half-way.
+    cluster_id="$("$PY" -c 'import secrets; print(secrets.token_hex(8))')"
+    rc=0
     # ray start's own output goes to stderr: it never contains the token.
-    "$RAY" "${args[@]}" >&2 || die 1 "'ray start --head' failed (see the output above)"
+    RAYTORCH_CLUSTER_ID="$cluster_id" "$RAY" "${args[@]}" >&2 || rc=$?
+    if ! procs record "$STATE_FILE" "$cluster_id" "$GCS_PORT" "$DASHBOARD_URL" && ((rc == 0)); then
+        log "WARNING: could not record the new cluster's processes in $STATE_FILE;" \
+            "'make cluster-down' will not stop it (use 'make cluster-down FORCE=1')"
+    fi
+    ((rc == 0)) || die 1 "'ray start --head' failed (see the output above)"
 fi
 
 # --- 5. Wait until the Jobs API accepts submissions. ----------------------------------------
@@ -192,10 +376,13 @@ if os.environ.get("RAY_AUTH_MODE") == "token":
     headers["Authorization"] = f"Bearer {token}"
 
 
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
+
 def jobs_api_ok() -> str | None:
     request = urllib.request.Request(f"{url}/api/jobs/", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with opener.open(request, timeout=5) as response:
             return None if response.status == 200 else f"HTTP {response.status}"
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
@@ -241,7 +428,7 @@ EOF
 echo "Ray cluster is up."
 echo "  Dashboard / Jobs API: $DASHBOARD_URL"
 echo "  Metrics (Prometheus): http://127.0.0.1:$METRICS_PORT (see cluster/monitoring/)"
-echo "  Serve HTTP (once deployed): http://127.0.0.1:8000 (cluster/serve.yaml)"
+echo "  Serve HTTP (once deployed): http://127.0.0.1:$SERVE_PORT (cluster/serve.yaml)"
 if [[ "$AUTH_MODE" == "token" ]]; then
     echo "  Token auth is ON. In each shell that talks to the cluster:"
     echo "    export RAY_AUTH_MODE=token"
@@ -257,4 +444,4 @@ fi
 echo "  Submit:  RAY_AUTH_MODE=$AUTH_MODE $RAY job submit --address $DASHBOARD_URL \\"
 echo "             --runtime-env cluster/runtime_env.yaml --working-dir . -- python -m jobs.pipeline --config configs/digits.yaml"
 echo "  Deploy:  RAY_AUTH_MODE=$AUTH_MODE serve deploy cluster/serve.yaml --address $DASHBOARD_URL"
-echo "  Stop:    make cluster-down"
+echo "  Stop:    make cluster-down   (stops only this cluster, recorded in $STATE_FILE)"
