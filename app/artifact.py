@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import ConfigDict, Field
 
 from app import storage
-from app.cli import UserError
+from app.errors import ArtifactError
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,33 @@ REQUIRED_FILES = (*MODEL_FILES.values(), "preprocessor.json", "schema.json", "re
 LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
 
 
-class ArtifactError(UserError):
-    """An artifact that must not be loaded; the message names the file."""
+# --- the artifact manifest: written by export (write_metadata, publish), read by serving -------
+# It lives here, not in app/export.py, so that serving reads it without importing torch.
+
+
+class ArtifactFile(storage.Contract):
+    sha256: str
+    size: int = Field(ge=0)
+
+
+class ArtifactManifest(storage.Contract):
+    """`<artifact>/manifest.json`: the artifact's identity, lineage and the hash of every file."""
+
+    # A version written as a number by an older tool is still read as its text.
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+    error = ArtifactError
+    name: str
+    version: str | None = None  # None until publish claims a number
+    files: dict[str, ArtifactFile]  # relative path -> sha256 and size, every file but this one
+    # Lineage, for people and /v1/models; serving needs none of it.
+    created: str | None = None
+    source_checkpoint: str | None = None
+    run_name: str | None = None
+    train_metrics: dict[str, float | int] = {}
+    workload: str | None = None
+    quantization: dict[str, Any] = {}  # method, weight type, nodes kept in fp32
+    opset: int | None = None
+    versions: dict[str, str] = {}  # library -> version that built the artifact
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -70,10 +96,10 @@ def newest_complete_version(folder: str) -> int:
     return 0
 
 
-def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
+def verify_files(folder: str, manifest: ArtifactManifest) -> dict[str, bytes]:
     """Read every listed file once, check its sha256 and size; return the verified bytes."""
     verified: dict[str, bytes] = {}
-    for rel, expected in sorted(manifest["files"].items()):
+    for rel, expected in sorted(manifest.files.items()):
         path = os.path.normpath(os.path.join(folder, rel))
         if os.path.dirname(os.path.relpath(path, folder)).startswith(".."):
             raise ArtifactError(f"{rel}: path leaves the artifact folder")
@@ -81,11 +107,11 @@ def verify_files(folder: str, manifest: dict[str, Any]) -> dict[str, bytes]:
             raise ArtifactError(f"{rel}: missing from {folder}")
         with open(path, "rb") as f:
             data = f.read()
-        if len(data) != expected["size"]:
+        if len(data) != expected.size:
             raise ArtifactError(
-                f"{rel}: size {len(data)} != {expected['size']} in the manifest (truncated or altered)"
+                f"{rel}: size {len(data)} != {expected.size} in the manifest (truncated or altered)"
             )
-        if sha256_bytes(data) != expected["sha256"]:
+        if sha256_bytes(data) != expected.sha256:
             raise ArtifactError(f"{rel}: sha256 mismatch (altered)")
         verified[rel] = data
     return verified
@@ -139,23 +165,20 @@ def _nodes_tensors(nodes) -> Iterator[Any]:
                 yield from _graph_tensors(graph)
 
 
-def read_manifest(folder: str) -> dict[str, Any]:
+def read_manifest(folder: str, origin: str | None = None) -> ArtifactManifest:
+    """The manifest of the local artifact folder `folder` (a copy of `origin`, when given)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        raise ArtifactError(f"{MANIFEST}: missing from {folder}")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        manifest["files"]  # noqa: B018 - must exist
-    except (ValueError, KeyError):
-        raise ArtifactError(f"{MANIFEST}: unreadable or without a 'files' list") from None
-    return manifest
+        raise ArtifactError(f"{MANIFEST}: missing from {origin or folder}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    return ArtifactManifest.parse_json(raw, storage.join(origin or folder, MANIFEST))
 
 
 @dataclass
 class Artifact:
     uri: str
-    manifest: dict[str, Any]
+    manifest: ArtifactManifest
     schema: dict[str, Any]
     report: dict[str, Any]
     preprocessor: Preprocessor
@@ -163,11 +186,11 @@ class Artifact:
 
     @property
     def name(self) -> str:
-        return self.manifest["name"]
+        return self.manifest.name
 
     @property
     def version(self) -> str:
-        return str(self.manifest["version"])
+        return str(self.manifest.version)
 
     def session(self, variant: str, threads: int = 1):
         return create_session(self.models[variant], threads)
@@ -177,8 +200,10 @@ def open_artifact(uri: str) -> Artifact:
     uri = resolve(uri)
     with tempfile.TemporaryDirectory() as tmp:
         folder = storage.download_dir(uri, tmp)
-        manifest = read_manifest(folder)
+        manifest = read_manifest(folder, origin=uri)
         files = verify_files(folder, manifest)
+    if manifest.version is None:
+        raise ArtifactError(f"{storage.join(uri, MANIFEST)}: version: not set (never published)")
     for name in REQUIRED_FILES:
         if name not in files:
             raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
@@ -201,7 +226,7 @@ def verify(uri: str) -> dict[str, Any]:
         "stage": "verify",
         "artifact": artifact.uri,
         "ok": True,
-        "files": sorted(artifact.manifest["files"]),
+        "files": sorted(artifact.manifest.files),
     }
 
 

@@ -13,35 +13,66 @@ import os
 import random
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 from app import storage
-from app.cli import UserError
 from app.config import Config, validate
+from app.errors import CheckpointError
 from app.preprocess import Preprocessor
 
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
+
+
+class CheckpointMeta(storage.Contract):
+    """`meta.json`: what a checkpoint was trained with and how far its run got.
+
+    Written by rank 0 each epoch (app/train.py `report`); read to resume (app/loop.py), to
+    summarize a run (app/train.py), and to evaluate and export (`LoadedCheckpoint`).
+    """
+
+    error = CheckpointError
+    config: dict[str, Any]  # the run's full config, as app.config.dump wrote it
+    epoch: int = Field(ge=0)
+    step: int = Field(ge=0)
+    # The epoch's report (losses, accuracy, timings); ints stay ints (epoch, step): pydantic
+    # keeps an exact type match of a union member.
+    metrics: dict[str, float | int]
+    preprocessor: str  # the fitted preprocessor's JSON
+    resume_history: list[int] = []  # the epoch each restart began at
+    data_wait_history: list[float] = []  # per epoch, the slowest rank's data-wait fraction
+    epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
+    first_step_at: float | None = None  # wall clock of the run's first optimizer step
+    worker_nodes: list[str] = []  # the Ray node of each rank
+    torch_version: str | None = None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def save(folder: str, model: nn.Module, train_state: dict[str, Any], meta: dict[str, Any]) -> None:
+def save(
+    folder: str,
+    model: nn.Module,
+    train_state: dict[str, Any],
+    meta: CheckpointMeta | dict[str, Any],
+) -> None:
+    """Write a checkpoint folder. `meta` as a dict (tools) is checked against the contract first,
+    so a checkpoint that could not be read back is never written."""
+    path = os.path.join(folder, META)
+    if not isinstance(meta, CheckpointMeta):
+        meta = CheckpointMeta.parse(meta, path)
     os.makedirs(folder, exist_ok=True)
     save_model(unwrap(model), os.path.join(folder, WEIGHTS))
     torch.save(train_state, os.path.join(folder, STATE))
-    with open(os.path.join(folder, META), "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-
-
-class CheckpointError(UserError):
-    """A checkpoint file that is missing or unreadable; the one-line message names the file."""
+    with open(path, "w") as f:
+        json.dump(meta.to_json_dict(), f, indent=2, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -54,6 +85,8 @@ def reading(folder: str, name: str, origin: str | None = None) -> Iterator[str]:
         raise CheckpointError(f"{shown}: missing; not a complete checkpoint")
     try:
         yield path
+    except CheckpointError:
+        raise  # already one line naming the file
     except Exception as e:  # noqa: BLE001 - safetensors, torch and json raise many kinds
         lines = str(e).strip().splitlines() or [type(e).__name__]
         detail = f"no {lines[0]} key" if isinstance(e, KeyError) else lines[0]
@@ -71,12 +104,10 @@ def load_train_state(folder: str, origin: str | None = None) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def read_meta(folder: str, origin: str | None = None) -> dict[str, Any]:
-    with reading(folder, META, origin) as path, open(path) as f:
-        meta = json.load(f)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        return meta
+def read_meta(folder: str, origin: str | None = None) -> CheckpointMeta:
+    with reading(folder, META, origin) as path:
+        raw = Path(path).read_bytes()
+    return CheckpointMeta.parse_json(raw, storage.join(origin or folder, META))
 
 
 # --- RNG state as tensors and plain tuples, so that weights_only loading accepts it -------------
@@ -108,9 +139,9 @@ class LoadedCheckpoint:
 
     def __init__(self, folder: str, origin: str | None = None):
         self.meta = read_meta(folder, origin)
-        with reading(folder, META, origin):  # missing keys or a bad config: the file's fault
-            self.config: Config = validate(self.meta["config"])
-            self.preprocessor = Preprocessor.from_json(self.meta["preprocessor"])
+        with reading(folder, META, origin):  # a bad config or preprocessor: the file's fault
+            self.config: Config = validate(self.meta.config)
+            self.preprocessor = Preprocessor.from_json(self.meta.preprocessor)
         load_train_state(folder, origin)  # not needed to export, but a truncated one is damage
         from app.models import build_model
 

@@ -6,24 +6,16 @@ Exit codes: 0 ok, 1 bad input or a failed run, 2 bad config/usage or no cluster,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from app.config import Config, ConfigError, load_config
-
-
-class UserError(Exception):
-    """Bad input the user can fix (missing file, bad column, ...): a one-line message, exit 1."""
-
-    exit_code = 1
-
-
-class NoClusterError(UserError):
-    exit_code = 2
+from app.config import Config, load_config
+from app.errors import ConfigError, NoClusterError, UserError
 
 
 def parser(stage: str, description: str) -> argparse.ArgumentParser:
@@ -50,17 +42,38 @@ def fail(message: str, code: int) -> NoReturn:
 def run_job(args: argparse.Namespace, body: Callable[[Config], dict[str, Any]]) -> None:
     """Load the config, run `body`, print its summary as the last stdout line."""
     setup_logging()
-    try:
+    with one_line_failures():
         config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        fail(str(e), 2)
-    try:
         summary = body(config)
+        emit(summary, args.summary_file)
+
+
+@contextlib.contextmanager
+def one_line_failures() -> Iterator[None]:
+    """Every failure the user can act on ends the job with one line and its documented code:
+    a bad config 2, bad input or a failed run 1 (2 without a cluster, 3 at the export gate),
+    and an OSError 1 (disk full, permission denied, a folder that is a file; connection errors
+    are OSErrors too), naming the path. Anything else is a bug and keeps its traceback."""
+    try:
+        yield
     except ConfigError as e:
         fail(str(e), 2)
     except UserError as e:
         fail(f"error: {e}", e.exit_code)
-    emit(summary, args.summary_file)
+    except OSError as e:
+        fail(f"error: {os_error_line(e)}", 1)
+
+
+def os_error_line(error: OSError) -> str:
+    """`path: reason` for a disk, permission or filesystem error (pyarrow's carry no path
+    attribute, but their message names it)."""
+    reason = error.strerror or (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if error.filename is None:
+        return reason
+    where = str(error.filename)
+    if error.filename2 is not None:
+        where += f" -> {error.filename2}"
+    return f"{where}: {reason}"
 
 
 def emit(summary: dict[str, Any], summary_file: str | None) -> None:
@@ -72,8 +85,17 @@ def emit(summary: dict[str, Any], summary_file: str | None) -> None:
             summary_file if "://" in summary_file else os.path.abspath(summary_file),
             (line + "\n").encode(),
         )
+    # Ray forwards workers' output to this process asynchronously: disconnect first, so that
+    # nothing can land on stdout after the summary, which must stay the last line.
+    disconnect_ray()
     sys.stderr.flush()
     print(line, flush=True)
+
+
+def disconnect_ray() -> None:
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def connect_ray(require_cluster: bool = False) -> None:

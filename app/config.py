@@ -7,12 +7,16 @@ naming the key (`ConfigError`, exit code 2 in the jobs).
 from __future__ import annotations
 
 import os
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# The domain errors live in app/errors.py; `from app.config import ConfigError` keeps working.
+from app.errors import ConfigError as ConfigError
 
 SOURCES = (
     "digits",
@@ -26,10 +30,6 @@ SOURCES = (
 # Relative output paths resolve against this folder (default: the current directory). `ray job
 # submit` runs jobs inside a temporary copy of the working dir, so the cluster scripts set it.
 ROOT_ENV = "RAYTORCH_ROOT"
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message is one line naming the key."""
 
 
 class _Section(BaseModel):
@@ -234,7 +234,11 @@ class Config(_Section):
         return self.export.name or self.workload
 
     def run_name(self) -> str:
-        return self.train.run_name or f"{self.workload}-{datetime.now():%Y%m%d-%H%M%S}"
+        """`train.run_name`, else a new name: `<workload>-<local time>-<6 hex>`. The random
+        suffix keeps two runs started in the same second apart (the same name would resume)."""
+        if self.train.run_name:
+            return self.train.run_name
+        return f"{self.workload}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
 def resolve_uri(uri: str) -> str:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import Config
-from app.prepare import read_manifest, split_files
+from app.prepare import DatasetManifest, read_manifest, split_files
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ class DataPlan:
         return asdict(self)
 
 
-def plan_data_path(config: Config, manifest: dict[str, Any], pre: Preprocessor) -> DataPlan:
+def plan_data_path(config: Config, manifest: DatasetManifest, pre: Preprocessor) -> DataPlan:
     """The one place that chooses between the in-memory cache and streaming."""
-    rows = sum(manifest["rows"].get(split, 0) for split in SPLITS)
+    rows = sum(manifest.rows.get(split, 0) for split in SPLITS)
     size = rows * pre.row_bytes()
     budget = cache_budget_bytes(config)
     sizes = f"preprocessed train + val {size / MIB:.1f} MiB ({rows} rows), budget {budget / MIB:.1f} MiB"
@@ -77,13 +77,13 @@ def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
         yield pq.read_table(path, filesystem=fs).to_pandas()
 
 
-def fit_preprocessor(config: Config, manifest: dict[str, Any] | None = None) -> Preprocessor:
+def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) -> Preprocessor:
     output = config.data_output
     manifest = manifest or read_manifest(output)
     files = split_files(output, manifest, "train")
     return Preprocessor.fit(
         iter_shards(files),
-        manifest,
+        manifest.to_json_dict(),  # Preprocessor.fit takes the manifest's JSON form
         max_length=config.model.max_length,
         vocab_size=config.model.vocab_size,
     )
@@ -103,7 +103,7 @@ def load_split(
     config: Config,
     split: str,
     preprocessor: Preprocessor,
-    manifest: dict[str, Any] | None = None,
+    manifest: DatasetManifest | None = None,
     mode: str = "stream",
 ):
     """A lazy Ray Dataset of model-ready batches for one split (nothing is read until consumed)."""

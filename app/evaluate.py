@@ -17,7 +17,7 @@ from app import storage
 from app.checkpoint import load_checkpoint
 from app.config import Config
 from app.data import iter_shards
-from app.prepare import read_manifest, split_files, verify_shards
+from app.prepare import DatasetManifest, read_manifest, split_files, verify_shards
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ EVALUATION_FILE = "evaluation.json"
 def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     loaded = load_checkpoint(checkpoint_uri)
     manifest = read_manifest(config.data_output)
-    split = "test" if "test" in manifest["splits"] else "val"
+    split = "test" if "test" in manifest.splits else "val"
     verify_shards(config.data_output, manifest, split)
     batches = labeled_batches(config, loaded.preprocessor, split, manifest)
     y_true, y_pred = predictions(torch_predict(loaded.model), batches)
@@ -43,7 +43,7 @@ def labeled_batches(
     config: Config,
     pre: Preprocessor,
     split: str,
-    manifest: dict[str, Any] | None = None,
+    manifest: DatasetManifest | None = None,
     batch_rows: int = 512,
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     """(model inputs, label indices) for one split, shard by shard."""

@@ -27,24 +27,13 @@ from app import artifact as art
 from app import quantize as q
 from app import storage
 from app.checkpoint import LoadedCheckpoint, load_checkpoint
-from app.cli import UserError
 from app.config import Config
+from app.errors import GateError, UserError
 from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
 from app.models import is_conv_net
 from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
-
-
-class GateError(UserError):
-    """Export refused: int8 lost too much accuracy, is too big, or ONNX disagrees with torch
-    (exit 3). Carries the report, per-layer sensitivity included, for tools and benchmarks."""
-
-    exit_code = 3
-
-    def __init__(self, message: str, report: dict[str, Any]):
-        super().__init__(message)
-        self.report = report
 
 
 def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
@@ -126,7 +115,11 @@ def quantize_within_gate(
     while True:
         q.quantize(prepared, int8, method, calibration, excluded)
         report = verify_variants(config, loaded, (fp32, fp32_session), int8, sample)
-        report["quantization"] = {"method": method, "weight_type": "QInt8", "per_channel": True}
+        report["quantization"] = {
+            "method": method,
+            "weight_type": "QInt8",
+            "per_channel": method == "static",
+        }
         report["quantization"]["excluded_nodes"] = list(excluded)
         if accuracy_drop_allowed(report, e.max_accuracy_drop):
             break
@@ -314,27 +307,26 @@ def write_metadata(
     for name in sorted(os.listdir(work)):
         with open(os.path.join(work, name), "rb") as f:
             data = f.read()
-        listed[name] = {"sha256": art.sha256_bytes(data), "size": len(data)}
-    manifest = {
-        "name": config.artifact_name,
-        "version": None,  # set at publish time
-        "created": datetime.now(timezone.utc).isoformat(),
-        "source_checkpoint": checkpoint_uri,
-        "run_name": loaded.meta.get("config", {}).get("train", {}).get("run_name"),
-        "train_metrics": loaded.meta.get("metrics", {}),
-        "workload": config.workload,
-        "quantization": report["quantization"],
-        "opset": config.export.opset,
-        "versions": {
+        listed[name] = art.ArtifactFile(sha256=art.sha256_bytes(data), size=len(data))
+    manifest = art.ArtifactManifest(
+        name=config.artifact_name,
+        version=None,  # set at publish time
+        created=datetime.now(timezone.utc).isoformat(),
+        source_checkpoint=checkpoint_uri,
+        run_name=loaded.config.train.run_name,
+        train_metrics=loaded.meta.metrics,
+        workload=config.workload,
+        quantization=report["quantization"],
+        opset=config.export.opset,
+        versions={
             "torch": torch.__version__,
             "ray": ray.__version__,
             "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
         },
-        "files": listed,
-    }
-    with open(os.path.join(work, art.MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
+        files=listed,
+    )
+    manifest.write(os.path.join(work, art.MANIFEST))
 
 
 def next_version(registry: str, name: str) -> int:
@@ -366,11 +358,8 @@ def publish(work: str, registry: str, name: str, attempts: int = 50) -> str:
             # round has fewer contenders.
             time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
             continue
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        manifest["version"] = str(version)
-        with open(manifest_path, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
+        manifest = art.read_manifest(work)
+        manifest.model_copy(update={"version": str(version)}).write(manifest_path)
         storage.commit_dir(work, uri, art.MANIFEST)
         storage.advance_pointer(
             storage.join(folder, art.LATEST), version, lambda: art.newest_complete_version(folder)

@@ -59,11 +59,11 @@ class TrainState:
         self.scaler.load_state_dict(saved["scaler"])
         checkpoint.set_rng_state(saved["rng"])
         meta = checkpoint.read_meta(folder)
-        self.epoch, self.step = meta["epoch"], meta["step"]
-        self.resume_history = [*meta.get("resume_history", []), self.epoch + 1]
-        self.data_wait_history = list(meta.get("data_wait_history", []))
-        self.epoch_seconds_history = list(meta.get("epoch_seconds_history", []))
-        self.first_step_at = meta.get("first_step_at")
+        self.epoch, self.step = meta.epoch, meta.step
+        self.resume_history = [*meta.resume_history, self.epoch + 1]
+        self.data_wait_history = list(meta.data_wait_history)
+        self.epoch_seconds_history = list(meta.epoch_seconds_history)
+        self.first_step_at = meta.first_step_at
 
     def train_state(self) -> dict[str, Any]:
         return {

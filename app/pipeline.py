@@ -12,9 +12,10 @@ from typing import Any
 
 import requests
 
-from app.cli import UserError, connect_ray
+from app.cli import connect_ray
 from app.config import Config
 from app.data import iter_shards
+from app.errors import UserError
 from app.prepare import read_manifest, split_files
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def sample_body(config: Config, rows: int = 1) -> tuple[dict[str, Any], list[str
     output = config.data_output
     manifest = read_manifest(output)
     frame = next(iter_shards(split_files(output, manifest, "val"))).iloc[:rows]
-    columns, kind = manifest["feature_columns"], manifest["kind"]
+    columns, kind = manifest.feature_columns, manifest.kind
     if kind == "text":
         tensor = {
             "name": "text",
@@ -61,7 +62,7 @@ def sample_body(config: Config, rows: int = 1) -> tuple[dict[str, Any], list[str
         )
         name = "image" if kind == "image" else "features"
         tensor = {"name": name, "datatype": "FP32", "shape": [rows, len(values[0])], "data": values}
-    return {"inputs": [tensor]}, frame[manifest["label_column"]].astype(str).tolist()
+    return {"inputs": [tensor]}, frame[manifest.label_column].astype(str).tolist()
 
 
 def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:

@@ -26,15 +26,56 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field, model_validator
 
 from app import storage
-from app.cli import UserError
 from app.config import Config
-from app.sources import IMAGE_COLUMN, SourceData, load_source
+from app.errors import UserError
+from app.sources import IMAGE_COLUMN, Kind, SourceData, load_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 GENERATION_MARK = "gen-"
+REQUIRED_SPLITS = ("train", "val")
+
+
+# --- the dataset manifest: written here, read by every stage that reads the shards -------------
+
+
+class Shard(storage.Contract):
+    file: str  # relative to the dataset root
+    rows: int = Field(ge=0)
+    sha256: str
+
+
+class Split(storage.Contract):
+    rows: int = Field(ge=0)
+    shards: list[Shard]
+
+
+class DatasetManifest(storage.Contract):
+    """`<data.output>/manifest.json`: what a prepared dataset holds, and the only way into it."""
+
+    created: str
+    source: dict[str, Any]  # the source's own description (name, path, seed, ...)
+    kind: Kind
+    feature_columns: list[str]
+    label_column: str
+    label_names: list[str]
+    image_shape: list[int] | None = None  # (channels, height, width) of flat pixels
+    # Column -> Arrow type. `schema` on the model itself would shadow pydantic's own attribute.
+    columns: dict[str, str] = Field(alias="schema")
+    rows: dict[str, int]  # split -> rows, the same splits as `splits`
+    splits: dict[str, Split]
+
+    @model_validator(mode="after")
+    def _splits(self) -> DatasetManifest:
+        missing = [s for s in REQUIRED_SPLITS if s not in self.splits]
+        if missing:
+            raise ValueError(f"splits: no {missing[0]!r} split")
+        if set(self.rows) != set(self.splits):
+            raise ValueError(f"rows: lists {sorted(self.rows)}, splits has {sorted(self.splits)}")
+        return self
 
 
 def prepare(config: Config) -> dict[str, Any]:
@@ -47,17 +88,17 @@ def prepare(config: Config) -> dict[str, Any]:
         with storage.staged_dir(output) as staging:
             manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard)
             # The manifest goes last: a folder without one is never taken for a dataset.
-            storage.write_json(os.path.join(staging, MANIFEST), manifest)
+            manifest.write(os.path.join(staging, MANIFEST))
     else:
         manifest = publish_generation(data, splits, output, cfg.rows_per_shard)
-    rows = {name: entry["rows"] for name, entry in manifest["splits"].items()}
+    rows = {name: entry.rows for name, entry in manifest.splits.items()}
     log.info("prepare: wrote %s", rows)
     return {"stage": "prepare", "output": output, "rows": rows}
 
 
 def write_dataset(
     data: SourceData, splits: dict[str, np.ndarray], folder: str, prefix: str, rows_per_shard: int
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Every split's shards under `folder` (a local path or URI); the manifest to describe them,
     its shard paths relative to the dataset root (`prefix` is `folder` relative to that root)."""
     entries = {
@@ -75,7 +116,7 @@ def write_dataset(
 
 def publish_generation(
     data: SourceData, splits: dict[str, np.ndarray], output: str, rows_per_shard: int
-) -> dict[str, Any]:
+) -> DatasetManifest:
     """Object stores: shards under a new generation prefix, then the manifest, then clean-up."""
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
     generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
@@ -84,7 +125,7 @@ def publish_generation(
         manifest = write_dataset(
             data, splits, storage.join(output, generation), generation, rows_per_shard
         )
-        storage.write_json(storage.join(output, MANIFEST), manifest)  # the commit point
+        manifest.write(storage.join(output, MANIFEST))  # the commit point
     except BaseException:
         # Best effort: a leftover is collected by a later run anyway.
         with contextlib.suppress(Exception):
@@ -101,12 +142,12 @@ def current_generation(output: str) -> str:
     if not storage.is_file(uri):
         return ""
     try:
-        manifest = storage.read_json(uri)
-    except ValueError:
+        manifest = DatasetManifest.read(uri)
+    except UserError:  # a damaged manifest names no generation to keep
         return ""
-    for entry in manifest.get("splits", {}).values():
-        for shard in entry.get("shards", []):
-            first = shard["file"].split("/", 1)[0]
+    for entry in manifest.splits.values():
+        for shard in entry.shards:
+            first = shard.file.split("/", 1)[0]
             return first if first.startswith(GENERATION_MARK) else ""
     return ""
 
@@ -155,7 +196,7 @@ def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
 
 def write_split(
     data: SourceData, idx: np.ndarray, folder: str, rel: str, rows_per_shard: int
-) -> dict[str, Any]:
+) -> Split:
     """Shards of one split into `folder` (a local path or URI), listed as `<rel>/<file>`."""
     shards = []
     for i, start in enumerate(range(0, len(idx), rows_per_shard)):
@@ -165,24 +206,24 @@ def write_split(
         with storage.local_path_for(storage.join(folder, filename)) as path:
             pq.write_table(to_arrow(part, data), path)
             digest = sha256_file(path)
-        shards.append({"file": f"{rel}/{filename}", "rows": len(part), "sha256": digest})
-    return {"rows": int(len(idx)), "shards": shards}
+        shards.append(Shard(file=f"{rel}/{filename}", rows=len(part), sha256=digest))
+    return Split(rows=int(len(idx)), shards=shards)
 
 
-def build_manifest(data: SourceData, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def build_manifest(data: SourceData, splits: dict[str, Split]) -> DatasetManifest:
     sample = to_arrow(data.frame.iloc[:1], data)
-    return {
-        "created": datetime.now(timezone.utc).isoformat(),
-        "source": data.description,
-        "kind": data.kind,
-        "feature_columns": data.feature_columns,
-        "label_column": data.label_column,
-        "label_names": sorted(data.frame[data.label_column].astype(str).unique().tolist()),
-        "image_shape": list(data.image_shape) if data.image_shape else None,
-        "schema": {f.name: str(f.type) for f in sample.schema},
-        "rows": {name: s["rows"] for name, s in splits.items()},
-        "splits": splits,
-    }
+    return DatasetManifest(
+        created=datetime.now(timezone.utc).isoformat(),
+        source=data.description,
+        kind=data.kind,
+        feature_columns=data.feature_columns,
+        label_column=data.label_column,
+        label_names=sorted(data.frame[data.label_column].astype(str).unique().tolist()),
+        image_shape=list(data.image_shape) if data.image_shape else None,
+        columns={f.name: str(f.type) for f in sample.schema},
+        rows={name: s.rows for name, s in splits.items()},
+        splits=splits,
+    )
 
 
 def sha256_file(path: str) -> str:
@@ -193,36 +234,37 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(output: str) -> dict[str, Any]:
+def read_manifest(output: str) -> DatasetManifest:
+    """The dataset at `output`; a missing or malformed manifest is one line naming it."""
     uri = storage.join(output, MANIFEST)
     if not storage.exists(uri):
         raise UserError(
             f"{output}: no prepared dataset (manifest.json missing); run jobs.prepare first"
         )
-    return storage.read_json(uri)
+    return DatasetManifest.read(uri)
 
 
-def split_files(output: str, manifest: dict[str, Any], split: str) -> list[str]:
-    if split not in manifest["splits"]:
+def split_files(output: str, manifest: DatasetManifest, split: str) -> list[str]:
+    if split not in manifest.splits:
         raise UserError(f"{output}: the prepared dataset has no {split!r} split")
-    return [storage.join(output, s["file"]) for s in manifest["splits"][split]["shards"]]
+    return [storage.join(output, s.file) for s in manifest.splits[split].shards]
 
 
-def verify_shards(output: str, manifest: dict[str, Any], split: str) -> list[str]:
+def verify_shards(output: str, manifest: DatasetManifest, split: str) -> list[str]:
     """`split_files`, each shard hashed (streamed) against the sha256 the manifest lists.
 
     Refuses a missing, altered or truncated shard with a one-line UserError naming it. Costs one
     read of the split: call it where shards are read once anyway (on the driver) or once per run.
     """
     files = split_files(output, manifest, split)
-    for uri, shard in zip(files, manifest["splits"][split]["shards"], strict=True):
+    for uri, shard in zip(files, manifest.splits[split].shards, strict=True):
         try:
             digest = storage.sha256(uri)
         except FileNotFoundError:
             raise UserError(
                 f"{uri}: shard missing (listed in {MANIFEST}); run jobs.prepare again"
             ) from None
-        if digest != shard["sha256"]:
+        if digest != shard.sha256:
             raise UserError(
                 f"{uri}: sha256 differs from {MANIFEST} (altered or truncated); "
                 "run jobs.prepare again"

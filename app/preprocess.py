@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from app.cli import UserError
+from app.errors import UserError
 
 LABEL_KEY = "label"  # key of the label index in transformed batches
 PAD, UNK = "[PAD]", "[UNK]"

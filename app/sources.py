@@ -14,8 +14,8 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from app.cli import UserError
 from app.config import DataConfig
+from app.errors import UserError
 
 Kind = Literal["image", "tabular", "text"]
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -98,8 +98,6 @@ def _column_name(name: str) -> str:
 
 
 def _imagefolder(cfg: DataConfig) -> SourceData:
-    from PIL import Image, UnidentifiedImageError
-
     root = _existing_path(cfg.path)
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     if not classes:
@@ -110,12 +108,7 @@ def _imagefolder(cfg: DataConfig) -> SourceData:
         for path in sorted(glob.glob(os.path.join(root, label, "*"))):
             if not path.lower().endswith(IMAGE_EXTENSIONS):
                 continue
-            try:
-                with Image.open(path) as img:
-                    # Decoding to a fixed size is part of reading the source; values stay 0..255.
-                    pixels = np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8)
-            except (UnidentifiedImageError, OSError) as e:
-                raise UserError(f"{path}: unreadable image ({e})") from None
+            pixels = _read_image(path, size)
             rows.append(pixels.transpose(2, 0, 1).reshape(-1).astype(np.float32))
             labels.append(label)
     if not rows:
@@ -125,6 +118,24 @@ def _imagefolder(cfg: DataConfig) -> SourceData:
     return SourceData(
         frame, "image", [IMAGE_COLUMN], cfg.label_column, (3, size, size), description
     )
+
+
+def _read_image(path: str, size: int) -> np.ndarray:
+    """One image as (size, size, 3) uint8; any failure to decode it is one line naming the file.
+
+    Pillow signals a bad file in many ways: UnidentifiedImageError, OSError (truncated),
+    DecompressionBombError (more pixels than Image.MAX_IMAGE_PIXELS allows), ValueError,
+    SyntaxError from some plugins. All of them are the file's fault, not the program's.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            # Decoding to a fixed size is part of reading the source; values stay 0..255.
+            return np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8)
+    except Exception as e:  # noqa: BLE001 - see above
+        detail = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"{path}: unreadable image ({type(e).__name__}: {detail})") from None
 
 
 # --- CSV / JSONL / Parquet files with declared columns ----------------------------------------

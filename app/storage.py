@@ -29,9 +29,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import pyarrow.fs as pafs
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from app.errors import UserError, validation_line
 
 STAGING_MARK = ".staging-"
 CLAIM_MARK = ".claim-"
@@ -68,10 +71,6 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
-def read_json(uri: str) -> Any:
-    return json.loads(read_bytes(uri))
-
-
 def sha256(uri: str) -> str:
     """sha256 of one file, streamed (shards can be larger than memory). FileNotFoundError if absent."""
     fs, path = filesystem(uri)
@@ -102,6 +101,66 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 def write_json(uri: str, obj: Any) -> None:
     write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+# --- typed JSON files -------------------------------------------------------------------------
+
+C = TypeVar("C", bound="Contract")
+
+
+class Contract(BaseModel):
+    """A JSON file that one module writes and others (tools, tests, other stages) read.
+
+    The module that writes the file owns its subclass; every reader goes through it, so the
+    shape is declared once. A file of the wrong shape (missing key, wrong type, not JSON) is
+    refused whole with one line naming the file and the field (`error`, a UserError), never a
+    KeyError later. Unknown keys are kept, not refused: a newer writer may add some, and a
+    rewrite (publish setting the version) must not drop them.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, validate_by_name=True)
+    error: ClassVar[type[UserError]] = UserError  # what a bad file is refused with
+
+    @classmethod
+    def parse(cls: type[C], data: Any, source: str) -> C:
+        """`data` (decoded JSON) as this contract; `source` names the file in a refusal."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise cls.error(f"{source}: {validation_line(e, data)}") from None
+
+    @classmethod
+    def parse_json(cls: type[C], raw: bytes | str, source: str) -> C:
+        try:
+            data = json.loads(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+            raise cls.error(f"{source}: not valid JSON ({str(e).splitlines()[0]})") from None
+        return cls.parse(data, source)
+
+    @classmethod
+    def read(cls: type[C], uri: str) -> C:
+        try:
+            raw = read_bytes(uri)
+        except FileNotFoundError:
+            raise cls.error(f"{uri}: missing") from None
+        return cls.parse_json(raw, uri)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The file's content: JSON keys (aliases), unknown keys kept."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def write(self, uri: str) -> None:
+        write_json(uri, self.to_json_dict())
+
+    def __getitem__(self, key: str) -> Any:
+        """Read access by JSON key, for tools written against the plain JSON (bench, tests);
+        app code uses the attributes."""
+        for name, field in type(self).model_fields.items():
+            if (field.alias or name) == key:
+                return getattr(self, name)
+        if self.model_extra and key in self.model_extra:
+            return self.model_extra[key]
+        raise KeyError(key)
 
 
 def upload_file(local: str, uri: str) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from app import checkpoint, storage
-from app.cli import UserError
-from app.config import Config, ConfigError, dump, validate
+from app.config import Config, dump, validate
+from app.errors import ConfigError, UserError
 from app.loop import (
     TrainState,
     order_seed,
@@ -28,6 +28,9 @@ from app.loop import (
     validate_epoch,
 )
 from app.preprocess import Preprocessor
+
+if TYPE_CHECKING:  # app.prepare (pandas, pyarrow) is imported on the driver only
+    from app.prepare import DatasetManifest
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RAYTORCH_FAIL_AT"  # "rank:epoch", test-only, same as train.fail_at
@@ -72,7 +75,7 @@ def train(config: Config) -> dict[str, Any]:
             "config": dump(config),
             "preprocessor": preprocessor.to_json(),
             "run_dir": run_dir,
-            "train_rows": manifest["rows"]["train"],
+            "train_rows": manifest.rows["train"],
             "data_path": plan.mode,
         },
         scaling_config=ray.train.ScalingConfig(
@@ -131,7 +134,7 @@ def worker_resources(config: Config) -> dict[str, float]:
     return resources
 
 
-def run_preprocessor(config: Config, run_dir: str, manifest: dict[str, Any], fit) -> Preprocessor:
+def run_preprocessor(config: Config, run_dir: str, manifest: DatasetManifest, fit) -> Preprocessor:
     """Fit once per run; a resumed run reuses the stored fit so its checkpoints stay consistent."""
     uri = storage.join(run_dir, PREPROCESSOR_FILE)
     if storage.exists(uri):
@@ -157,23 +160,24 @@ def summarize(
     if best is None:
         raise UserError(f"training run {run_name} finished without a checkpoint")
     uri = checkpoint_uri(config, best.path)
-    meta = storage.read_json(storage.join(uri, checkpoint.META))
+    meta = checkpoint.CheckpointMeta.read(storage.join(uri, checkpoint.META))
     # The latest checkpoint tells how far the run got; the best one can be an earlier epoch.
     latest = result.checkpoint or best
-    last = storage.read_json(storage.join(checkpoint_uri(config, latest.path), checkpoint.META))
-    waits = last.get("data_wait_history", [])
-    epoch_seconds = last.get("epoch_seconds_history", [])
+    last = checkpoint.CheckpointMeta.read(
+        storage.join(checkpoint_uri(config, latest.path), checkpoint.META)
+    )
+    waits, epoch_seconds = last.data_wait_history, last.epoch_seconds_history
     return {
         "stage": "train",
         "run_name": run_name,
         "checkpoint": uri,
         "num_workers": t.num_workers,
         "precision": t.precision,
-        "epoch": meta["epoch"],
-        "final_epoch": last["epoch"],
-        "resume_history": last.get("resume_history", []),
-        "worker_nodes": meta.get("worker_nodes", []),
-        "metrics": meta["metrics"],
+        "epoch": meta.epoch,
+        "final_epoch": last.epoch,
+        "resume_history": last.resume_history,
+        "worker_nodes": meta.worker_nodes,
+        "metrics": meta.metrics,
         "data_path": data_path,
         # Median over epochs 2..N of the slowest rank's share of loop time spent waiting.
         "data_wait_fraction": steady_median(waits),
@@ -181,7 +185,7 @@ def summarize(
         # Training-loop time of a steady epoch (median over epochs 2..N), slowest rank.
         "epoch_seconds": steady_median(epoch_seconds),
         "epoch_seconds_history": epoch_seconds,
-        "first_step_at": last.get("first_step_at"),
+        "first_step_at": last.first_step_at,
     }
 
 
@@ -246,12 +250,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
 def quiet_ray_train_logs() -> None:
     """Ray Train logs every report's full metrics dict and checkpoint path at INFO, per rank,
-    per epoch; the job log keeps our one line per epoch instead."""
-    for name in (
-        "ray.train.v2._internal.execution.context",
-        "ray.train.v2._internal.execution.storage",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    per epoch; the job log keeps our one line per epoch instead. (Its logger is named after
+    the module's file path, not its dotted name.)"""
+    from ray.train.v2._internal.execution import context, storage
+
+    for module in (context, storage):
+        for name in (module.__name__, getattr(module, "__file__", "")):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def feed(config: Config, mode: str, split: str):
@@ -311,19 +316,19 @@ def report(
     if rank != 0:
         ray.train.report(metrics)
         return
-    meta = {
-        "config": dump(config),
-        "epoch": state.epoch,
-        "step": state.step,
-        "metrics": metrics,
-        "resume_history": state.resume_history,
-        "data_wait_history": state.data_wait_history,
-        "epoch_seconds_history": state.epoch_seconds_history,
-        "first_step_at": state.first_step_at,
-        "worker_nodes": state.worker_nodes,
-        "preprocessor": preprocessor.to_json(),
-        "torch_version": torch.__version__,
-    }
+    meta = checkpoint.CheckpointMeta(
+        config=dump(config),
+        epoch=state.epoch,
+        step=state.step,
+        metrics=metrics,
+        resume_history=state.resume_history,
+        data_wait_history=state.data_wait_history,
+        epoch_seconds_history=state.epoch_seconds_history,
+        first_step_at=state.first_step_at,
+        worker_nodes=state.worker_nodes,
+        preprocessor=preprocessor.to_json(),
+        torch_version=torch.__version__,
+    )
     folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
     checkpoint.save(folder, state.model, state.train_state(), meta)
     ray.train.report(

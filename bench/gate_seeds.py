@@ -54,7 +54,8 @@ def trained(work: Path, workload: str, seed: int) -> dict[str, Any]:
 
 
 def exported(work: Path, workload: str, seed: int, checkpoint: str) -> dict[str, Any]:
-    from app.export import GateError, export
+    from app.errors import GateError
+    from app.export import export
 
     try:
         report, published = export(run_config(work, workload, seed), checkpoint)["report"], True

@@ -3,7 +3,7 @@ python -m jobs.export --verify ARTIFACT_URI      (integrity check alone: exit 0 
 
 import sys
 
-from app.cli import UserError, emit, parser, run_job, setup_logging
+from app.cli import emit, one_line_failures, parser, run_job, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,12 +31,8 @@ def verify_only(argv: list[str]) -> None:
     setup_logging()
     from app.artifact import verify
 
-    try:
-        summary = verify(args.verify)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    emit(summary, args.summary_file)
+    with one_line_failures():  # an altered or missing file: one line naming it, exit 1
+        emit(verify(args.verify), args.summary_file)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from app.artifact import open_artifact
-from app.export import GateError, export
+from app.errors import GateError
+from app.export import export
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

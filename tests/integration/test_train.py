@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from app.config import ConfigError
+from app.errors import ConfigError
 from app.train import check_precision, train
 from tests.integration.conftest import workload_config
 

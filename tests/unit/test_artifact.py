@@ -16,7 +16,6 @@ from app import checkpoint
 from app.artifact import (
     LATEST,
     MANIFEST,
-    ArtifactError,
     check_no_external_data,
     open_artifact,
     resolve,
@@ -24,8 +23,9 @@ from app.artifact import (
 )
 from app.config import dump
 from app.data import fit_preprocessor
+from app.errors import ArtifactError, GateError
 from app.evaluate import labeled_batches, torch_predict
-from app.export import GateError, export, gate, next_version
+from app.export import export, gate, next_version, publish
 from app.models import build_model
 from app.prepare import prepare
 from tests.unit.unit_helpers import PYTHON, REPO, sha256_of, snapshot, staging_leftovers
@@ -58,14 +58,13 @@ def built(tmp_path_factory, config_maker):
     pre = fit_preprocessor(config)
     torch.manual_seed(0)
     model = build_model(config.model, pre)
-    meta = {
-        "config": dump(config),
-        "epoch": 1,
-        "step": 10,
-        "metrics": {"val_accuracy": 0.1},
-        "resume_history": [],
-        "preprocessor": pre.to_json(),
-    }
+    meta = checkpoint.CheckpointMeta(
+        config=dump(config),
+        epoch=1,
+        step=10,
+        metrics={"val_accuracy": 0.1},
+        preprocessor=pre.to_json(),
+    )
     ckpt = str(root / "checkpoint")
     checkpoint.save(ckpt, model, {"step": 10, "rng": checkpoint.rng_state()}, meta)
     summary = export(config, ckpt)
@@ -203,6 +202,62 @@ def test_missing_or_broken_manifest_is_refused(copy):
     (copy / MANIFEST).unlink()
     with pytest.raises(ArtifactError, match=MANIFEST):
         open_artifact(str(copy))
+
+
+def size_as_text(manifest: dict) -> None:
+    manifest["files"]["schema.json"]["size"] = "big"
+
+
+def without_name(manifest: dict) -> None:
+    del manifest["name"]
+
+
+def files_as_a_list(manifest: dict) -> None:
+    manifest["files"] = sorted(manifest["files"])
+
+
+@pytest.mark.parametrize(
+    ("damage", "field"),
+    [
+        (size_as_text, "files.schema.json.size"),
+        (without_name, "name"),
+        (files_as_a_list, "files"),
+    ],
+)
+def test_manifest_of_the_wrong_shape_is_refused_naming_the_field(copy, damage, field):
+    manifest = json.loads((copy / MANIFEST).read_text())
+    damage(manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError) as info:  # never a KeyError or TypeError
+        open_artifact(str(copy))
+    message = str(info.value)
+    assert message.startswith(f"{copy / MANIFEST}: {field}: "), message
+    assert "\n" not in message
+
+
+def test_manifest_keys_on_disk_and_unknown_keys_survive_publishing(built, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(built["summary"]["artifact"], work)
+    manifest = json.loads((work / MANIFEST).read_text())
+    assert set(manifest) == {
+        "name",
+        "version",
+        "created",
+        "source_checkpoint",
+        "run_name",
+        "train_metrics",
+        "workload",
+        "quantization",
+        "opset",
+        "versions",
+        "files",
+    }
+    manifest["added_by_a_newer_tool"] = {"kept": True}
+    (work / MANIFEST).write_text(json.dumps(manifest))
+    uri = publish(str(work), str(tmp_path / "registry"), "digits")
+    again = open_artifact(uri)
+    assert again.version == "1"
+    assert again.manifest["added_by_a_newer_tool"] == {"kept": True}
 
 
 def test_manifest_path_escaping_the_folder_is_refused(copy):

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 
 from app import checkpoint
-from app.cli import UserError
 from app.config import dump, load_config
+from app.errors import UserError
 from app.loop import TrainState
 from app.models import build_model
 from app.preprocess import Preprocessor
@@ -71,15 +71,15 @@ def take_steps(state: TrainState, steps: int) -> None:
     state.epoch = 1
 
 
-def meta_for(config, state: TrainState) -> dict:
-    return {
-        "config": dump(config),
-        "epoch": state.epoch,
-        "step": state.step,
-        "metrics": {"val_accuracy": 0.5},
-        "resume_history": state.resume_history,
-        "preprocessor": tabular_pre().to_json(),
-    }
+def meta_for(config, state: TrainState) -> checkpoint.CheckpointMeta:
+    return checkpoint.CheckpointMeta(
+        config=dump(config),
+        epoch=state.epoch,
+        step=state.step,
+        metrics={"val_accuracy": 0.5, "epoch": state.epoch},
+        resume_history=state.resume_history,
+        preprocessor=tabular_pre().to_json(),
+    )
 
 
 def test_weights_round_trip(tmp_path, config):
@@ -185,7 +185,11 @@ def test_meta_round_trip_and_loaded_checkpoint(tmp_path, config):
     folder = str(tmp_path / "ckpt")
     meta = meta_for(config, state)
     checkpoint.save(folder, state.model, state.train_state(), meta)
-    assert checkpoint.read_meta(folder) == json.loads(json.dumps(meta))
+    assert checkpoint.read_meta(folder) == meta
+    on_disk = json.loads((Path(folder) / checkpoint.META).read_text())
+    # The keys tools read stay as they were; ints stay ints.
+    assert set(on_disk) >= {"config", "epoch", "step", "metrics", "preprocessor", "resume_history"}
+    assert on_disk["metrics"] == {"val_accuracy": 0.5, "epoch": 1}
 
     loaded = checkpoint.load_checkpoint(folder)
     assert loaded.config == config
@@ -195,6 +199,18 @@ def test_meta_round_trip_and_loaded_checkpoint(tmp_path, config):
     state.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(x=x), state.model(x=x))
+
+
+def test_save_checks_a_plain_dict_meta_before_writing(tmp_path, config):
+    state = make_state(config, seed=0)
+    meta = meta_for(config, state).to_json_dict()
+    folder = tmp_path / "ckpt"
+    checkpoint.save(str(folder), state.model, state.train_state(), meta)  # tools pass a dict
+    assert checkpoint.read_meta(str(folder)).epoch == state.epoch
+    del meta["step"]
+    with pytest.raises(checkpoint.CheckpointError, match=r"meta\.json: step: Field required"):
+        checkpoint.save(str(tmp_path / "other"), state.model, state.train_state(), meta)
+    assert not (tmp_path / "other").exists()
 
 
 def test_load_checkpoint_refuses_a_folder_without_meta(tmp_path):
@@ -233,6 +249,16 @@ def without_config(path: Path) -> None:
     path.write_text(json.dumps(meta))
 
 
+def epoch_as_text(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    meta["epoch"] = "three"
+    path.write_text(json.dumps(meta))
+
+
+def not_an_object(path: Path) -> None:
+    path.write_text("[1, 2]")
+
+
 def remove(path: Path) -> None:
     path.unlink()
 
@@ -248,6 +274,8 @@ def remove(path: Path) -> None:
         (checkpoint.META, remove),
         (checkpoint.META, not_json),
         (checkpoint.META, without_config),
+        (checkpoint.META, epoch_as_text),
+        (checkpoint.META, not_an_object),
     ],
 )
 def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, config, name, damage):
@@ -268,3 +296,17 @@ def test_weights_of_another_model_are_refused_naming_the_file(tmp_path, config):
     with pytest.raises(checkpoint.CheckpointError, match=f"{checkpoint.WEIGHTS}: unreadable") as e:
         checkpoint.load_checkpoint(folder)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("damage", "field"), [(without_config, "config"), (epoch_as_text, "epoch")]
+)
+def test_meta_of_the_wrong_shape_names_the_file_and_field(tmp_path, config, damage, field):
+    folder = saved(tmp_path, config)
+    damage(Path(folder) / checkpoint.META)
+    for load in (checkpoint.load_checkpoint, make_state(config, seed=0).restore):
+        with pytest.raises(checkpoint.CheckpointError) as info:  # never a KeyError
+            load(folder)
+        message = str(info.value)
+        assert message.startswith(f"{folder}/{checkpoint.META}: {field}: "), message
+        assert "\n" not in message

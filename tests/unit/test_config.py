@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
 
-from app.config import ROOT_ENV, Config, ConfigError, dump, load_config, validate
+from app.config import ROOT_ENV, Config, dump, load_config, validate
+from app.errors import ConfigError
 from tests.unit.unit_helpers import DIGITS_YAML, PYTHON, REPO
 
 pytestmark = pytest.mark.unit
@@ -171,9 +173,12 @@ def test_dump_round_trips():
     assert again == config
 
 
-def test_run_name_defaults_to_workload_and_time():
+def test_run_name_defaults_to_workload_time_and_a_random_suffix():
     config = load_config(DIGITS_YAML)
-    assert config.run_name().startswith("digits-")
+    names = {config.run_name() for _ in range(200)}  # all within the same second or two
+    assert len(names) == 200  # two runs started together never share (and resume) a run
+    for name in names:
+        assert re.fullmatch(r"digits-\d{8}-\d{6}-[0-9a-f]{6}", name), name
     assert load_config(DIGITS_YAML, ["train.run_name=mine"]).run_name() == "mine"
 
 

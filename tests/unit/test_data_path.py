@@ -13,6 +13,7 @@ from app.feed import MemoryFeed
 from app.loop import TrainState, steady_median, train_epoch, validate_epoch
 from app.models.mlp import MLP
 from app.preprocess import Preprocessor
+from tests.unit.unit_helpers import manifest_with_rows
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +31,7 @@ def tabular_pre(features: int = 4) -> Preprocessor:
     )
 
 
-MANIFEST = {"rows": {"train": 1000, "val": 250}}  # 1250 rows x (4 x 4 + 8) bytes = 30,000 bytes
+MANIFEST = manifest_with_rows({"train": 1000, "val": 250})  # 1250 rows x (4 x 4 + 8) bytes
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,7 @@ def test_the_data_path_is_chosen_by_size_and_can_be_overridden(
 
 
 def test_bad_cache_setting_is_refused_naming_the_key(config_factory):
-    from app.config import ConfigError
+    from app.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.cache"):
         config_factory("data.cache=disk")
@@ -118,13 +119,13 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
 
 
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):
-    from app.cli import UserError
+    from app.errors import UserError
     from app.prepare import prepare, read_manifest
     from app.train import train
 
     config = config_factory("train.run_name=altered")
     prepare(config)
-    shard = read_manifest(config.data_output)["splits"]["train"]["shards"][0]["file"]
+    shard = read_manifest(config.data_output).splits["train"].shards[0].file
     path = f"{config.data_output}/{shard}"
     with open(path, "r+b") as f:
         f.seek(100)

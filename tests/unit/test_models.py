@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import app.cli
-from app.config import ConfigError, ModelConfig
+from app.config import ModelConfig
+from app.errors import ConfigError
 from app.models import REGISTRY, build_model, is_conv_net, resolve
 from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
@@ -174,9 +175,9 @@ def test_family_vs_data_kind_mismatch_is_refused(name, pre):
 
 
 def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatch):
-    # A bad model/data pairing is a bad config value: exit 2 before any Ray work (DESIGN: "an
-    # unknown key or a bad value is a one-line error naming the key, exit code 2, before any
-    # work starts"). Today it surfaces as a ValueError inside a Ray Train worker.
+    # A bad model/data pairing is a bad config value: exit 2 before any Ray work (the design
+    # brief: "an unknown key or a bad value is a one-line error naming the key, exit code 2,
+    # before any work starts"). Today it surfaces as a ValueError inside a Ray Train worker.
     from app.prepare import prepare
     from app.train import train
 

@@ -14,30 +14,38 @@ from PIL import Image
 from sklearn import datasets
 
 import app.prepare
-from app.cli import UserError
-from app.prepare import MANIFEST, prepare, read_manifest, split_files, split_rows, verify_shards
+from app.errors import UserError
+from app.prepare import (
+    MANIFEST,
+    DatasetManifest,
+    prepare,
+    read_manifest,
+    split_files,
+    split_rows,
+    verify_shards,
+)
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
 
 
-def check_dataset(output: str, summary: dict) -> dict:
+def check_dataset(output: str, summary: dict) -> DatasetManifest:
     """The manifest lists exactly the shards on disk, with matching rows and sha256."""
     manifest = read_manifest(output)
     assert summary["output"] == output
-    assert summary["rows"] == manifest["rows"]
-    assert set(summary["rows"]) == set(manifest["splits"])
+    assert summary["rows"] == manifest.rows
+    assert set(summary["rows"]) == set(manifest.splits)
     listed = set()
-    for split, entry in manifest["splits"].items():
-        assert entry["rows"] == sum(s["rows"] for s in entry["shards"]) == summary["rows"][split]
-        for shard in entry["shards"]:
-            path = os.path.join(output, shard["file"])
-            assert sha256_of(path) == shard["sha256"], shard["file"]
-            assert pq.read_metadata(path).num_rows == shard["rows"]
-            listed.add(shard["file"])
+    for split, entry in manifest.splits.items():
+        assert entry.rows == sum(s.rows for s in entry.shards) == summary["rows"][split]
+        for shard in entry.shards:
+            path = os.path.join(output, shard.file)
+            assert sha256_of(path) == shard.sha256, shard.file
+            assert pq.read_metadata(path).num_rows == shard.rows
+            listed.add(shard.file)
     on_disk = {str(p.relative_to(output)) for p in Path(output).rglob("*.parquet")}
     assert listed == on_disk
-    assert set(os.listdir(output)) == {MANIFEST, *manifest["splits"]}
+    assert set(os.listdir(output)) == {MANIFEST, *manifest.splits}
     assert staging_leftovers(Path(output).parent) == []
     return manifest
 
@@ -75,10 +83,10 @@ def test_digits_shards_hold_raw_pixels_and_every_row(config_factory):
     assert summary["rows"] == {"train": 1438, "val": 359}
     assert sum(summary["rows"].values()) == 1797
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "image"
-    assert manifest["image_shape"] == [1, 8, 8]
-    assert manifest["label_names"] == [str(d) for d in range(10)]
-    assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [500, 500, 438]
+    assert manifest.kind == "image"
+    assert manifest.image_shape == [1, 8, 8]
+    assert manifest.label_names == [str(d) for d in range(10)]
+    assert [s.rows for s in manifest.splits["train"].shards] == [500, 500, 438]
 
     bunch = datasets.load_digits()
     idx = split_rows(1797, 0.2, 0.0, seed=0)
@@ -101,15 +109,15 @@ def test_sklearn_tables_keep_raw_numbers(config_factory, source, rows, features,
     assert sum(summary["rows"].values()) == rows
     assert set(summary["rows"]) == {"train", "val", "test"}
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "tabular"
-    assert len(manifest["feature_columns"]) == features
-    assert all(c.replace("_", "").isalnum() for c in manifest["feature_columns"])
-    assert len(manifest["label_names"]) == classes
+    assert manifest.kind == "tabular"
+    assert len(manifest.feature_columns) == features
+    assert all(c.replace("_", "").isalnum() for c in manifest.feature_columns)
+    assert len(manifest.label_names) == classes
     bunch = getattr(datasets, f"load_{source}")()
     idx = split_rows(rows, 0.2, 0.1, seed=0)
     frame = read_split(config.data_output, manifest, "test")
     np.testing.assert_array_equal(
-        frame[manifest["feature_columns"]].to_numpy(), bunch.data[idx["test"]]
+        frame[manifest.feature_columns].to_numpy(), bunch.data[idx["test"]]
     )
     assert frame["label"].tolist() == [
         str(bunch.target_names[t]) for t in bunch.target[idx["test"]]
@@ -124,8 +132,8 @@ def test_synthetic_text(config_factory):
     summary = prepare(config)
     assert sum(summary["rows"].values()) == 40
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "text" and manifest["feature_columns"] == ["text"]
-    assert set(manifest["label_names"]) <= {"class_0", "class_1", "class_2"}
+    assert manifest.kind == "text" and manifest.feature_columns == ["text"]
+    assert set(manifest.label_names) <= {"class_0", "class_1", "class_2"}
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
     for text, label in zip(frame["text"], frame["label"], strict=True):
         assert isinstance(text, str)
@@ -144,7 +152,7 @@ def test_synthetic_image(config_factory):
     summary = prepare(config)
     assert sum(summary["rows"].values()) == 30
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "image" and manifest["image_shape"] == [1, 8, 8]
+    assert manifest.kind == "image" and manifest.image_shape == [1, 8, 8]
     pixels = np.stack(read_split(config.data_output, manifest, "train")["image"].to_list())
     assert pixels.shape[1] == 64
     assert pixels.min() >= 0 and pixels.max() <= 255 and pixels.max() > 16
@@ -171,9 +179,9 @@ def test_imagefolder(config_factory, tmp_path):
     summary = prepare(config)
     assert sum(summary["rows"].values()) == 6
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "image"
-    assert manifest["image_shape"] == [3, 4, 4]
-    assert manifest["label_names"] == ["cat", "dog"]
+    assert manifest.kind == "image"
+    assert manifest.image_shape == [3, 4, 4]
+    assert manifest.label_names == ["cat", "dog"]
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
     for pixels, label in zip(frame["image"], frame["label"], strict=True):
         image = np.asarray(pixels).reshape(3, 4, 4)  # channels first, raw 0..255
@@ -213,10 +221,10 @@ def test_table_file_formats(config_factory, tmp_path, suffix):
     summary = prepare(config)
     assert summary["rows"] == {"train": 16, "val": 4}
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["kind"] == "tabular"
-    assert manifest["feature_columns"] == ["a", "b"]  # inferred: every column but the label
-    assert manifest["label_names"] == ["c0", "c1", "c2"]
-    assert manifest["source"]["files"] == [path.name]
+    assert manifest.kind == "tabular"
+    assert manifest.feature_columns == ["a", "b"]  # inferred: every column but the label
+    assert manifest.label_names == ["c0", "c1", "c2"]
+    assert manifest.source["files"] == [path.name]
     idx = split_rows(20, 0.2, 0.0, seed=0)
     frame = read_split(config.data_output, manifest, "train")
     np.testing.assert_array_equal(
@@ -240,7 +248,7 @@ def test_table_folder_of_mixed_files_with_declared_columns(config_factory, tmp_p
     summary = prepare(config)
     assert sum(summary["rows"].values()) == 30
     manifest = check_dataset(config.data_output, summary)
-    assert manifest["feature_columns"] == ["b", "a"]
+    assert manifest.feature_columns == ["b", "a"]
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
     got = sorted(zip(frame["a"], frame["b"], frame["label"], strict=True))
     assert got == sorted(zip(raw["a"], raw["b"], raw["label"], strict=True))
@@ -251,7 +259,7 @@ def test_table_numeric_labels_become_names(config_factory, tmp_path):
     path = write_table(raw, tmp_path / "rows.csv")
     config = config_factory("data.source=table", f"data.path={path}", "data.labels=['0','1']")
     manifest = check_dataset(config.data_output, prepare(config))
-    assert manifest["label_names"] == ["0", "1"]
+    assert manifest.label_names == ["0", "1"]
 
 
 def test_table_text_column(config_factory, tmp_path):
@@ -261,8 +269,8 @@ def test_table_text_column(config_factory, tmp_path):
         "data.source=table", f"data.path={path}", "data.text_column=body", "data.label_column=y"
     )
     manifest = check_dataset(config.data_output, prepare(config))
-    assert manifest["kind"] == "text"
-    assert manifest["feature_columns"] == ["body"] and manifest["label_column"] == "y"
+    assert manifest.kind == "text"
+    assert manifest.feature_columns == ["body"] and manifest.label_column == "y"
     frame = read_split(config.data_output, manifest, "val")
     assert set(frame["body"]) <= set(raw["body"])
 
@@ -351,7 +359,7 @@ def test_rerun_replaces_dataset_whole(config_factory, tmp_path):
     summary = prepare(second)
     manifest = check_dataset(second.data_output, summary)
     # Only the new shards remain (no stale part-00002.parquet from the first run).
-    assert [s["file"] for s in manifest["splits"]["train"]["shards"]] == [
+    assert [s.file for s in manifest.splits["train"].shards] == [
         "train/part-00000.parquet",
         "train/part-00001.parquet",
     ]
@@ -398,7 +406,7 @@ def cut_in_half(path: Path) -> None:
 )
 def test_verify_shards_refuses_a_damaged_shard_by_name(prepared_small, damage, problem):
     output, manifest = prepared_small
-    shard = manifest["splits"]["train"]["shards"][1]["file"]
+    shard = manifest.splits["train"].shards[1].file
     damage(Path(output) / shard)
     with pytest.raises(UserError) as info:
         verify_shards(output, manifest, "train")

@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app.cli import UserError
 from app.data import fit_preprocessor, iter_shards
+from app.errors import UserError
 from app.prepare import prepare, read_manifest, split_files, split_rows
 from app.preprocess import LABEL_KEY, PAD, Preprocessor
 from tests.unit.unit_helpers import read_split
@@ -190,7 +190,7 @@ def test_fitted_on_train_split_only(config_factory):
     pre = fit_preprocessor(config)
     train = read_split(config.data_output, manifest, "train")
     both = pd.concat([train, read_split(config.data_output, manifest, "val")])
-    features = manifest["feature_columns"]
+    features = manifest.feature_columns
     np.testing.assert_allclose(pre.state["mean"], train[features].to_numpy().mean(0), rtol=1e-9)
     assert not np.allclose(pre.state["mean"], both[features].to_numpy().mean(0), rtol=1e-9, atol=0)
     # Streaming helper reads exactly the train shards.
@@ -209,7 +209,7 @@ def test_labels_come_from_train_and_val_only_label_is_refused(config_factory, tm
     config = config_factory("data.source=table", f"data.path={path}")
     prepare(config)
     manifest = read_manifest(config.data_output)
-    assert "rare" in manifest["label_names"]
+    assert "rare" in manifest.label_names
     pre = fit_preprocessor(config, manifest)
     assert pre.labels == ["common"]
     val = read_split(config.data_output, manifest, "val")

@@ -10,6 +10,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from app import storage
+from app.prepare import DatasetManifest, Split
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = REPO / "configs" / "digits.yaml"
@@ -38,10 +39,25 @@ def staging_leftovers(folder: str | os.PathLike[str]) -> list[str]:
     return sorted(str(p) for p in folder.rglob("*") if storage.STAGING_MARK in p.name)
 
 
-def read_split(output: str, manifest: dict, split: str) -> pd.DataFrame:
+def read_split(output: str, manifest: DatasetManifest, split: str) -> pd.DataFrame:
     """All rows of one prepared split, shards in manifest order."""
     frames = [
-        pq.read_table(os.path.join(output, s["file"])).to_pandas()
-        for s in manifest["splits"][split]["shards"]
+        pq.read_table(os.path.join(output, s.file)).to_pandas()
+        for s in manifest.splits[split].shards
     ]
     return pd.concat(frames, ignore_index=True)
+
+
+def manifest_with_rows(rows: dict[str, int]) -> DatasetManifest:
+    """A dataset manifest with these split sizes and no shards (for code that only counts)."""
+    return DatasetManifest(
+        created="2024-01-01T00:00:00+00:00",
+        source={"source": "test"},
+        kind="tabular",
+        feature_columns=["f0"],
+        label_column="label",
+        label_names=["a", "b"],
+        columns={"f0": "double", "label": "string"},
+        rows=rows,
+        splits={name: Split(rows=n, shards=[]) for name, n in rows.items()},
+    )
