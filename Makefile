@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-fast lint format bench bench-smoke cluster-up cluster-down clean
+.PHONY: install demo test test-all lint format bench bench-smoke cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: install
 test: install
 	bash tests/run.sh
 
+# Everything `make test` runs plus the `slow` soak and benchmark-smoke runs.
+test-all: install
+	bash tests/run.sh --all
+
 lint: install
 	$(VENV)/bin/ruff check app jobs tests bench
 	$(VENV)/bin/ruff format --check app jobs tests bench
@@ -37,6 +41,9 @@ format: install
 
 bench: install
 	$(PY) -m bench.run_all
+
+bench-smoke: install
+	$(PY) -m bench.run_all --smoke
 
 cluster-up: install
 	bash cluster/start.sh

@@ -109,7 +109,7 @@ class FaultInjection(_Section):
 
 
 class TrainConfig(_Section):
-    run_name: str | None = None  # default: "<workload>-<timestamp>"; an existing name resumes
+    run_name: str | None = None  # default "<workload>-<timestamp>-<6 hex>"; an existing one resumes
     storage_path: str = "outputs/runs"
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False

@@ -16,7 +16,7 @@ import requests
 from tests.conftest import REPO
 from tests.e2e.conftest import DASHBOARD, SERVE, job_env, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 METRICS = "http://127.0.0.1:8080/metrics"
 WANTED = [
     "ray_raytorch_val_accuracy",

@@ -22,7 +22,7 @@ from app.artifact import open_artifact, run_logits
 from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, TEST_API_KEY, TEST_API_KEY_ENV, get_json, run_job, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 JSON = {"Content-Type": "application/json"}
 # Short autoscaling delays so scaling happens within the test's patience.
 SERVE_OVERRIDES = [

@@ -10,7 +10,7 @@ from app.artifact import open_artifact
 from app.errors import GateError
 from app.export import export
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from app.train import train
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray, workload_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 
 def checkpoint_epochs(run_dir: Path) -> list[int]:
@@ -35,13 +35,19 @@ def checkpoint_epochs(run_dir: Path) -> list[int]:
     return sorted(epochs)
 
 
-def wait_for_checkpoint(run_dir: Path, timeout: float, alive=lambda: True) -> int:
+def wait_for_checkpoint(run_dir: Path, timeout: float, alive=lambda: True, epoch: int = 2) -> int:
+    """Wait until the checkpoint of `epoch` is on disk; returns the newest epoch persisted.
+
+    Epoch 2's folder on disk means epoch 1's checkpoint is registered with Ray Train (the
+    upload of one report finishes before the next is accepted), so a fault after this point
+    must resume from a checkpoint, never from scratch.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and alive():
-        if checkpoint_epochs(run_dir):
+        if max(checkpoint_epochs(run_dir), default=0) >= epoch:
             return max(checkpoint_epochs(run_dir))
         time.sleep(0.2)
-    raise AssertionError(f"no checkpoint under {run_dir} within {timeout}s")
+    raise AssertionError(f"no epoch-{epoch} checkpoint under {run_dir} within {timeout}s")
 
 
 def test_node_loss_mid_training_resumes_from_the_last_checkpoint(prepared, workspace):
@@ -82,9 +88,10 @@ def test_node_loss_mid_training_resumes_from_the_last_checkpoint(prepared, works
         assert "error" not in outcome, outcome.get("error")
         summary = outcome["summary"]
         assert summary["final_epoch"] == 8
-        # The restart began after a persisted checkpoint, not at epoch 1.
-        assert summary["resume_history"] and summary["resume_history"][0] >= 2
-        assert summary["resume_history"][0] > lost_after - 1
+        # The restart began after a registered checkpoint (at most the newest one lost), not
+        # at epoch 1.
+        assert summary["resume_history"], "the run never restarted from a checkpoint"
+        assert summary["resume_history"][0] >= lost_after
         assert summary["metrics"]["val_accuracy"] >= 0.9
         assert set(summary["worker_nodes"]) == {survivor.node_id}  # all ranks on the survivor
     finally:
@@ -139,6 +146,6 @@ def test_driver_killed_mid_run_and_resubmitted_resumes(prepared, workspace):
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["final_epoch"] == 8
     resumed_at = summary["resume_history"][-1]
-    persisted = checkpoint_epochs(run_dir)
-    assert resumed_at >= 2 and resumed_at >= killed_after + 1
-    assert max(persisted) == 8
+    # It went on from a registered checkpoint: at most the newest epoch is redone.
+    assert resumed_at >= killed_after >= 2
+    assert max(checkpoint_epochs(run_dir)) == 8

@@ -7,7 +7,7 @@ import pytest
 from app.train import train
 from tests.integration.conftest import workload_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 
 def test_workers_spread_over_two_nodes(prepared, workspace):

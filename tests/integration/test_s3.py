@@ -160,7 +160,6 @@ def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(s3
 # --- the whole pipeline on s3 -----------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_pipeline_on_s3(s3_root, ray_with_s3_env):
     from app.evaluate import evaluate
     from app.export import export

@@ -11,7 +11,7 @@ from app.errors import ConfigError
 from app.train import check_precision, train
 from tests.integration.conftest import workload_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 FAST = ["train.epochs=5", "train.log_every_steps=1000"]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ from app.evaluate import labeled_batches, torch_predict
 from app.export import export, gate, next_version, publish
 from app.models import build_model
 from app.prepare import prepare
-from tests.unit.unit_helpers import PYTHON, REPO, sha256_of, snapshot, staging_leftovers
+from jobs import export as export_job
+from tests.unit.unit_helpers import run_main, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
 
@@ -286,31 +286,20 @@ def test_verify_reports_every_file(built):
 # --- python -m jobs.export --verify -------------------------------------------------------------
 
 
-def run_verify(uri: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "jobs.export", "--verify", uri],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HOME": str(tmp_path)},
-    )
-
-
-def test_verify_cli_exit_0_when_intact(copy, tmp_path):
-    proc = run_verify(str(copy), tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_verify_cli_exit_0_when_intact(copy, capsys):
+    code, out, err = run_main(capsys, export_job.main, ["--verify", str(copy)])
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
     assert summary["ok"] is True and summary["artifact"] == str(copy)
 
 
-def test_verify_cli_exit_1_naming_the_tampered_file(copy, tmp_path):
+def test_verify_cli_exit_1_naming_the_tampered_file(copy, capsys):
     flip_byte(copy / "model.onnx")
-    proc = run_verify(str(copy), tmp_path)
-    assert proc.returncode == 1
-    assert "model.onnx" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stdout.strip() == ""
+    code, out, err = run_main(capsys, export_job.main, ["--verify", str(copy)])
+    assert code == 1
+    assert "model.onnx" in err
+    assert "Traceback" not in err
+    assert out.strip() == ""
 
 
 # --- the accuracy gate --------------------------------------------------------------------------
@@ -369,7 +358,7 @@ def test_gate_rules():
         gate_with(report(0.0, 0.9, 0.9, ratio=0.31), max_size_ratio=0.3)
 
 
-def test_export_cli_gate_exits_3_with_one_line(built, tmp_path):
+def test_export_cli_gate_exits_3_with_one_line(built, capsys):
     registry = registry_of(built)
     before = snapshot(registry)
     overrides = [
@@ -378,29 +367,12 @@ def test_export_cli_gate_exits_3_with_one_line(built, tmp_path):
         *(o for o in FAST_EXPORT if not o.startswith("export.max_accuracy_drop=")),
         "export.max_accuracy_drop=-1",
     ]
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "jobs.export",
-            "--config",
-            "configs/digits.yaml",
-            "--checkpoint",
-            built["checkpoint"],
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "HOME": str(tmp_path), "RAYTORCH_LOG_LEVEL": "ERROR"},
-    )
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: export refused"), proc.stderr[
-        -2000:
-    ]
-    assert proc.stdout.strip() == ""
+    argv = ["--config", "configs/digits.yaml", "--checkpoint", built["checkpoint"], *overrides]
+    code, out, err = run_main(capsys, export_job.main, argv)
+    assert code == 3, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: export refused"), err[-2000:]
+    assert out.strip() == ""
     assert snapshot(registry) == before
 
 

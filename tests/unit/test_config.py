@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
 from app.config import ROOT_ENV, Config, dump, load_config, validate
 from app.errors import ConfigError
-from tests.unit.unit_helpers import DIGITS_YAML, PYTHON, REPO
+from jobs import prepare as prepare_job
+from tests.unit.unit_helpers import DIGITS_YAML, run_main
 
 pytestmark = pytest.mark.unit
 
@@ -189,20 +189,15 @@ def test_run_name_defaults_to_workload_time_and_a_random_suffix():
     ("override", "key"),
     [("data.bogus=1", "data.bogus"), ("train.precision=fp8", "train.precision")],
 )
-def test_job_cli_bad_override_exits_2_with_one_line(tmp_path, override, key):
+def test_job_cli_bad_override_exits_2_with_one_line(tmp_path, monkeypatch, capsys, override, key):
     env_root = tmp_path / "root"
     env_root.mkdir()
-    proc = subprocess.run(
-        [PYTHON, "-m", "jobs.prepare", "--config", "configs/digits.yaml", override],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": "/usr/bin:/bin", ROOT_ENV: str(env_root), "HOME": str(tmp_path)},
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    monkeypatch.setenv(ROOT_ENV, str(env_root))
+    argv = ["--config", str(DIGITS_YAML), override]
+    code, out, err = run_main(capsys, prepare_job.main, argv)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert key in lines[0]
-    assert proc.stdout == ""
+    assert out == ""
     assert list(env_root.iterdir()) == []  # no work started: nothing written

@@ -61,3 +61,14 @@ def manifest_with_rows(rows: dict[str, int]) -> DatasetManifest:
         rows=rows,
         splits={name: Split(rows=n, shards=[]) for name, n in rows.items()},
     )
+
+
+def run_main(capsys, main, argv: list[str]) -> tuple[int, str, str]:
+    """A job's `main(argv)` in this process (no subprocess): exit code, stdout, stderr."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

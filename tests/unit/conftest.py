@@ -1,0 +1,23 @@
+"""The unit tier starts no Ray and no subprocess: both are refused here, so a test that needs
+either fails loudly and belongs in tests/integration."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"unit tests start no {what}: move this test to tests/integration")
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _no_subprocess_or_ray(monkeypatch):
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("subprocess"))
+    import ray
+
+    monkeypatch.setattr(ray, "init", _refuse("Ray"))
