@@ -31,8 +31,8 @@ test-all: install
 	bash tests/run.sh --all
 
 lint: install
-	$(VENV)/bin/ruff check app jobs tests bench
-	$(VENV)/bin/ruff format --check app jobs tests bench
+	$(VENV)/bin/ruff check app jobs tests bench cluster
+	$(VENV)/bin/ruff format --check app jobs tests bench cluster
 	$(VENV)/bin/mypy
 
 format: install

@@ -117,7 +117,7 @@ class Sandbox:
 def sandbox(tmp_path: Path) -> Iterator[Sandbox]:
     repo = tmp_path / "repo"
     (repo / "cluster").mkdir(parents=True)
-    for script in ("start.sh", "stop.sh"):
+    for script in ("start.sh", "stop.sh", "procs.py"):
         (repo / "cluster" / script).write_text((CLUSTER / script).read_text())
     bin_dir = repo / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
