@@ -107,8 +107,11 @@ def connect_ray(require_cluster: bool = False) -> None:
 
     if ray.is_initialized():
         return
+    address = os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=True)
+        if address == "auto" and not local_cluster_answers():
+            raise ConnectionError("no local cluster answers")
+        ray.init(address=address, log_to_driver=True)
         return
     except (ConnectionError, RuntimeError) as e:
         if require_cluster:
@@ -118,3 +121,21 @@ def connect_ray(require_cluster: bool = False) -> None:
                 "(cluster/start.sh) or `ray start --head`, or set RAY_ADDRESS"
             ) from None
     ray.init()
+
+
+def local_cluster_answers(timeout_s: float = 1.0) -> bool:
+    """Whether the cluster Ray's address file names (what address="auto" joins) is listening.
+
+    A cluster that died without `ray stop` leaves that file behind, and joining it would wait
+    on a dead GCS for half a minute before failing; a closed port answers at once.
+    """
+    import socket
+
+    current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
+    try:
+        with open(current) as f:
+            host, _, port = f.read().strip().rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -1,8 +1,9 @@
 """Worker-side batch feeds: what a training worker iterates, epoch after epoch.
 
-- `MemoryFeed` keeps the worker's whole shard as tensors after one pass over it and reshuffles
-  it every epoch with a seeded generator: after the first epoch there is nothing to set up, read
-  or preprocess, so the training loop never waits for data.
+- `MemoryFeed` keeps the worker's whole shard as tensors after one pass over it (the first
+  epoch trains on the blocks as they arrive) and reshuffles it every epoch with a seeded
+  generator: after the first epoch there is nothing to set up, read or preprocess, so the
+  training loop never waits for data.
 - `StreamFeed` iterates a Ray Data shard anew every epoch (local shuffle buffer, prefetching),
   starting each next pass while the current epoch validates and reports.
 
@@ -43,11 +44,9 @@ class MemoryFeed:
     @property
     def tensors(self) -> Batch:
         if self._tensors is None:
-            parts: dict[str, list[np.ndarray]] = {}
-            for batch in self._source():
-                for key, value in batch.items():
-                    parts.setdefault(key, []).append(np.asarray(value))
-            self._tensors = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
+            for _ in self._first_pass(FILL_BATCH_ROWS, None):
+                pass
+        assert self._tensors is not None
         return self._tensors
 
     def prefetch(self, batch_size: int, seed: int | None = None) -> None:
@@ -57,7 +56,33 @@ class MemoryFeed:
         return len(next(iter(self.tensors.values()), ()))
 
     def batches(self, batch_size: int, seed: int | None = None) -> Iterator[Batch]:
-        """Batches in a fresh seeded order per `seed` (shuffled), or in stored order (None)."""
+        """Batches in a fresh seeded order per `seed` (shuffled), or in stored order (None).
+
+        The first call trains on the source's blocks as they arrive (shuffled within each
+        block) while it keeps them, so the first step waits for one block, not the whole shard.
+        """
+        if self._tensors is None:
+            return self._first_pass(batch_size, seed)
+        return self._cached_pass(batch_size, seed)
+
+    def _first_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
+        parts: dict[str, list[torch.Tensor]] = {}
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        for raw in self._source():
+            block = {k: torch.from_numpy(np.asarray(v)) for k, v in raw.items()}
+            for key, value in block.items():
+                parts.setdefault(key, []).append(value)
+            rows = len(next(iter(block.values())))
+            order = torch.randperm(rows, generator=generator) if generator else None
+            for start in range(0, rows, batch_size):
+                index = order[start : start + batch_size] if order is not None else None
+                yield {
+                    k: v[index] if index is not None else v[start : start + batch_size]
+                    for k, v in block.items()
+                }
+        self._tensors = {k: torch.cat(v) for k, v in parts.items()}
+
+    def _cached_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
         tensors, rows = self.tensors, len(self)
         order = None
         if seed is not None:

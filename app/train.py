@@ -69,6 +69,8 @@ def train(config: Config) -> dict[str, Any]:
         for split in ("train", "val")
     }
     t = config.train
+    # Propagated by Ray Train from this process to its controller (see TrainConfig).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(t.controller_poll_s))
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -308,8 +310,8 @@ def report(
 ) -> None:
     """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint.
 
-    The checkpoint is uploaded asynchronously (Ray deletes the local folder once it is
-    persisted), so the next epoch starts while it is copied to `train.storage_path`.
+    The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
+    the checkpoint is persisted under `train.storage_path`.
     """
     import ray.train
 
@@ -334,7 +336,10 @@ def report(
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint.from_directory(folder),
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode[
+            config.train.checkpoint_upload.upper()
+        ],
+        delete_local_checkpoint_after_upload=True,
     )
 
 

@@ -107,4 +107,11 @@ fi
 procs stop "$STATE_FILE" "$GRACE_S" || die 1 "some processes of the cluster survived (see above);" \
     "$STATE_FILE is kept so that this can be run again"
 rm -f "$STATE_FILE"
+# Ray's pointer to "the local cluster" (what `ray.init(address="auto")` joins): left behind, it
+# makes the next job wait on a dead GCS instead of starting its own Ray. `ray stop` removes it
+# too; only when it names this cluster's GCS port.
+current="${RAY_TMPDIR:-/tmp/ray}/ray_current_cluster"
+if [[ -f "$current" ]] && grep -q ":$GCS_PORT\$" "$current"; then
+    rm -f "$current"
+fi
 echo "Ray cluster stopped."

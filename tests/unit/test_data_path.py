@@ -79,10 +79,14 @@ def labels_of(feed: MemoryFeed, seed: int | None) -> list[int]:
 
 def test_memory_feed_yields_every_row_once_per_epoch_in_a_seeded_order():
     feed, arrays = make_feed()
-    epoch1, epoch2 = labels_of(feed, seed=1), labels_of(feed, seed=2)
-    assert sorted(epoch1) == sorted(epoch2) == list(range(100))
-    assert epoch1 != epoch2  # reshuffled every epoch
-    assert labels_of(feed, seed=1) == epoch1  # reproducible for a given seed
+    # Epoch 1 trains on the source's blocks as they arrive, shuffled within each block.
+    epoch1 = labels_of(feed, seed=1)
+    assert sorted(epoch1[:50]) == list(range(50)) and epoch1[:50] != list(range(50))
+    epoch2, epoch3 = labels_of(feed, seed=2), labels_of(feed, seed=3)
+    assert sorted(epoch1) == sorted(epoch2) == sorted(epoch3) == list(range(100))
+    assert epoch2 != epoch3  # reshuffled every epoch, across the whole shard
+    assert labels_of(feed, seed=2) == epoch2  # reproducible for a given seed
+    assert labels_of(make_feed()[0], seed=1) == epoch1  # the first pass too
     assert labels_of(feed, seed=None) == list(range(100))  # validation: stored order
     for batch in feed.batches(32, seed=3):  # features travel with their label
         assert torch.equal(batch["x"][:, 0], batch["label"].float() * 2)
