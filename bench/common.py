@@ -128,11 +128,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
 
 
-def steady(values: Sequence[float]) -> float:
-    """Median of the values after the first (the first epoch/pass pays warm-up)."""
-    return median(values[1:] if len(values) > 1 else values)
-
-
 def ratio(a: float, b: float) -> float:
     return float(a / b) if b else float("nan")
 
