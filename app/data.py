@@ -139,7 +139,8 @@ def ingest_options(config: Config, mode: str):
 
     Streaming bounds Data's CPUs to what the train workers leave free (at least one task's
     worth), so a fast reader cannot take the trainers' cores and the trainers' reservation
-    cannot leave Data with nothing.
+    cannot leave Data with nothing, and its object store use to `data.stream_object_store_mb`,
+    so memory stays flat however large the dataset.
     """
     import ray
     from ray.data import DataContext, ExecutionOptions, ExecutionResources
@@ -152,7 +153,10 @@ def ingest_options(config: Config, mode: str):
             total = ray.cluster_resources().get("CPU", 1.0)
             reserved = config.train.num_workers * config.train.cpus_per_worker
             limit = max(total - reserved, config.data.task_cpus)
-        options.resource_limits = ExecutionResources.for_limits(cpu=limit)
+        store = config.data.stream_object_store_mb * MIB
+        options.resource_limits = ExecutionResources.for_limits(
+            cpu=limit, object_store_memory=store
+        )
     return options
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    REPO,
     bench_config,
-    ensure_prepared,
     main_wrapper,
     ratio,
     wait_for_quiet,
@@ -100,8 +100,9 @@ def ingest_pass(config) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from app.data import fit_preprocessor, ingest_options, load_split
+    from app.prepare import read_manifest
 
-    manifest = ensure_prepared(config)
+    manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -129,11 +130,27 @@ def ingest_pass(config) -> dict[str, Any]:
         ray.shutdown()
     return {
         "train_rows": manifest["rows"]["train"],
-        "rows_per_worker": result.metrics.get("rows"),
+        "error": str(result.error) if result.error else None,
         "peak_pss_bytes": memory.peak,
         "samples": memory.samples,
         "pass_s": elapsed,
     }
+
+
+def prepare_elsewhere(config) -> None:
+    """`jobs.prepare` in its own process: generating the rows must not leave its heap in the
+    process tree whose memory is measured."""
+    import subprocess
+    import sys
+
+    from app.config import dump
+
+    if (Path(config.data_output) / "manifest.json").exists():
+        return
+    d = dump(config)["data"]
+    overrides = [f"data.{k}={d[k]}" for k in ("num_rows", "rows_per_shard", "output")]
+    cmd = [sys.executable, "-m", "jobs.prepare", "--config", "configs/stream.yaml", *overrides]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=1200)
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
@@ -150,7 +167,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "data.cache=stream",
             tag=f"stream-{scale}x",
         )
-        ensure_prepared(config)
+        prepare_elsewhere(config)
         wait_for_quiet(0.0 if smoke else 240.0)
         sizes[f"{scale}x"] = ingest_pass(config)
     growth = ratio(sizes["10x"]["peak_pss_bytes"], sizes["1x"]["peak_pss_bytes"])
