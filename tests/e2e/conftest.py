@@ -1,5 +1,6 @@
 """E2E fixtures: a real cluster started by cluster/start.sh (token auth, Serve on 127.0.0.1),
-jobs run as subprocesses exactly as a user runs them, HTTP over 127.0.0.1."""
+jobs run as subprocesses exactly as a user runs them, HTTP over 127.0.0.1, and an S3-compatible
+server (moto) on 127.0.0.1 that the cluster and the jobs reach through the standard AWS_* variables."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import requests
 
 from tests.conftest import REPO
+from tests.s3_server import moto_s3
 
 PY = sys.executable
 TEST_API_KEY_ENV = "RAYTORCH_TEST_API_KEY"
@@ -35,7 +37,16 @@ def ports_in_use(*ports: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def s3_bucket():
+    """An S3 server (moto) on 127.0.0.1 for the whole e2e session. It starts before the cluster
+    so that the cluster's processes (Serve replicas, Train workers) inherit its endpoint and
+    credentials, as a cluster on a cloud gets them from its environment."""
+    with moto_s3() as bucket:
+        yield bucket
+
+
+@pytest.fixture(scope="session")
+def cluster(s3_bucket):
     """A fresh local cluster for the e2e session, stopped at the end."""
     import ray
 

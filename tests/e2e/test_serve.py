@@ -24,6 +24,7 @@ from tests.e2e.conftest import SERVE, TEST_API_KEY, TEST_API_KEY_ENV, get_json, 
 
 pytestmark = pytest.mark.e2e
 JSON = {"Content-Type": "application/json"}
+AUTHORIZED = {**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}
 # Short autoscaling delays so scaling happens within the test's patience.
 SERVE_OVERRIDES = [
     "serve.autoscaling.min_replicas=1",
@@ -56,7 +57,14 @@ def served(cluster, tmp_path_factory):
     deploy_args = [*base, *SERVE_OVERRIDES]
     summary = run_job("deploy", *deploy_args, f"--artifact={v1}")
     assert summary["version"] == "1" and summary["url"] == SERVE
-    return {"base": base, "deploy_args": deploy_args, "v1": v1, "v2": v2, "root": root}
+    return {
+        "base": base,
+        "deploy_args": deploy_args,
+        "checkpoint": ckpt,
+        "v1": v1,
+        "v2": v2,
+        "root": root,
+    }
 
 
 def val_rows(root, n: int) -> tuple[np.ndarray, list[str]]:
@@ -445,29 +453,6 @@ def test_rolling_update_to_v2_and_rollback_fail_no_request(served):
         assert get_json("/v2/models/digits")["versions"] == [version]
 
 
-def test_api_key_is_required_when_set(served):
-    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
-    run_job(
-        "deploy",
-        *served["deploy_args"],
-        f"serve.api_key_env={TEST_API_KEY_ENV}",
-        f"--artifact={served['v1']}",
-    )
-    try:
-        x, _ = val_rows(served["root"], 1)
-        assert infer(x).status_code == 401
-        assert infer(x, headers={**JSON, "Authorization": "Bearer wrong"}).status_code == 403
-        assert (
-            infer(x, headers={**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}).status_code == 200
-        )
-        assert (
-            requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200
-        )  # probes stay open
-    finally:
-        os.environ.pop(TEST_API_KEY_ENV, None)
-        run_job("deploy", *served["deploy_args"], f"--artifact={served['v1']}")
-
-
 def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
     """`serve deploy cluster/serve.yaml` (artifact pointed at this test's v2) serves the model."""
     import subprocess
@@ -499,3 +484,61 @@ def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
     x, _ = val_rows(served["root"], 8)
     r = infer(x)
     assert r.status_code == 200 and r.json()["model_version"] == "2"
+
+
+# The last two tests change the application for good (the key stays on; a second model joins),
+# so they run last instead of paying for a redeploy that restores the earlier state.
+
+
+def test_api_key_is_required_when_set(served):
+    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
+    run_job(
+        "deploy",
+        *served["deploy_args"],
+        f"serve.api_key_env={TEST_API_KEY_ENV}",
+        f"--artifact={served['v1']}",
+    )
+    x, _ = val_rows(served["root"], 1)
+    assert infer(x).status_code == 401
+    assert infer(x, headers={**JSON, "Authorization": "Bearer wrong"}).status_code == 403
+    assert infer(x, headers=AUTHORIZED).status_code == 200
+    assert requests.get(f"{SERVE}/v2/health/live", timeout=5).status_code == 200  # probes stay open
+
+
+def test_s3_registry_export_deploy_and_infer(served, s3_bucket):
+    """Export to an `s3://` registry with the job, deploy from there with the job, and the
+    replicas (which read the artifact from S3 themselves) answer like the artifact offline."""
+    registry = f"{s3_bucket}/registry"
+    exported = run_job(
+        "export",
+        *served["base"],
+        f"export.registry={registry}",
+        "export.name=digits-s3",
+        f"--checkpoint={served['checkpoint']}",
+    )
+    assert exported["artifact"] == f"{registry}/digits-s3/1"
+    latest = f"{registry}/digits-s3/latest"
+    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the key from the test above stays on
+    try:
+        deployed = run_job(
+            "deploy",
+            *served["deploy_args"],
+            f"serve.api_key_env={TEST_API_KEY_ENV}",
+            f"--artifact={latest}",
+        )
+    finally:
+        os.environ.pop(TEST_API_KEY_ENV, None)
+    assert deployed["artifact"] == exported["artifact"] and deployed["version"] == "1"
+    assert deployed["models"] == ["digits", "digits-s3"]
+
+    x, _ = val_rows(served["root"], 20)
+    artifact = open_artifact(latest)
+    offline = np.asarray(artifact.preprocessor.labels)[
+        run_logits(artifact.session("int8"), artifact.preprocessor.features(x)).argmax(1)
+    ].tolist()
+    r = requests.post(
+        f"{SERVE}/v2/models/digits-s3/infer", json=v2_body(x), headers=AUTHORIZED, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model_version"] == "1" and r.json()["outputs"][0]["data"] == offline
+    assert infer(x[:1], headers=AUTHORIZED).status_code == 200  # the first model still serves

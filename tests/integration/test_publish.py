@@ -20,7 +20,7 @@ import pytest
 from app import storage
 from app.artifact import LATEST, MANIFEST, read_manifest, sha256_bytes, verify_files
 from app.export import publish
-from tests.integration.test_s3 import moto_s3
+from tests.s3_server import moto_s3
 
 pytestmark = [pytest.mark.integration]
 EXPORTS = 6

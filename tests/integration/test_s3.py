@@ -7,9 +7,6 @@ before Ray starts, in every Ray worker (Ray Data read tasks, Ray Train workers).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
 import uuid
 from collections.abc import Iterator
 
@@ -23,47 +20,9 @@ from app.config import Config, load_config
 from app.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray
+from tests.s3_server import moto_s3
 
 pytestmark = [pytest.mark.integration]
-BUCKET = "raytorch-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def moto_s3() -> Iterator[str]:
-    """An S3 server on a free 127.0.0.1 port with one bucket; yields `s3://<bucket>`.
-
-    The AWS_* variables are set for its lifetime and restored afterwards.
-    """
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-        yield f"s3://{BUCKET}"
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 @pytest.fixture(scope="module")
