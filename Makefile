@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-all lint format bench bench-smoke cluster-up cluster-down clean
+.PHONY: install demo test test-all lint format bench bench-smoke wrk cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -39,10 +39,14 @@ format: install
 	$(VENV)/bin/ruff format app jobs tests bench
 	$(VENV)/bin/ruff check --fix app jobs tests bench
 
-bench: install
+bench: install wrk
 	$(PY) -m bench.run_all
 
-bench-smoke: install
+# B5's load generator (C): Debian's wrk package, installed when absent.
+wrk:
+	@command -v wrk >/dev/null || apt-get install -y wrk || sudo apt-get install -y wrk
+
+bench-smoke: install wrk
 	$(PY) -m bench.run_all --smoke
 
 cluster-up: install

@@ -6,6 +6,7 @@
     <artifact>/preprocessor.json  the fitted preprocessor
     <artifact>/schema.json        input/output tensors and label names
     <artifact>/report.json        parity, accuracy, size and latency of each variant
+    <artifact>/quantization.png   the same comparison as a picture (for people; serving ignores it)
 
 Opening an artifact verifies every sha256 before anything is parsed, refuses missing, altered or
 truncated files by name, never unpickles, and refuses ONNX external-data references.
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MODEL_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
 REQUIRED_FILES = (*MODEL_FILES.values(), "preprocessor.json", "schema.json", "report.json")
+QUANTIZATION_PNG = "quantization.png"  # hashed in the manifest like every file, not required
 LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
 
 
@@ -265,3 +267,10 @@ def create_session(model_bytes: bytes, threads: int = 1):
 
 def run_logits(session, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return session.run(["logits"], inputs)[0]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Class probabilities from logits: what the online endpoint and batch inference return."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)

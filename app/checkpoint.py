@@ -1,5 +1,6 @@
 """Resumable checkpoints: a folder of `model.safetensors`, `train_state.pt` and `meta.json`.
 
+FSDP runs add a `sharded/` folder (torch.distributed.checkpoint, below) and keep the rest.
 `train_state.pt` holds only tensors and plain containers (optimizer, scheduler, scaler, step, RNG
 state) and is loaded with `weights_only=True`; weights are safetensors; nothing is unpickled.
 This is the training-time format; the final, serving format is the artifact (app/export.py).
@@ -51,6 +52,18 @@ class CheckpointMeta(storage.Contract):
     first_step_at: float | None = None  # wall clock of the run's first optimizer step
     worker_nodes: list[str] = []  # the Ray node of each rank
     torch_version: str | None = None
+    # Every epoch's report so far, in order (training curves, TensorBoard checks, early stopping
+    # after a resume).
+    history: list[dict[str, float | int]] = []
+    stopped_early: bool = False  # this epoch's report ended the run (train.early_stopping_*)
+    mlflow_run_id: str | None = None  # the MLflow run the train job logged to, if any
+    # The largest rank's parameter / gradient / optimizer-state bytes ("total": their sum), as
+    # app/parallel.py:MemoryMeter measured them after the first optimizer step of the attempt.
+    memory_per_rank: dict[str, int] = {}
+    # This attempt's first optimizer step (includes torch.compile) and its steady step time
+    # (the median of the first epoch's later steps), in seconds.
+    first_step_seconds: float | None = None
+    step_seconds: float | None = None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -128,6 +141,53 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+# --- sharded (FSDP) checkpoints ------------------------------------------------------------------
+# Every rank writes its own shards of the model and the optimizer with torch.distributed.checkpoint
+# into `sharded/` of its local checkpoint folder (Ray Train merges the ranks' folders into one), and
+# its RNG state as `sharded/rng-rank<k>.pt`. Rank 0 also writes the usual consolidated
+# `model.safetensors`, `train_state.pt` (without the optimizer) and `meta.json`, so evaluate and
+# export read an FSDP checkpoint exactly like a DDP one. Loading reshards: a run may resume on a
+# different number of ranks.
+SHARDED = "sharded"
+
+
+def is_sharded(folder: str) -> bool:
+    return os.path.isdir(os.path.join(folder, SHARDED))
+
+
+def save_sharded(
+    folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> None:
+    """Collective: every rank calls it with its own (local) `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = os.path.join(folder, SHARDED)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+
+
+def load_sharded(
+    folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict[str, Any] | None:
+    """Collective: restore this rank's shards of model and optimizer from `folder/sharded`.
+    Returns this rank's saved RNG state (None when the saving run had fewer ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = os.path.join(folder, SHARDED)
+    model_state, optim_state = get_state_dict(model, optimizer)  # the shapes to read into
+    try:  # in place, into the tensors of the two state dicts
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001 - DCP wraps each rank's failure in its own kind
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise CheckpointError(f"{path}: unreadable sharded checkpoint ({lines[0]})") from e
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    rng = os.path.join(path, f"rng-rank{rank}.pt")
+    return torch.load(rng, weights_only=True) if os.path.isfile(rng) else None
 
 
 # --- loading a finished checkpoint for evaluation and export -----------------------------------

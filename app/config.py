@@ -26,6 +26,7 @@ SOURCES = (
     "table",
     "synthetic_text",
     "synthetic_image",
+    "text_files",
 )
 # Relative output paths resolve against this folder (default: the current directory). `ray job
 # submit` runs jobs inside a temporary copy of the working dir, so the cluster scripts set it.
@@ -73,12 +74,16 @@ class DataConfig(_Section):
     num_rows: int = Field(4000, ge=10)
     num_classes: int = Field(4, ge=2, le=64)
     image_size: int = Field(16, ge=4, le=512)
+    # text_files (a language-model corpus): `path` is a glob (`**` recurses; `{stdlib}` stands for
+    # this Python's standard library folder), one document per file; files under a folder named
+    # in `exclude_dirs` are skipped.
+    exclude_dirs: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _fractions(self) -> DataConfig:
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% for training")
-        if self.source in ("imagefolder", "table") and not self.path:
+        if self.source in ("imagefolder", "table", "text_files") and not self.path:
             raise ValueError(f"data.path is required for source {self.source!r}")
         return self
 
@@ -128,7 +133,18 @@ class TrainConfig(_Section):
     warmup_fraction: float = Field(0.05, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     grad_accum_steps: int = Field(1, ge=1)
+    # At most this many optimizer steps per epoch (null: the whole train split). Bounds an
+    # epoch on a large corpus: each epoch then trains on a fresh seeded sample of the split.
+    max_steps_per_epoch: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # How ranks share the model (app/parallel.py): `ddp` replicates it; `fsdp` shards parameters,
+    # gradients and optimizer state per block (FSDP2), with sharded checkpoints.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each block (or the whole model if it has no blocks)
+    # torch.profiler trace of this many optimizer steps (after one warm-up step) per rank, to
+    # <run>/profile/rank<k>.json (Chrome trace format: Perfetto, chrome://tracing); 0: off.
+    profile_steps: int = Field(0, ge=0)
     seed: int = 0
     torch_threads: int = Field(1, ge=1)
     shuffle_buffer: int = Field(2000, ge=0)
@@ -144,6 +160,13 @@ class TrainConfig(_Section):
     controller_poll_s: float = Field(0.2, gt=0)
     checkpoint_metric: str = "val_accuracy"
     checkpoint_mode: Literal["max", "min"] = "max"
+    # Stop once `early_stopping_metric` has not improved (by more than `early_stopping_min_delta`)
+    # for this many epochs; null trains all `epochs`. Decided on the all-reduced metric, so every
+    # rank stops after the same epoch (app/loop.py:should_stop_early).
+    early_stopping_patience: int | None = Field(None, ge=1)
+    early_stopping_metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
+    early_stopping_mode: Literal["min", "max"] = "min"
+    early_stopping_min_delta: float = Field(0.0, ge=0)
     max_failures: int = Field(0, ge=-1)
     fail_at: FaultInjection | None = None
     # Progress line every N optimizer steps inside an epoch (long streamed epochs); 0: one
@@ -168,6 +191,16 @@ class ExportConfig(_Section):
     parity_tolerance: float = Field(1e-3, gt=0)
     parity_rows: int = Field(256, ge=1)
     latency_repeats: int = Field(30, ge=3)
+    # Language models (task lm, app/export_lm.py): int8 perplexity may exceed fp32's by this
+    # fraction on `perplexity_rows` val sequences, and greedy decoding of `greedy_prompts` val
+    # prompts (`greedy_prompt_tokens` each) for `greedy_tokens` tokens must pick fp32's token at
+    # this share of positions at least.
+    max_perplexity_increase: float = Field(0.02, ge=0)
+    perplexity_rows: int = Field(64, ge=1)
+    min_greedy_agreement: float = Field(0.9, ge=0, le=1)
+    greedy_prompts: int = Field(8, ge=1)
+    greedy_prompt_tokens: int = Field(16, ge=1)
+    greedy_tokens: int = Field(16, ge=1)
 
 
 class AutoscalingConfig(_Section):
@@ -196,6 +229,12 @@ class ServeConfig(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # Batches a replica may have in ONNX Runtime at once (each on its own worker thread), so a
+    # batch forms while the previous one runs.
+    max_concurrent_batches: int = Field(2, ge=1)
+    # A batch is split into groups of similar text length: padding at most this many times the
+    # real tokens of a group (0: only equal lengths share a call).
+    max_padding_waste: float = Field(0.5, ge=0)
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
     replica_cpus: float = Field(0.5, gt=0)
@@ -206,6 +245,13 @@ class ServeConfig(_Section):
     # default (5) would make it the bottleneck.
     ingress_max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(10.0, gt=0)
+    # Language models (app/serve/lm_server.py): prompt tokens at most (and never beyond the
+    # model's window), `max_tokens` a request may ask for and its default, and generations a
+    # replica runs at once (one more is answered 503).
+    max_prompt_tokens: int = Field(1024, ge=1)
+    max_tokens: int = Field(512, ge=1)
+    default_max_tokens: int = Field(16, ge=1)
+    max_streams: int = Field(4, ge=1)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     @model_validator(mode="after")
@@ -222,6 +268,70 @@ class ServeConfig(_Section):
         return self
 
 
+class PredictConfig(_Section):
+    """Offline batch inference (`jobs.predict`, app/predict.py)."""
+
+    # A malformed input row (missing or null value, not a number, NaN, undecodable text):
+    # `fail` stops the job (exit 1) naming the first ones; `reject` writes them with their reason
+    # to `<output>/rejects/` and predicts the rest. Either way none is dropped silently.
+    on_bad_rows: Literal["fail", "reject"] = "fail"
+    max_examples: int = Field(5, ge=1)  # malformed rows named in the summary or the failure
+    batch_size: int = Field(1024, ge=1)  # rows per ONNX Runtime call
+    # The actor pool autoscales from one actor to `max_actors`; each builds its ONNX Runtime
+    # session once. Fractional CPUs leave room for the read tasks on a small machine.
+    max_actors: int = Field(2, ge=1)
+    actor_cpus: float = Field(0.5, gt=0)
+    threads: int = Field(1, ge=1)  # ONNX Runtime intra-op threads per actor
+    # null: a GPU per actor (`gpus_per_actor`) when the cluster has GPUs, else CPU.
+    use_gpu: bool | None = None
+    gpus_per_actor: float = Field(1.0, gt=0)
+    variant: Literal["fp32", "int8"] | None = None  # null: what `serve.variant` serves
+    rows_per_file: int = Field(1_000_000, ge=1)  # rows per output Parquet file
+
+
+class SearchDimension(_Section):
+    """One searched key: exactly one of `choice`, `uniform` or `loguniform` ([low, high])."""
+
+    choice: list[Any] | None = Field(None, min_length=1)
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SearchDimension:
+        kinds = [k for k in ("choice", "uniform", "loguniform") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("give exactly one of choice, uniform, loguniform")
+        bounds = self.uniform or self.loguniform
+        if bounds and not bounds[0] < bounds[1]:
+            raise ValueError(f"low must be below high (got {list(bounds)})")
+        if self.loguniform and self.loguniform[0] <= 0:
+            raise ValueError("loguniform bounds must be positive")
+        return self
+
+
+class TuneSection(_Section):
+    """`jobs.tune`: dotted config keys searched with Ray Tune, trials stopped early by ASHA."""
+
+    space: dict[str, SearchDimension] = Field(min_length=1)
+    num_trials: int = Field(4, ge=1)
+    metric: str = "val_accuracy"  # any metric the training loop reports each epoch
+    mode: Literal["min", "max"] = "max"
+    # Trials running at once; each is a whole Train run (train.num_workers workers).
+    max_concurrent_trials: int = Field(1, ge=1)
+    grace_period: int = Field(2, ge=1)  # epochs every trial runs before ASHA may stop it
+    reduction_factor: float = Field(2.0, gt=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _keys_are_config_keys(self) -> TuneSection:
+        for key in self.space:
+            if key.split(".")[0] not in ("data", "model", "train", "export", "serve", "predict"):
+                raise ValueError(f"space key {key!r} must be a dotted config key like train.lr")
+            if key.split(".")[0] == "data" or key in ("train.run_name", "train.storage_path"):
+                raise ValueError(f"space key {key!r} cannot vary between trials")
+        return self
+
+
 class Config(_Section):
     workload: str = Field("digits", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     data: DataConfig = Field(default_factory=DataConfig)
@@ -229,6 +339,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    predict: PredictConfig = Field(default_factory=PredictConfig)
+    tune: TuneSection | None = None  # only jobs.tune reads it
 
     @property
     def data_output(self) -> str:

@@ -80,6 +80,12 @@ def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
 def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) -> Preprocessor:
     output = config.data_output
     manifest = manifest or read_manifest(output)
+    if manifest.kind == "tokens":  # tokenized at prepare: adopt the dataset's own tokenizer
+        from app.corpus import TOKENIZER_FILE
+        from app.prepare import read_dataset_file
+
+        tokenizer = read_dataset_file(output, manifest, TOKENIZER_FILE).decode()
+        return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer)
     files = split_files(output, manifest, "train")
     return Preprocessor.fit(
         iter_shards(files),

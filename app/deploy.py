@@ -1,10 +1,12 @@
-"""Deploy: add or replace one model in the cluster's single Serve application.
+"""Deploy: add or replace one model's Serve application (and the index that lists the models).
 
-The application is managed declaratively, the same way `serve deploy cluster/serve.yaml` does
-(so the two never fight): the job reads the running config, puts this model's artifact in its
-`models` list and submits it. Serve then rolls only what changed: a new version of one model is a
-rolling update of that model's replicas, with no failed requests; deploying an older version is a
-rollback. The job returns once the model answers with the new version over HTTP.
+The applications are managed declaratively, the same way `serve deploy cluster/serve.yaml` does
+(so the two never fight): the job reads the running config, sets this model's application
+(app.serve.app.applications: one per model, plus the index at `/`) and submits the whole config.
+Serve then rolls only what changed: a new version of one model is a rolling update of that model's
+application, with no failed requests; deploying an older version is a rollback. A config from
+before one application per model (one `build_app` application listing every model) is carried
+over. The job returns once the model answers with the new version over HTTP.
 
 Two deploys at once would each submit a config without the other's model, so the whole
 read-modify-write, the rollout check and any rollback run under the cluster's deploy lock
@@ -26,11 +28,13 @@ import requests
 from app.artifact import open_artifact
 from app.cli import UserError, connect_ray
 from app.config import Config, ServeConfig, resolve_uri
+from app.serve.app import MODEL_IMPORT_PATH, applications, model_app_name
 from app.serve.deploy_lock import cluster_lock
 from app.serve.ingress import api_key
 
 log = logging.getLogger(__name__)
-IMPORT_PATH = "app.serve.app:build_app"
+# One application listing every model: the shape before one application per model.
+LEGACY_IMPORT_PATH = "app.serve.app:build_app"
 POLL_S = 1.0
 ROLLBACK_TIMEOUT_S = 120.0
 
@@ -50,7 +54,7 @@ def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[
         "model": artifact.name,
         "version": artifact.version,
         "artifact": artifact.uri,
-        "models": [m["name"] for m in app["args"]["models"]],
+        "models": app["args"]["models"],
     }
 
 
@@ -58,13 +62,15 @@ def apply(
     client, cfg: ServeConfig, model: dict[str, str], version: str, timeout_s: float
 ) -> tuple[str, dict[str, Any]]:
     """Read-modify-write of the Serve config (call it under the deploy lock), then check the new
-    version comes up; roll back to the config read here if it does not."""
+    version comes up; roll back to the config read here if it does not. Returns the URL and the
+    index application (its args list the served models)."""
     details = client.get_serve_details()
     host, port = serving_address(details, cfg)
     require_key(cfg, host)
     before = current_apps(details)
     after = with_model(before, cfg, model)
-    log.info("deploy: %s version %s -> application %r", model["name"], version, cfg.app_name)
+    app_name = model_app_name(cfg, model["name"])
+    log.info("deploy: %s version %s -> application %r", model["name"], version, app_name)
     client.deploy_applications(serve_config(cfg, after))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
@@ -90,25 +96,43 @@ def serving_address(details: dict[str, Any], cfg: ServeConfig) -> tuple[str, int
     return str(http.get("host") or cfg.host), int(http.get("port") or cfg.port)
 
 
+def served_models(apps: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str, str]:
+    """name -> artifact of every model this project's applications serve (either shape)."""
+    models: dict[str, str] = {}
+    for name, app in apps.items():
+        args = app.get("args") or {}
+        if app.get("import_path") == MODEL_IMPORT_PATH and name.startswith(f"{cfg.app_name}-"):
+            models[args["model"]["name"]] = args["model"]["artifact"]
+        elif name == cfg.app_name and app.get("import_path") == LEGACY_IMPORT_PATH:
+            models.update({m["name"]: m["artifact"] for m in args.get("models", [])})
+    return models
+
+
 def with_model(
     apps: dict[str, dict[str, Any]], cfg: ServeConfig, model: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """A copy of `apps` whose application has `model` added or replaced, and this `serve`."""
-    apps = copy.deepcopy(apps)
-    app = apps.get(cfg.app_name) or {
-        "name": cfg.app_name,
-        "route_prefix": "/",
-        "import_path": IMPORT_PATH,
-        "args": {"models": []},
-    }
-    models = [m for m in app["args"].get("models", []) if m["name"] != model["name"]]
-    models.append(dict(model))
-    app["args"] = {
-        "models": sorted(models, key=lambda m: m["name"]),
-        "serve": cfg.model_dump(mode="json"),
-    }
-    apps[cfg.app_name] = app
-    return apps
+    """A copy of `apps` with `model`'s application added or replaced, the index listing every
+    model, and this `serve` in all of them; other applications are kept as they are."""
+    models = {**served_models(apps, cfg), model["name"]: model["artifact"]}
+    owned = {model_app_name(cfg, m) for m in models} | {cfg.app_name}
+    kept = {k: copy.deepcopy(v) for k, v in apps.items() if k not in owned}
+    specs = [{"name": n, "artifact": a} for n, a in models.items()]
+    return {**kept, **{a["name"]: a for a in applications(specs, cfg.model_dump(mode="json"))}}
+
+
+def without_model(
+    apps: dict[str, dict[str, Any]], cfg: ServeConfig, name: str
+) -> dict[str, dict[str, Any]]:
+    """A copy of `apps` without `name`'s application (the index then lists the others; with no
+    model left, no index either). The other models' applications are unchanged, so Serve leaves
+    their replicas alone."""
+    models = {n: a for n, a in served_models(apps, cfg).items() if n != name}
+    owned = {model_app_name(cfg, name), cfg.app_name} | {model_app_name(cfg, m) for m in models}
+    kept = {k: copy.deepcopy(v) for k, v in apps.items() if k not in owned}
+    if not models:
+        return kept
+    specs = [{"name": n, "artifact": a} for n, a in models.items()]
+    return {**kept, **{a["name"]: a for a in applications(specs, cfg.model_dump(mode="json"))}}
 
 
 def serve_config(cfg: ServeConfig, apps: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -131,11 +155,13 @@ def rollback(
         return UserError(
             f"deploy of {model} failed: {one_line(reason)}; rollback failed: {one_line(str(e))}"
         )
-    models = (before.get(cfg.app_name) or {}).get("args", {}).get("models", [])
-    entry = next((m for m in models if m["name"] == model), None)
-    restored = f"{model} from {entry['artifact']}" if entry else f"no {model} (it was new)"
+    artifact = served_models(before, cfg).get(model)
+    restored = f"{model} from {artifact}" if artifact else f"no {model} (it was new)"
     deadline = time.monotonic() + ROLLBACK_TIMEOUT_S
-    state = wait_for_app(client, cfg.app_name, cfg.app_name in before, deadline)
+    app_name = model_app_name(cfg, model)
+    if app_name not in before and cfg.app_name in before:
+        app_name = cfg.app_name  # a model that was new: the index shows the rollback
+    state = wait_for_app(client, app_name, app_name in before, deadline)
     return UserError(
         f"deploy of {model} failed: {one_line(reason)}; rolled back to the previous config "
         f"({restored}; application {state}); see `serve status`"
@@ -191,13 +217,19 @@ def wait_until_up(
     time.sleep(POLL_S)  # let the controller take the new config before reading its status
     last = "unknown"
     while time.monotonic() < deadline:
-        app = (client.get_serve_details().get("applications") or {}).get(cfg.app_name) or {}
+        apps = client.get_serve_details().get("applications") or {}
+        app = apps.get(model_app_name(cfg, model)) or {}
+        index = apps.get(cfg.app_name) or {}
         deployment = (app.get("deployments") or {}).get(f"model-{model}") or {}
-        last = f"application {app.get('status')}, model-{model} {deployment.get('status')}"
-        if "DEPLOY_FAILED" in (app.get("status"), deployment.get("status")):
-            message = deployment.get("message") or app.get("message") or ""
-            raise UserError(f"{last}: {one_line(message)}")
-        if app.get("status") == "RUNNING" and deployment.get("status") == "HEALTHY":
+        last = (
+            f"application {app.get('status')}, model-{model} {deployment.get('status')}, "
+            f"index {index.get('status')}"
+        )
+        if "DEPLOY_FAILED" in (app.get("status"), deployment.get("status"), index.get("status")):
+            message = deployment.get("message") or app.get("message") or index.get("message")
+            raise UserError(f"{last}: {one_line(message or '')}")
+        running = app.get("status") == index.get("status") == "RUNNING"
+        if running and deployment.get("status") == "HEALTHY":
             answer = serving_version(url, model, cfg.api_key_env)
             if answer == version:
                 log.info("deploy: %s version %s is serving at %s", model, version, url)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from app import storage
-from app.checkpoint import load_checkpoint
+from app.checkpoint import META, CheckpointMeta, load_checkpoint
 from app.config import Config
 from app.data import iter_shards
 from app.prepare import DatasetManifest, read_manifest, split_files, verify_shards
@@ -23,6 +23,7 @@ from app.preprocess import Preprocessor
 log = logging.getLogger(__name__)
 Predict = Callable[[dict[str, np.ndarray]], np.ndarray]  # model inputs -> logits
 EVALUATION_FILE = "evaluation.json"
+CONFUSION_PNG, CURVES_PNG = "confusion_matrix.png", "training_curves.png"
 
 
 def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
@@ -30,13 +31,81 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     manifest = read_manifest(config.data_output)
     split = "test" if "test" in manifest.splits else "val"
     verify_shards(config.data_output, manifest, split)
+    if loaded.preprocessor.kind == "tokens":
+        return evaluate_language_model(config, checkpoint_uri, loaded, split)
     batches = labeled_batches(config, loaded.preprocessor, split, manifest)
     y_true, y_pred = predictions(torch_predict(loaded.model), batches)
     metrics = classification_metrics(y_true, y_pred, loaded.preprocessor.labels)
     metrics["split"] = split
     storage.write_json(storage.join(checkpoint_uri, EVALUATION_FILE), metrics)
     log.info("evaluate: accuracy %.4f on %d %s rows", metrics["accuracy"], metrics["rows"], split)
+    pictures = write_plots(checkpoint_uri, loaded.meta, metrics)
+    return {
+        "stage": "evaluate",
+        "checkpoint": checkpoint_uri,
+        "metrics": metrics,
+        "plots": pictures,
+    }
+
+
+def evaluate_language_model(
+    config: Config, checkpoint_uri: str, loaded: Any, split: str
+) -> dict[str, Any]:
+    """Task `lm`: next-token loss and perplexity beside the unigram baseline's (app/lm.py)."""
+    from app.lm import evaluate_lm
+
+    metrics = evaluate_lm(config, loaded, split)
+    storage.write_json(storage.join(checkpoint_uri, EVALUATION_FILE), metrics)
+    log.info(
+        "evaluate: perplexity %.2f (unigram baseline %.1f) on %d %s tokens",
+        metrics["perplexity"],
+        metrics["baseline_perplexity"],
+        metrics["tokens"],
+        split,
+    )
     return {"stage": "evaluate", "checkpoint": checkpoint_uri, "metrics": metrics}
+
+
+def write_plots(
+    checkpoint_uri: str, meta: CheckpointMeta, metrics: dict[str, Any]
+) -> dict[str, str]:
+    """The confusion matrix and the run's training curves, as PNGs beside evaluation.json."""
+    from app import plots
+
+    uris = {"confusion_matrix": storage.join(checkpoint_uri, CONFUSION_PNG)}
+    title = f"{metrics['split']} split: accuracy {100 * metrics['accuracy']:.2f}% ({metrics['rows']} rows)"
+    storage.write_bytes(
+        uris["confusion_matrix"],
+        plots.confusion_matrix(metrics["confusion_matrix"], metrics["labels"], title),
+    )
+    history = run_history(checkpoint_uri, meta)
+    if history:  # checkpoints written before the history was recorded have none
+        uris["training_curves"] = storage.join(checkpoint_uri, CURVES_PNG)
+        run_name = checkpoint_uri.rstrip("/").rsplit("/", 2)[-2]
+        title = f"run {run_name}; dashed line: the evaluated checkpoint (epoch {meta.epoch})"
+        storage.write_bytes(
+            uris["training_curves"], plots.training_curves(history, meta.epoch, title)
+        )
+    return uris
+
+
+def run_history(checkpoint_uri: str, meta: CheckpointMeta) -> list[dict[str, Any]]:
+    """Every epoch of the checkpoint's run. The evaluated checkpoint (usually the best, often
+    not the last) records the epochs up to its own; the newest checkpoint in the same run folder
+    records them all, including those after the best (where early stopping looked)."""
+    run_dir = checkpoint_uri.rstrip("/").rsplit("/", 1)[0]
+    history = list(meta.history)
+    for name in storage.list_dir(run_dir):
+        uri = storage.join(run_dir, name, META)
+        if not name.startswith("checkpoint_") or not storage.exists(uri):
+            continue
+        try:
+            other = CheckpointMeta.read(uri)
+        except Exception:  # noqa: BLE001 - a sibling being written or damaged: use what we have
+            continue
+        if len(other.history) > len(history) and other.history[: len(history)] == history:
+            history = list(other.history)
+    return history
 
 
 def labeled_batches(

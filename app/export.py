@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     loaded = load_checkpoint(checkpoint_uri)
+    if loaded.preprocessor.kind == "tokens":  # task lm: its own graph (KV cache) and gate
+        from app.export_lm import export_lm
+
+        return export_lm(config, loaded, checkpoint_uri)
     verify_dataset(config, ("train", "val"))  # calibration and the gate read both
     pre, model = loaded.preprocessor, loaded.model
     e = config.export
@@ -50,10 +54,25 @@ def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
         export_onnx(model, pre, sample, fp32_path, e.opset)
         report = quantize_within_gate(config, loaded, fp32_path, int8_path, sample, work)
         gate(report, config)
+        write_quantization_plot(work, config, report)  # before the manifest, which hashes it
         write_metadata(work, config, loaded, report, checkpoint_uri)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
-    return {"stage": "export", "artifact": uri, "report": report}
+    from app.tracking import tag_artifact
+
+    tag_artifact(loaded.meta.mlflow_run_id, uri, report)
+    plots = {"quantization": storage.join(uri, art.QUANTIZATION_PNG)}
+    return {"stage": "export", "artifact": uri, "report": report, "plots": plots}
+
+
+def write_quantization_plot(work: str, config: Config, report: dict[str, Any]) -> None:
+    """`quantization.png`: fp32 vs int8 accuracy, size and latency, from the report."""
+    from app import plots
+
+    method = report["quantization"]["method"]
+    title = f"{config.artifact_name}: fp32 vs int8 ({method} quantization)"
+    with open(os.path.join(work, art.QUANTIZATION_PNG), "wb") as f:
+        f.write(plots.quantization(report, title))
 
 
 # --- ONNX export ------------------------------------------------------------------------------
@@ -86,13 +105,24 @@ def export_onnx(
         buffer,  # type: ignore[arg-type]  # file-like objects are accepted
         input_names=names,
         output_names=["logits"],
-        dynamic_axes={n: {0: "batch"} for n in [*names, "logits"]},
+        dynamic_axes=dynamic_axes(pre, names),
         opset_version=opset,
         dynamo=False,
         do_constant_folding=True,
     )
     with open(path, "wb") as f:
         f.write(buffer.getvalue())
+
+
+def dynamic_axes(pre: Preprocessor, names: list[str]) -> dict[str, dict[int, str]]:
+    """Batch is free for every tensor; for text the sequence too, so that serving can cut a
+    batch of short requests to its own longest row instead of `max_length` (the Transformer's
+    positions and mask take any length up to it)."""
+    axes: dict[str, dict[int, str]] = {n: {0: "batch"} for n in [*names, "logits"]}
+    if pre.kind == "text":
+        for name in names:
+            axes[name][1] = "sequence"
+    return axes
 
 
 # --- quantization -----------------------------------------------------------------------------
@@ -289,15 +319,21 @@ def schema_for(pre: Preprocessor) -> dict[str, Any]:
 
 
 def write_metadata(
-    work: str, config: Config, loaded: LoadedCheckpoint, report: dict[str, Any], checkpoint_uri: str
+    work: str,
+    config: Config,
+    loaded: LoadedCheckpoint,
+    report: dict[str, Any],
+    checkpoint_uri: str,
+    schema: dict[str, Any] | None = None,
 ) -> None:
     import onnx
     import onnxruntime
     import ray
 
+    schema = schema or schema_for(loaded.preprocessor)
     files = {
         "preprocessor.json": loaded.preprocessor.to_json(),
-        "schema.json": json.dumps(schema_for(loaded.preprocessor), indent=2),
+        "schema.json": json.dumps(schema, indent=2),
         "report.json": json.dumps(report, indent=2, sort_keys=True),
     }
     for name, text in files.items():

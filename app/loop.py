@@ -8,11 +8,12 @@ Batches come from any iterable of dicts of tensors (app/feed.py); ranks agree th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -21,11 +22,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app import checkpoint
+from app import checkpoint, parallel
 from app.config import Config
+from app.errors import CheckpointError
+from app.feed import MemoryFeed
 from app.preprocess import LABEL_KEY
 
 log = logging.getLogger(__name__)
+# (model, batch, device) -> (mean loss, rows in the batch)
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor], torch.device], tuple[torch.Tensor, int]]
 
 
 class TrainState:
@@ -41,6 +46,7 @@ class TrainState:
         self.data_wait_history: list[float] = []  # per epoch, the slowest rank's fraction
         self.epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
         self.first_step_at: float | None = None  # wall clock of the run's first optimizer step
+        self.history: list[dict[str, float | int]] = []  # every epoch's reported metrics
 
     @classmethod
     def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
@@ -51,33 +57,69 @@ class TrainState:
         scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
         return cls(model, optimizer, scheduler, scaler, config)
 
-    def restore(self, folder: str) -> None:
-        checkpoint.load_weights(folder, self.model)
+    def restore(self, folder: str, rank: int = 0) -> None:
         saved = checkpoint.load_train_state(folder)
-        self.optimizer.load_state_dict(saved["optimizer"])
+        rng = None
+        if parallel.is_sharded(self.model):  # FSDP: each rank reads its shards and its own RNG
+            rng = checkpoint.load_sharded(folder, self.model, self.optimizer, rank)
+        elif checkpoint.is_sharded(folder):
+            raise CheckpointError(
+                f"{folder}: written by train.strategy=fsdp; resume it with the same strategy"
+            )
+        else:
+            checkpoint.load_weights(folder, self.model)
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.scaler.load_state_dict(saved["scaler"])
-        checkpoint.set_rng_state(saved["rng"])
+        checkpoint.set_rng_state(rng or saved["rng"])
         meta = checkpoint.read_meta(folder)
         self.epoch, self.step = meta.epoch, meta.step
         self.resume_history = [*meta.resume_history, self.epoch + 1]
         self.data_wait_history = list(meta.data_wait_history)
         self.epoch_seconds_history = list(meta.epoch_seconds_history)
         self.first_step_at = meta.first_step_at
+        self.history = list(meta.history)
 
     def train_state(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
+        state = {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "rng": checkpoint.rng_state(),
         }
+        if not parallel.is_sharded(self.model):  # FSDP's optimizer shards go to `sharded/`
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
 
 def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
     t = config.train
-    return math.ceil(train_rows / world / t.batch_size / t.grad_accum_steps)
+    steps = math.ceil(train_rows / world / t.batch_size / t.grad_accum_steps)
+    return min(steps, t.max_steps_per_epoch or steps)
+
+
+def epoch_batches(feed: Any, batch_size: int, seed: int, config: Config) -> Iterable[Any]:
+    """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth.
+
+    A budget stops the pass early, so an in-memory feed is filled whole first (its first pass
+    would otherwise keep only what was trained on): every epoch then draws from the whole shard.
+    """
+    limit = config.train.max_steps_per_epoch
+    if limit is None:
+        return feed.batches(batch_size, seed=seed)
+    if isinstance(feed, MemoryFeed):
+        feed.tensors  # noqa: B018 - fills the cache
+    return itertools.islice(
+        feed.batches(batch_size, seed=seed), limit * config.train.grad_accum_steps
+    )
+
+
+def classification_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Mean cross entropy of a labelled batch, and its rows (the task `classify`)."""
+    inputs, labels = split_batch(batch, device)
+    return F.cross_entropy(model(**inputs), labels), len(labels)
 
 
 def order_seed(seed: int, epoch: int, rank: int) -> int:
@@ -118,10 +160,12 @@ def train_epoch(
     batches: Iterable[dict[str, torch.Tensor]],
     device: torch.device,
     log_every: int = 0,
+    loss_fn: LossFn = classification_loss,
 ) -> dict[str, float]:
     """One pass over `batches`, timing the loop alone (first batch request to last step).
 
-    `log_every` > 0 logs progress every that many batches (long streamed epochs).
+    `log_every` > 0 logs progress every that many batches (long streamed epochs). `loss_fn` is
+    the task's (app/tasks.py): (model, batch, device) -> (mean loss, rows).
     """
     t = state.config.train
     model = state.model
@@ -130,19 +174,18 @@ def train_epoch(
     start = tick = time.perf_counter()
     for batch in batches:
         wait += time.perf_counter() - tick
-        inputs, labels = split_batch(batch, device)
         micro += 1
         last_micro = micro % t.grad_accum_steps == 0
         # Skip the gradient all-reduce on all but the last micro-batch of an accumulation.
         sync = nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device, t.precision):
-                loss = F.cross_entropy(model(**inputs), labels)
+                loss, batch_rows = loss_fn(model, batch, device)
             state.scaler.scale(loss / t.grad_accum_steps).backward()
         if last_micro:
             optimizer_step(state)
-        loss_sum += loss.item() * len(labels)
-        rows += len(labels)
+        loss_sum += loss.item() * batch_rows
+        rows += batch_rows
         if log_every and micro % log_every == 0:
             rate = rows / (time.perf_counter() - start)
             log.info("step %d loss %.4f %.0f rows/s", state.step, loss.item(), rate)
@@ -203,6 +246,36 @@ def all_reduce(values: list[float], device: torch.device, op: str = "sum") -> li
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.tolist()
+
+
+def should_stop_early(history: list[dict[str, Any]], config: Config) -> bool:
+    """Whether `train.early_stopping_metric` has gone `train.early_stopping_patience` epochs
+    without improving on its best by more than `train.early_stopping_min_delta`.
+
+    A pure function of the reported history: the metrics in it are all-reduced, so every rank
+    reaches the same answer (the worker all-reduces the flag as well, to be exact about it).
+    """
+    t = config.train
+    if t.early_stopping_patience is None or not history:
+        return False
+    values = [float(m[t.early_stopping_metric]) for m in history]
+    return len(values) - 1 - best_index(
+        values, t.early_stopping_mode, t.early_stopping_min_delta
+    ) >= (t.early_stopping_patience)
+
+
+def best_index(values: list[float], mode: str, min_delta: float = 0.0) -> int:
+    """Index of the best value: the first one that no later value beats by more than
+    `min_delta`. NaN (a diverged run) never counts as an improvement."""
+    best = 0
+    for i, value in enumerate(values[1:], start=1):
+        if math.isnan(value):
+            continue
+        current = values[best]
+        gain = current - value if mode == "min" else value - current
+        if math.isnan(current) or gain > min_delta:
+            best = i
+    return best
 
 
 def steady_median(history: list[float]) -> float | None:

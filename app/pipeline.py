@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import requests
@@ -66,12 +67,14 @@ def sample_body(config: Config, rows: int = 1) -> tuple[dict[str, Any], list[str
 
 
 def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
-    body, expected = sample_body(config)
-    endpoint = f"{url}/v2/models/{model}/infer"
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(config.serve.api_key_env)
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    if read_manifest(config.data_output).kind == "tokens":  # a language model completes text
+        return sample_completion(url, model, headers)
+    body, expected = sample_body(config)
+    endpoint = f"{url}/v2/models/{model}/infer"
     response = requests.post(endpoint, json=body, headers=headers, timeout=30)
     if response.status_code != 200:
         raise UserError(
@@ -82,3 +85,31 @@ def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
     curl = f"curl -s {endpoint} -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"
     log.info("pipeline: sample request answered %s (true label %s)", label, expected)
     return {"endpoint": endpoint, "predicted": label, "expected": expected, "curl": curl}
+
+
+def sample_completion(url: str, model: str, headers: dict[str, str]) -> dict[str, Any]:
+    endpoint = f"{url}/v1/completions"
+    body = {"model": model, "prompt": "def ", "max_tokens": 32, "stream": True}
+    start = time.perf_counter()
+    response = requests.post(endpoint, json=body, headers=headers, stream=True, timeout=60)
+    if response.status_code != 200:
+        raise UserError(
+            f"sample request to {endpoint} failed: HTTP {response.status_code} {response.text[:200]}"
+        )
+    first_token_s, pieces = None, []
+    for block in response.iter_lines(delimiter=b"\n\n"):
+        if not block.startswith(b"data: {"):
+            continue
+        pieces.append(json.loads(block[6:])["choices"][0]["text"])
+        first_token_s = first_token_s or time.perf_counter() - start
+    auth = ' -H "Authorization: Bearer $RAYTORCH_API_KEY"' if "Authorization" in headers else ""
+    curl = f"curl -N {endpoint} -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"
+    log.info("pipeline: sample completion of %r: %r", body["prompt"], "".join(pieces))
+    return {
+        "endpoint": endpoint,
+        "prompt": body["prompt"],
+        "completion": "".join(pieces),
+        "first_token_seconds": first_token_s,
+        "seconds": time.perf_counter() - start,
+        "curl": curl,
+    }

@@ -48,6 +48,11 @@ class Shard(storage.Contract):
     sha256: str
 
 
+class DataFile(storage.Contract):
+    file: str  # relative to the dataset root
+    sha256: str
+
+
 class Split(storage.Contract):
     rows: int = Field(ge=0)
     shards: list[Shard]
@@ -67,6 +72,9 @@ class DatasetManifest(storage.Contract):
     columns: dict[str, str] = Field(alias="schema")
     rows: dict[str, int]  # split -> rows, the same splits as `splits`
     splits: dict[str, Split]
+    # Files of the dataset besides its shards, by name (a token dataset's `tokenizer.json`).
+    files: dict[str, DataFile] = {}
+    block_size: int | None = None  # tokens: the model input length (rows hold one more)
 
     @model_validator(mode="after")
     def _splits(self) -> DatasetManifest:
@@ -84,23 +92,38 @@ def prepare(config: Config) -> dict[str, Any]:
     splits = split_rows(len(data.frame), cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
+    files: dict[str, bytes] = {}
+    if data.kind == "documents":  # a corpus: tokenizer + packed token rows, split by document
+        from app.corpus import tokenize_corpus
+
+        data, splits, files = tokenize_corpus(data, splits, config.model)
     if storage.is_local(output):
         with storage.staged_dir(output) as staging:
-            manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard)
+            manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard, files)
             # The manifest goes last: a folder without one is never taken for a dataset.
             manifest.write(os.path.join(staging, MANIFEST))
     else:
-        manifest = publish_generation(data, splits, output, cfg.rows_per_shard)
+        manifest = publish_generation(data, splits, output, cfg.rows_per_shard, files)
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
     log.info("prepare: wrote %s", rows)
     return {"stage": "prepare", "output": output, "rows": rows}
 
 
 def write_dataset(
-    data: SourceData, splits: dict[str, np.ndarray], folder: str, prefix: str, rows_per_shard: int
+    data: SourceData,
+    splits: dict[str, np.ndarray],
+    folder: str,
+    prefix: str,
+    rows_per_shard: int,
+    files: dict[str, bytes] | None = None,
 ) -> DatasetManifest:
-    """Every split's shards under `folder` (a local path or URI); the manifest to describe them,
-    its shard paths relative to the dataset root (`prefix` is `folder` relative to that root)."""
+    """Every split's shards and `files` under `folder` (a local path or URI); the manifest to
+    describe them, its paths relative to the dataset root (`prefix` is `folder` relative to it)."""
+    extra = {}
+    for name, content in (files or {}).items():
+        storage.write_bytes(storage.join(folder, name), content)
+        rel = f"{prefix}/{name}" if prefix else name
+        extra[name] = DataFile(file=rel, sha256=hashlib.sha256(content).hexdigest())
     entries = {
         name: write_split(
             data,
@@ -111,11 +134,15 @@ def write_dataset(
         )
         for name, idx in splits.items()
     }
-    return build_manifest(data, entries)
+    return build_manifest(data, entries, extra)
 
 
 def publish_generation(
-    data: SourceData, splits: dict[str, np.ndarray], output: str, rows_per_shard: int
+    data: SourceData,
+    splits: dict[str, np.ndarray],
+    output: str,
+    rows_per_shard: int,
+    files: dict[str, bytes] | None = None,
 ) -> DatasetManifest:
     """Object stores: shards under a new generation prefix, then the manifest, then clean-up."""
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
@@ -123,7 +150,7 @@ def publish_generation(
     previous = current_generation(output)
     try:
         manifest = write_dataset(
-            data, splits, storage.join(output, generation), generation, rows_per_shard
+            data, splits, storage.join(output, generation), generation, rows_per_shard, files
         )
         manifest.write(storage.join(output, MANIFEST))  # the commit point
     except BaseException:
@@ -180,10 +207,12 @@ def split_rows(
 
 def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
     columns: dict[str, pa.Array] = {}
-    for col in [*data.feature_columns, data.label_column]:
+    labels = [data.label_column] if data.label_column else []  # a token dataset has none
+    for col in [*data.feature_columns, *labels]:
         values = frame[col]
-        if col == IMAGE_COLUMN and data.kind == "image":
-            flat = np.stack(values.to_list()).astype(np.float32)
+        if (col == IMAGE_COLUMN and data.kind == "image") or data.kind == "tokens":
+            dtype = np.int32 if data.kind == "tokens" else np.float32
+            flat = np.stack(values.to_list()).astype(dtype)
             columns[col] = pa.FixedSizeListArray.from_arrays(
                 pa.array(flat.reshape(-1)), flat.shape[1]
             )
@@ -210,7 +239,9 @@ def write_split(
     return Split(rows=int(len(idx)), shards=shards)
 
 
-def build_manifest(data: SourceData, splits: dict[str, Split]) -> DatasetManifest:
+def build_manifest(
+    data: SourceData, splits: dict[str, Split], files: dict[str, DataFile] | None = None
+) -> DatasetManifest:
     sample = to_arrow(data.frame.iloc[:1], data)
     return DatasetManifest(
         created=datetime.now(timezone.utc).isoformat(),
@@ -218,11 +249,17 @@ def build_manifest(data: SourceData, splits: dict[str, Split]) -> DatasetManifes
         kind=data.kind,
         feature_columns=data.feature_columns,
         label_column=data.label_column,
-        label_names=sorted(data.frame[data.label_column].astype(str).unique().tolist()),
+        label_names=(
+            sorted(data.frame[data.label_column].astype(str).unique().tolist())
+            if data.label_column
+            else []
+        ),
         image_shape=list(data.image_shape) if data.image_shape else None,
         columns={f.name: str(f.type) for f in sample.schema},
         rows={name: s.rows for name, s in splits.items()},
         splits=splits,
+        files=files or {},
+        block_size=data.block_size,
     )
 
 
@@ -248,6 +285,22 @@ def split_files(output: str, manifest: DatasetManifest, split: str) -> list[str]
     if split not in manifest.splits:
         raise UserError(f"{output}: the prepared dataset has no {split!r} split")
     return [storage.join(output, s.file) for s in manifest.splits[split].shards]
+
+
+def read_dataset_file(output: str, manifest: DatasetManifest, name: str) -> bytes:
+    """One of the dataset's `files`, checked against the sha256 the manifest lists."""
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise UserError(f"{output}: the prepared dataset has no {name}; run jobs.prepare again")
+    uri = storage.join(output, entry.file)
+    if not storage.is_file(uri):
+        raise UserError(f"{uri}: missing (listed in {MANIFEST}); run jobs.prepare again")
+    content = storage.read_bytes(uri)
+    if hashlib.sha256(content).hexdigest() != entry.sha256:
+        raise UserError(
+            f"{uri}: sha256 differs from {MANIFEST} (altered or truncated); run jobs.prepare again"
+        )
+    return content
 
 
 def verify_shards(output: str, manifest: DatasetManifest, split: str) -> list[str]:

@@ -31,12 +31,14 @@ class Preprocessor:
         self.labels: list[str] = state["labels"]
         self._label_index = {name: i for i, name in enumerate(self.labels)}
         self._tokenizer = None
-        if self.kind == "text":
+        if self.kind in ("text", "tokens"):
             from tokenizers import Tokenizer
 
-            self._tokenizer = Tokenizer.from_str(state["tokenizer"])
-            self._tokenizer.enable_truncation(state["max_length"])
-            self._tokenizer.enable_padding(length=state["max_length"], pad_id=0, pad_token=PAD)
+            tokenizer = Tokenizer.from_str(state["tokenizer"])
+            if self.kind == "text":  # a token dataset is packed already: no truncation, no padding
+                tokenizer.enable_truncation(state["max_length"])
+                tokenizer.enable_padding(length=state["max_length"], pad_id=0, pad_token=PAD)
+            self._tokenizer = tokenizer
         self._mean = np.asarray(state.get("mean", 0.0), dtype=np.float32)
         self._std = np.asarray(state.get("std", 1.0), dtype=np.float32)
 
@@ -90,6 +92,22 @@ class Preprocessor:
         state["labels"] = sorted(labels)
         return cls(state)
 
+    @classmethod
+    def for_tokens(cls, manifest: dict[str, Any], tokenizer: str) -> Preprocessor:
+        """A token dataset (app/corpus.py) is already tokenized and packed: its preprocessor only
+        carries the dataset's tokenizer (for generation) and its sequence length."""
+        return cls(
+            {
+                "version": 1,
+                "kind": "tokens",
+                "feature_columns": manifest["feature_columns"],
+                "label_column": manifest["label_column"],
+                "labels": [],
+                "tokenizer": tokenizer,
+                "block_size": manifest["block_size"],
+            }
+        )
+
     # --- (de)serialisation -----------------------------------------------------------------
 
     def to_json(self) -> str:
@@ -112,20 +130,38 @@ class Preprocessor:
         assert self._tokenizer is not None
         return int(self._tokenizer.get_vocab_size())
 
+    @property
+    def block_size(self) -> int:
+        """Tokens a model reads per sequence of a token dataset (its rows hold one more: the
+        last token's target)."""
+        return int(self.state["block_size"])
+
+    @property
+    def tokenizer(self) -> Any:
+        assert self._tokenizer is not None
+        return self._tokenizer
+
     def row_bytes(self) -> int:
         """Bytes of one transformed row (model inputs + label index): sizes the data cache."""
+        if self.kind == "tokens":
+            return 8 * (self.block_size + 1)  # int64 ids, no label
         label = 8  # int64 label index
         if self.kind == "text":
             return 2 * 8 * int(self.state["max_length"]) + label  # int64 ids + mask
         return 4 * self.num_features + label  # float32 features
 
     def input_names(self) -> list[str]:
+        if self.kind == "tokens":
+            return ["input_ids"]
         return ["input_ids", "attention_mask"] if self.kind == "text" else ["x"]
 
     # --- transforms ------------------------------------------------------------------------
 
     def features(self, raw: np.ndarray | Iterable[str]) -> dict[str, np.ndarray]:
-        """Model inputs for raw rows: [n, features] numbers, or n strings for text."""
+        """Model inputs for raw rows: [n, features] numbers, or n strings for text, or [n, tokens]
+        ids of a token dataset (inputs and targets in one: the loss shifts them)."""
+        if self.kind == "tokens":
+            return {"input_ids": np.asarray(raw, dtype=np.int64)}
         if self.kind == "text":
             assert self._tokenizer is not None
             texts = [str(t) for t in raw]

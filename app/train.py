@@ -1,4 +1,4 @@
-"""Train: Ray Train `TorchTrainer` workers (DDP, native AMP) fed by Ray Data.
+"""Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed by Ray Data.
 
 The driver fits the preprocessor, chooses the data path (app/data.py: in-memory cache or
 streaming), builds the lazy datasets and launches the trainer; each worker runs `train_loop` top
@@ -8,26 +8,34 @@ epoch itself is Ray-free (app/loop.py). Re-running with the same run name and st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from app import checkpoint, storage
+from app import checkpoint, parallel, storage, tracking
 from app.config import Config, dump, validate
 from app.errors import ConfigError, UserError
 from app.loop import (
     TrainState,
+    all_reduce,
+    best_index,
+    epoch_batches,
     order_seed,
+    should_stop_early,
     steady_median,
     steps_per_epoch,
     train_epoch,
-    validate_epoch,
 )
 from app.preprocess import Preprocessor
+from app.profiling import PROFILE_DIR, RunProbes
+from app.tasks import Task, check_metric, reference_metrics, task_for
 
 if TYPE_CHECKING:  # app.prepare (pandas, pyarrow) is imported on the driver only
     from app.prepare import DatasetManifest
@@ -42,7 +50,8 @@ PREPROCESSOR_FILE = "preprocessor.json"
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: Config) -> dict[str, Any]:
+def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    """Run training; `callbacks` are Ray Train callbacks (jobs.tune passes Tune's reporter)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -57,10 +66,13 @@ def train(config: Config) -> dict[str, Any]:
     for split in ("train", "val"):  # a damaged shard is refused here, naming the file
         verify_shards(config.data_output, manifest, split)
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
+    task = task_for(manifest.kind)  # classify labelled rows, or language-model token rows
+    check_metric(config, task)
     from app.models import build_model
 
     # A model that cannot take this data fails here, not in a worker.
     build_model(config.model, preprocessor)
+    mlflow_run = open_mlflow_run(config, run_name)  # an unreachable backend fails before training
     connect_ray()
     plan = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", plan.mode, plan.reason)
@@ -79,6 +91,8 @@ def train(config: Config) -> dict[str, Any]:
             "run_dir": run_dir,
             "train_rows": manifest.rows["train"],
             "data_path": plan.mode,
+            "reference_metrics": reference_metrics(config, manifest, preprocessor),
+            "mlflow": {"uri": tracking.mlflow_uri(), "run_id": mlflow_run} if mlflow_run else None,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
@@ -95,6 +109,7 @@ def train(config: Config) -> dict[str, Any]:
                 checkpoint_score_order=t.checkpoint_mode,
             ),
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
+            callbacks=callbacks or [],
         ),
         datasets=datasets,
         # Validation is split too: each worker scores its share and the sums are all-reduced.
@@ -105,9 +120,22 @@ def train(config: Config) -> dict[str, Any]:
     log.info("train: run %s -> %s (%d workers, %s)", run_name, run_dir, t.num_workers, t.precision)
     try:
         result = trainer.fit()
+        summary = summarize(config, run_name, result, plan.to_dict())
     except ray.train.TrainingFailedError as e:
+        tracking.finish_mlflow_run(mlflow_run, None)
         raise UserError(f"training run {run_name} failed: {first_cause(e)}") from None
-    return summarize(config, run_name, result, plan.to_dict())
+    except BaseException:
+        tracking.finish_mlflow_run(mlflow_run, None)
+        raise
+    tracking.finish_mlflow_run(mlflow_run, summary)
+    return summary
+
+
+def open_mlflow_run(config: Config, run_name: str) -> str | None:
+    try:
+        return tracking.start_mlflow_run(config, run_name)
+    except Exception as e:  # noqa: BLE001 - MLflow raises its own kinds; one line either way
+        raise UserError(f"MLflow tracking ({tracking.URI_ENV}): {tracking.first_line(e)}") from None
 
 
 def first_cause(error: BaseException) -> str:
@@ -188,6 +216,53 @@ def summarize(
         "epoch_seconds": steady_median(epoch_seconds),
         "epoch_seconds_history": epoch_seconds,
         "first_step_at": last.first_step_at,
+        # Every epoch's report, from the latest checkpoint (TensorBoard holds the same values).
+        "history": last.history,
+        "early_stopping": early_stopping_summary(config, last),
+        "tensorboard": storage.join(config.storage_path, run_name, tracking.TENSORBOARD_DIR),
+        "mlflow_run_id": last.mlflow_run_id,
+        **parallel_summary(config, run_name, last),
+    }
+
+
+def parallel_summary(
+    config: Config, run_name: str, last: checkpoint.CheckpointMeta
+) -> dict[str, Any]:
+    """How the run was spread over ranks and what that cost: bytes per rank, step times."""
+    t = config.train
+    first, steady = last.first_step_seconds, last.step_seconds
+    compile_s = first - steady if t.compile and first is not None and steady is not None else None
+    profile = storage.join(config.storage_path, run_name, PROFILE_DIR) if t.profile_steps else None
+    return {
+        "strategy": t.strategy,
+        "activation_checkpointing": t.activation_checkpointing,
+        # The largest rank's parameter / gradient / optimizer-state bytes (local shards).
+        "memory_per_rank": last.memory_per_rank,
+        # The latest attempt's first optimizer step vs its steady step time; with
+        # train.compile the difference is the compilation.
+        "first_step_seconds": first,
+        "step_seconds": steady,
+        "compile_seconds": compile_s,
+        "profile": profile,
+    }
+
+
+def early_stopping_summary(
+    config: Config, last: checkpoint.CheckpointMeta
+) -> dict[str, Any] | None:
+    """Whether the run stopped early, after which epoch, and its best epoch by the metric."""
+    t = config.train
+    if t.early_stopping_patience is None:
+        return None
+    values = [float(m[t.early_stopping_metric]) for m in last.history]
+    best = best_index(values, t.early_stopping_mode, t.early_stopping_min_delta) if values else None
+    return {
+        "metric": t.early_stopping_metric,
+        "mode": t.early_stopping_mode,
+        "patience": t.early_stopping_patience,
+        "stopped": last.stopped_early,
+        "stopped_after_epoch": last.epoch if last.stopped_early else None,
+        "best_epoch": last.history[best]["epoch"] if best is not None else None,
     }
 
 
@@ -204,6 +279,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     t = config.train
     quiet_ray_train_logs()
     preprocessor = Preprocessor.from_json(loop_config["preprocessor"])
+    task = task_for(preprocessor.kind, loop_config.get("reference_metrics"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(t.torch_threads)
@@ -211,43 +287,80 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     from app.models import build_model
 
-    model = build_model(config.model, preprocessor)
+    device = ray.train.torch.get_device()
+    if t.precision == "fp16" and device.type != "cuda":
+        raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
+    build = functools.partial(build_model, config.model, preprocessor)
+    # DDP or FSDP, activation checkpointing, torch.compile (app/parallel.py); the optimizer is
+    # built over what that leaves (under FSDP, this rank's shards).
+    model = parallel.parallelize(build(), t, device)
     total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
     state = TrainState.create(model, config, total_steps)
     resumed = ray.train.get_checkpoint()
     if resumed:
         with resumed.as_directory() as folder:
-            state.restore(folder)
+            state.restore(folder, rank)
         log.info("rank %d: resumed from epoch %d (step %d)", rank, state.epoch, state.step)
     else:
         torch.manual_seed(t.seed + rank)  # ranks then differ in dropout
-    model = ray.train.torch.prepare_model(model)
-    state.model = model
-    device = ray.train.torch.get_device()
-    if t.precision == "fp16" and device.type != "cuda":
-        raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
+    # Memory, step times, profiler trace: optimizer hooks, so after restoring (which may step).
+    probes = RunProbes(state, config, loop_config["run_dir"], rank, device)
     metrics_sink = TrainMetrics(loop_config["run_dir"]) if rank == 0 else None
+    mlflow = loop_config.get("mlflow")
+    tracker = tracking.EpochTracker(loop_config["run_dir"], mlflow) if rank == 0 else None
     state.worker_nodes = gather_node_ids(world)
 
     train_feed, val_feed = (feed(config, loop_config["data_path"], s) for s in ("train", "val"))
     log_every = t.log_every_steps if rank == 0 else 0
-    for epoch in range(state.epoch + 1, t.epochs + 1):
+    # A resumed run that had already stopped early stays stopped (unless patience was raised).
+    last_epoch = state.epoch if should_stop_early(state.history, config) else t.epochs
+    for epoch in range(state.epoch + 1, last_epoch + 1):
         maybe_inject_fault(config, loop_config["run_dir"], rank, epoch)
-        batches = train_feed.batches(t.batch_size, seed=order_seed(t.seed, epoch, rank))
-        train_stats = train_epoch(state, batches, device, log_every)
+        batches = epoch_batches(train_feed, t.batch_size, order_seed(t.seed, epoch, rank), config)
+        probes.before_epoch()
+        train_stats = train_epoch(state, batches, device, log_every, task.loss)
         if epoch < t.epochs:  # the next pass starts while this epoch validates and reports
             train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, rank))
         val_batches = val_feed.batches(t.batch_size * 4)
-        val_stats = validate_epoch(model, val_batches, device, t.precision)
+        val_stats = task.validate(model, val_batches, device, t.precision)
         state.epoch = epoch
         state.data_wait_history.append(train_stats["data_wait_fraction"])
         state.epoch_seconds_history.append(train_stats["epoch_seconds"])
         metrics = {"epoch": epoch, "step": state.step, **train_stats, **val_stats}
+        state.history.append(dict(metrics))
+        # Every rank must leave the loop after the same report (it is a barrier): the decision is
+        # on all-reduced metrics, and the flag is all-reduced too.
+        stop = all_reduce([float(should_stop_early(state.history, config))], device, "max")[0] > 0
         if rank == 0:
-            log_epoch(metrics, t.epochs)
+            log_epoch(metrics, t.epochs, task)
             assert metrics_sink is not None
             metrics_sink.record(metrics)
-        report(state, metrics, preprocessor, config, rank)
+        run_stats = probes.after_epoch()
+        report(
+            state,
+            metrics,
+            preprocessor,
+            config,
+            rank,
+            stop,
+            mlflow and mlflow["run_id"],
+            build=build,
+            run_stats=run_stats,
+        )
+        if tracker is not None:
+            tracker.log(metrics)
+        if stop:
+            if rank == 0:
+                log.info(
+                    "early stopping after epoch %d: %s has not improved for %d epochs",
+                    epoch,
+                    t.early_stopping_metric,
+                    t.early_stopping_patience,
+                )
+            break
+    if tracker is not None:
+        tracker.close()
+    probes.close()
 
 
 def quiet_ray_train_logs() -> None:
@@ -274,15 +387,13 @@ def feed(config: Config, mode: str, split: str):
     return StreamFeed(shard, d.stream_prefetch_batches, config.train.shuffle_buffer)
 
 
-def log_epoch(metrics: dict[str, Any], epochs: int) -> None:
+def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:
     log.info(
-        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f | %.2fs %.0f samples/s "
-        "data_wait %.1f%%",
+        "epoch %d/%d: train_loss %.4f %s | %.2fs %.0f samples/s data_wait %.1f%%",
         metrics["epoch"],
         epochs,
         metrics["train_loss"],
-        metrics["val_loss"],
-        metrics["val_accuracy"],
+        task.headline(metrics),
         metrics["epoch_seconds"],
         metrics["samples_per_second"],
         100 * metrics["data_wait_fraction"],
@@ -307,16 +418,38 @@ def report(
     preprocessor: Preprocessor,
     config: Config,
     rank: int,
+    stopped_early: bool = False,
+    mlflow_run_id: str | None = None,
+    *,
+    build: Callable[[], nn.Module] | None = None,
+    run_stats: dict[str, Any] | None = None,
 ) -> None:
-    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint.
+    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint, except
+    under FSDP, where every rank attaches its shards and Ray Train merges the folders.
 
     The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
-    the checkpoint is persisted under `train.storage_path`.
+    the checkpoint is persisted under `train.storage_path`. `build` makes a plain copy of the
+    model (FSDP's consolidated `model.safetensors`); `run_stats` are extra `meta.json` fields.
     """
     import ray.train
 
+    folder, weights = None, state.model
+    if parallel.is_sharded(state.model):
+        assert build is not None, "an FSDP checkpoint needs the model builder"
+        folder, weights = sharded_checkpoint(state, build, rank)
+    upload = {
+        "checkpoint_upload_mode": ray.train.CheckpointUploadMode[
+            config.train.checkpoint_upload.upper()
+        ],
+        "delete_local_checkpoint_after_upload": True,
+    }
     if rank != 0:
-        ray.train.report(metrics)
+        if folder is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload
+            )
         return
     meta = checkpoint.CheckpointMeta(
         config=dump(config),
@@ -330,17 +463,25 @@ def report(
         worker_nodes=state.worker_nodes,
         preprocessor=preprocessor.to_json(),
         torch_version=torch.__version__,
+        history=state.history,
+        stopped_early=stopped_early,
+        mlflow_run_id=mlflow_run_id,
+        **(run_stats or {}),
     )
+    folder = folder or tempfile.mkdtemp(prefix="raytorch-ckpt-")
+    checkpoint.save(folder, weights, state.train_state(), meta)
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload)
+
+
+def sharded_checkpoint(
+    state: TrainState, build: Callable[[], nn.Module], rank: int
+) -> tuple[str, nn.Module | None]:
+    """Collective (FSDP): every rank writes its shards into a local folder of its own; rank 0
+    also gets a plain, consolidated copy of the model for `model.safetensors`."""
     folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
-    checkpoint.save(folder, state.model, state.train_state(), meta)
-    ray.train.report(
-        metrics,
-        checkpoint=ray.train.Checkpoint.from_directory(folder),
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode[
-            config.train.checkpoint_upload.upper()
-        ],
-        delete_local_checkpoint_after_upload=True,
-    )
+    checkpoint.save_sharded(folder, state.model, state.optimizer, rank)
+    full = parallel.full_state_dict(state.model)  # gathered to rank 0, on CPU
+    return folder, parallel.plain_model(build, full) if rank == 0 else None
 
 
 def maybe_inject_fault(config: Config, run_dir: str, rank: int, epoch: int) -> None:
@@ -386,4 +527,5 @@ class TrainMetrics:
 
     def record(self, metrics: dict[str, float]) -> None:
         for name, gauge in self.gauges.items():
-            gauge.set(float(metrics[name]), tags=self.tags)
+            if name in metrics:  # val_accuracy is the classifiers' only
+                gauge.set(float(metrics[name]), tags=self.tags)

@@ -167,7 +167,8 @@ def cpu_by_name(
     root: int, before: dict[int, float] | None = None
 ) -> tuple[dict[int, float], dict[str, float]]:
     """CPU seconds of every process under `root` (minus `before`), summed by process name."""
-    now, totals = {}, {}
+    now: dict[int, float] = {}
+    totals: dict[str, float] = {}
     for pid, name in process_tree(root).items():
         stat = _stat(pid)
         if stat is None:
@@ -234,3 +235,78 @@ def wait_ready(url: str, timeout_s: float = 120.0, path: str = "/v2/health/ready
             last = type(e).__name__
         time.sleep(0.25)
     raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f}s ({last})")
+
+
+# --- wrk: the C load generator (Debian's `wrk` package; `make bench` installs it) -------------
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+-- One body per line, sent in turn (one line: the same body every time).
+local bodies, i = {}, 0
+for line in io.lines(os.getenv("WRK_BODY")) do
+  if #line > 0 then bodies[#bodies + 1] = line end
+end
+function request()
+  i = i % #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[i])
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRK_JSON {"requests": %d, "duration_us": %d, "errors": %d, "non_2xx": %d, ' ..
+    '"p50_ms": %.4f, "p90_ms": %.4f, "p99_ms": %.4f, "mean_ms": %.4f}\\n',
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50) / 1000, latency:percentile(90) / 1000, latency:percentile(99) / 1000,
+    latency.mean / 1000))
+end
+"""
+
+
+def wrk_path() -> str:
+    import shutil
+
+    path = shutil.which("wrk")
+    if path is None:
+        raise RuntimeError("wrk is not installed: `apt-get install -y wrk` (make bench does it)")
+    return path
+
+
+def wrk_run(
+    url: str, body_file: str, connections: int, duration_s: float, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """One wrk window (one client thread, keep-alive connections, closed loop) on loopback,
+    posting the JSON bodies of `body_file` (one per line) in turn:
+    requests/s counts 2xx answers; p50/p99 from wrk's latency histogram; client CPU from rusage."""
+    import json
+    import resource
+    import subprocess
+    import tempfile
+
+    if urlparse(url).hostname not in LOOPBACK:
+        raise ValueError(f"load is only ever sent to loopback, not {url!r}")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(WRK_SCRIPT)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cmd = [wrk_path(), "-t1", f"-c{connections}", f"-d{duration_s:g}s", f"--timeout={timeout_s:g}s"]
+    proc = subprocess.run(
+        [*cmd, "-s", f.name, url],
+        capture_output=True,
+        text=True,
+        timeout=duration_s + timeout_s + 30,
+        env={**os.environ, "WRK_BODY": body_file},
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    os.unlink(f.name)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WRK_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stderr[-500:]}")
+    out = json.loads(line[len("WRK_JSON ") :])
+    seconds = out["duration_us"] / 1e6
+    ok = out["requests"] - out["non_2xx"] - out["errors"]
+    out.update(
+        connections=connections,
+        requests_per_s=ok / seconds if seconds else float("nan"),
+        client_cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    )
+    return out

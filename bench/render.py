@@ -1,9 +1,10 @@
-"""Render bench/results/*.json as a Markdown table in README.md.
+"""Render bench/results/*.json as a Markdown table in README.md, and as PNG charts.
 
     python -m bench.render [--results bench/results] [--readme README.md]
 
 Replaces what lies between `<!-- bench:start -->` and `<!-- bench:end -->` in the README and
-nothing else; without those markers it prints the table and says so.
+nothing else; without those markers it prints the table and says so. Each result with a chart
+(bench/charts.py) is drawn as `<results>/<id>.png`, linked under the table.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.charts import write_charts
 from bench.common import REPO, RESULTS_DIR
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -84,6 +86,20 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n\n".join([*header, "\n".join(lines)]) + "\n"
 
 
+def chart_links(charts: list[Path], base: Path) -> str:
+    """One line linking every chart, relative to the README's folder."""
+    if not charts:
+        return ""
+    links = []
+    for path in charts:
+        try:
+            rel = path.resolve().relative_to(base)
+        except ValueError:
+            rel = path.resolve()
+        links.append(f"[{path.stem}]({rel.as_posix()})")
+    return "\nCharts: " + " · ".join(links) + "\n"
+
+
 def replace_block(text: str, block: str) -> str | None:
     pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.DOTALL)
     if not pattern.search(text):
@@ -96,8 +112,9 @@ def render(results_dir: str | Path = RESULTS_DIR, readme: str | Path = REPO / "R
     if not results:
         print(f"render: no results in {results_dir}", file=sys.stderr)
         return ""
-    block = table(results)
     readme = Path(readme)
+    charts = write_charts(results, results_dir)
+    block = table(results) + chart_links(charts, readme.resolve().parent)
     updated = replace_block(readme.read_text(), block) if readme.exists() else None
     if updated is None:
         print(block)

@@ -51,10 +51,29 @@ BENCHMARKS = {
     ),
     "B3": ("bench.b3_precision", "precision: bf16 vs fp32 on CPU", False, 240, 120),
     "B4": ("bench.b4_quant", "quantization: ONNX int8 vs fp32 vs torch eager", False, 300, 150),
-    "B5": ("bench.b5_serve", "serving: Ray Serve vs plain uvicorn", True, 480, 240),
+    "B5a": (
+        "bench.b5_serve",
+        "serving overhead: Ray Serve vs plain uvicorn (wrk)",
+        False,
+        600,
+        300,
+    ),
+    "B5b": ("bench.b5b_batching", "batching ceiling: ONNX Runtime batch 1 vs 16", False, 300, 120),
+    "B5c": ("bench.b5c_litserve", "serving: Ray Serve vs LitServe (wrk)", False, 900, 400),
     "B6": ("bench.b6_autoscale", "autoscaling: time to a second replica", True, 240, 150),
     # B8 starts a private Ray per data size (its memory is measured from this process tree).
     "B8": ("bench.b8_memory", "streaming memory: peak at 10x the data", False, 900, 180),
+    # B11 spawns its own 2 gloo ranks (plain torch.distributed, no Ray).
+    "B11": ("bench.b11_fsdp_memory", "sharded training memory: FSDP vs DDP", False, 300, 120),
+    "B12": ("bench.b12_compile", "torch.compile vs eager training steps on CPU", False, 600, 240),
+    # B10 starts its own private Ray (Serve and Ray Data in one cluster, one after the other).
+    "B10": (
+        "bench.b10_predict",
+        "batch inference: jobs.predict vs the online endpoint",
+        False,
+        900,
+        300,
+    ),
 }
 
 

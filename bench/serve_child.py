@@ -22,12 +22,13 @@ def main(argv=None) -> None:
     p.add_argument("--artifact", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--serve-json", default="{}")
+    p.add_argument("--name", default="digits", help="the model's name (the artifact's)")
     args = p.parse_args(argv)
 
     import ray
     from ray import serve
 
-    from app.serve.app import build_app
+    from app.serve.app import run_local
     from bench.load import wait_ready
 
     start = time.perf_counter()
@@ -35,13 +36,7 @@ def main(argv=None) -> None:
     ray_init_s = time.perf_counter() - start
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        app = build_app(
-            {
-                "models": [{"name": "digits", "artifact": args.artifact}],
-                "serve": json.loads(args.serve_json),
-            }
-        )
-        serve.run(app, name="models", route_prefix="/")
+        run_local([{"name": args.name, "artifact": args.artifact}], json.loads(args.serve_json))
         ready_s = wait_ready(f"http://127.0.0.1:{args.port}")
         env = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
         info = {

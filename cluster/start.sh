@@ -28,8 +28,10 @@
 #   RAY_SERVE_HAPROXY_STATS_PORT / RAY_SERVE_HAPROXY_METRICS_PORT  HAProxy's ports (Ray's own
 #                            variables, default 8404 / 9101), checked free when RAYTORCH_SERVE_FAST=1.
 #   RAYTORCH_CLUSTER_STATE   the state file (default ~/.ray/raytorch-cluster-<GCS port>.state).
-#   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1 and
-#                            RAY_SERVE_ENABLE_HA_PROXY=1; 0 leaves Serve's defaults.
+#   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
+#                            RAY_SERVE_ENABLE_HA_PROXY=1 and a 5 s replica drain
+#                            (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S); 0 leaves Serve's
+#                            defaults.
 #   RAYTORCH_ROOT            where jobs resolve relative output paths (default: the repo root).
 #   RAYTORCH_RAY_START_ARGS  extra arguments for `ray start` (word-split).
 #   RAYTORCH_READY_TIMEOUT_S how long to wait for the Jobs API (default 60).
@@ -138,6 +140,11 @@ if [[ "$SERVE_FAST" == "1" ]]; then
     # RAY_SERVE_DEFAULT_HTTP_HOST), so every Serve start must name its host explicitly
     # (cluster/serve.yaml and the deploy job do).
     export RAY_SERVE_ENABLE_HA_PROXY=1
+    # A replica that leaves (rolling update, downscale) is held open this long so that load
+    # balancers can take it out first; Serve's 30 s default is meant for external ones (an ALB).
+    # Here HAProxy on the same node reloads its backends within a second or two and retries
+    # refused connections, and every rollout waited out the previous replica's 30 s.
+    export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="${RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S:-5}"
 else
     export RAY_SERVE_DEFAULT_HTTP_HOST="$BIND_HOST"
 fi

@@ -15,7 +15,8 @@
 #
 # Environment: RAYTORCH_GCS_PORT (6379) and RAYTORCH_CLUSTER_STATE (default
 # ~/.ray/raytorch-cluster-<GCS port>.state) as for start.sh; RAYTORCH_STOP_GRACE_S (10): seconds
-# from SIGTERM to SIGKILL, per group; RAY_AUTH_MODE / RAYTORCH_TOKEN_FILE for `serve shutdown`.
+# from SIGTERM to SIGKILL, per group (0: no draining at all, Serve is not shut down first, as for
+# a throwaway test cluster); RAY_AUTH_MODE / RAYTORCH_TOKEN_FILE for `serve shutdown`.
 # Exit codes: 0 stopped (or nothing of ours to stop), 1 something survived, 2 bad usage.
 set -euo pipefail
 
@@ -65,6 +66,7 @@ fi
 
 serve_shutdown() { # best effort, bounded: replicas drain before their processes go
     command -v "$SERVE" >/dev/null 2>&1 || return 0
+    ((GRACE_S > 0)) || return 0
     log "shutting down Serve at $1 (best effort)"
     local to=()
     command -v timeout >/dev/null 2>&1 && to=(timeout 60)

@@ -14,6 +14,7 @@ from torch import nn
 
 from app.config import ConfigError, ModelConfig
 from app.models.cnn import ResNetCNN
+from app.models.gpt import GPT
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
 from app.preprocess import Preprocessor
@@ -43,9 +44,33 @@ def _transformer(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     )
 
 
-REGISTRY: dict[str, Builder] = {"cnn": _cnn, "mlp": _mlp, "transformer": _transformer}
+def _gpt(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
+    # The vocabulary is the dataset's tokenizer's; its sequences must fit the position table.
+    block = pre.block_size
+    if block > cfg.max_length:
+        raise ConfigError(
+            f"config error: model.max_length: {cfg.max_length} is shorter than the dataset's "
+            f"sequences ({block} tokens); prepare the data again with this model.max_length"
+        )
+    return GPT(
+        vocab_size=pre.vocab_size,
+        block_size=cfg.max_length,
+        dim=cfg.dim,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        ff_dim=cfg.ff_dim,
+        dropout=cfg.dropout,
+    )
+
+
+REGISTRY: dict[str, Builder] = {
+    "cnn": _cnn,
+    "mlp": _mlp,
+    "transformer": _transformer,
+    "gpt": _gpt,
+}
 # Which preprocessor kinds each family accepts, so a mismatch fails before training starts.
-ACCEPTS = {"cnn": "image", "mlp": "tabular", "transformer": "text"}
+ACCEPTS = {"cnn": "image", "mlp": "tabular", "transformer": "text", "gpt": "tokens"}
 
 
 def resolve(name: str) -> Builder:

@@ -1,17 +1,28 @@
-"""The Serve application builder: `import_path: app.serve.app:build_app` with typed args.
+"""The Serve application builders: one application per model, plus one index application.
 
-    args:
-      models: [{name: digits, artifact: <artifact folder or <registry>/<name>/latest>}, ...]
-      serve: {...ServeConfig: variant, batching, autoscaling, queue bounds, resources...}
+    - name: models-digits              # <serve.app_name>-<model>
+      route_prefix: /v2/models/digits
+      import_path: app.serve.app:build_model_app
+      args: {model: {name: digits, artifact: <artifact folder or <registry>/<name>/latest>},
+             serve: {...ServeConfig...}}
+    - name: models                     # serve.app_name
+      route_prefix: /
+      import_path: app.serve.app:build_index_app
+      args: {models: [digits, ...], serve: {...ServeConfig...}}
 
-One application holds every live model: an ingress deployment plus one `model-<name>`
-deployment per model. Everything tunable comes from `serve` (cluster/serve.yaml or the workload
-config), nothing is fixed in code.
+A model's application is a single deployment (`model-<name>`) that parses the HTTP request and
+owns the model's ONNX Runtime session: Serve's proxy (or HAProxy, in high-throughput mode) hands
+it the request, and nothing else is in the path. Each model therefore has its own rolling
+updates, rollback, variant (`user_config`) and autoscaling, as a deployment of its own had before.
+The index application at `/` answers what spans models (/v2, /v2/health/*, /v1/models) and the
+v1 predict route (`/v1/models/<name>:predict` cannot fall under a per-model prefix), calling the
+model applications through their handles. docs/architecture.md says why this shape.
+
+Everything tunable comes from `serve` (cluster/serve.yaml or the workload config).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,39 +30,108 @@ from ray import serve
 
 from app.artifact import resolve
 from app.config import ServeConfig, resolve_uri
-from app.serve.ingress import IngressMetrics, ModelRouter, create_api, serve_http_host
+from app.serve.ingress import (
+    AppHandle,
+    IngressMetrics,
+    LocalHandle,
+    ModelRouter,
+    create_api,
+    serve_http_host,
+)
+from app.serve.lm_server import LMServer
 from app.serve.model_server import ModelServer
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+MODEL_IMPORT_PATH = "app.serve.app:build_model_app"
+INDEX_IMPORT_PATH = "app.serve.app:build_index_app"
 
 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN)
     artifact: str
 
 
-class AppArgs(BaseModel):
+class ModelAppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    models: list[ModelSpec] = Field(min_length=1)
+    model: ModelSpec
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+
+class IndexAppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: list[str] = Field(min_length=1)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @field_validator("models")
     @classmethod
-    def _unique(cls, models: list[ModelSpec]) -> list[ModelSpec]:
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique, got {names}")
+    def _unique(cls, models: list[str]) -> list[str]:
+        if len(set(models)) != len(models):
+            raise ValueError(f"model names must be unique, got {models}")
         return models
 
 
+def model_app_name(cfg: ServeConfig, model: str) -> str:
+    return f"{cfg.app_name}-{model}"
+
+
+def model_route(model: str) -> str:
+    return f"/v2/models/{model}"
+
+
 @serve.ingress()
-class Ingress:
-    def __init__(self, serve_config: dict[str, Any], models: dict[str, Any]):
+class ModelApp(ModelServer):
+    """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
+
+    def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
         self.config = ServeConfig.model_validate(serve_config)
-        self.router = ModelRouter(models, self.config.request_timeout_s)
+        super().__init__(artifact_uri, self.config)
 
     async def __serve_build_asgi_app__(self):
         # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
         # RayService set it in http_options, not in these args): ask the controller.
+        host = await serve_http_host()
+        router = ModelRouter({self.artifact.name: LocalHandle(self)}, self.config.request_timeout_s)
+        return create_api(self.config, router, IngressMetrics(), serve_host=host)
+
+
+@serve.ingress()
+class LMApp(LMServer):
+    """A language model's replica: the same routes, generation instead of batched inference."""
+
+    def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
+        self.config = ServeConfig.model_validate(serve_config)
+        super().__init__(artifact_uri, self.config)
+
+    async def __serve_build_asgi_app__(self):
+        host = await serve_http_host()
+        router = ModelRouter({self.artifact.name: LocalHandle(self)}, self.config.request_timeout_s)
+        return create_api(self.config, router, IngressMetrics(), serve_host=host)
+
+
+def is_language_model(artifact: str) -> bool:
+    """Whether an artifact's schema.json says task lm (the replica verifies it all on load)."""
+    import json
+
+    from app import storage
+
+    try:
+        schema = json.loads(storage.read_bytes(storage.join(artifact, "schema.json")))
+    except (OSError, ValueError):
+        return False  # the replica's open_artifact refuses it with a proper message
+    return isinstance(schema, dict) and schema.get("task") == "lm"
+
+
+@serve.ingress()
+class Index:
+    """Routes across models; reaches each model's application through its handle."""
+
+    def __init__(self, serve_config: dict[str, Any], models: list[str]):
+        self.config = ServeConfig.model_validate(serve_config)
+        handles = {m: AppHandle(model_app_name(self.config, m)) for m in models}
+        self.router = ModelRouter(handles, self.config.request_timeout_s)
+
+    async def __serve_build_asgi_app__(self):
         host = await serve_http_host()
         return create_api(self.config, self.router, IngressMetrics(), serve_host=host)
 
@@ -60,8 +140,9 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
     a = cfg.autoscaling
     # Pin the concrete version: a replica started later must not pick up a newer `latest`.
     artifact = resolve(resolve_uri(spec.artifact))
+    replica = LMApp if is_language_model(artifact) else ModelApp
     return (
-        serve.deployment(ModelServer)
+        serve.deployment(replica)
         .options(  # type: ignore[attr-defined]
             name=f"model-{spec.name}",
             max_ongoing_requests=cfg.max_ongoing_requests,
@@ -80,27 +161,74 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
             user_config={"variant": cfg.variant},
             health_check_period_s=cfg.health_check_period_s,
         )
-        .bind(
-            artifact,
-            cfg.max_batch_size,
-            cfg.batch_wait_timeout_s,
-            max(1, math.floor(cfg.replica_cpus)),
-            cfg.max_request_rows,
-        )
+        .bind(artifact, cfg.model_dump(mode="json"))
     )
 
 
-def build_app(args: dict[str, Any]):
-    parsed = AppArgs.model_validate(args)
+def build_model_app(args: dict[str, Any]):
+    parsed = ModelAppArgs.model_validate(args)
+    return model_deployment(parsed.model, parsed.serve)
+
+
+def build_index_app(args: dict[str, Any]):
+    parsed = IndexAppArgs.model_validate(args)
     cfg = parsed.serve
-    models = {spec.name: model_deployment(spec, cfg) for spec in parsed.models}
     return (
-        serve.deployment(Ingress)
+        serve.deployment(Index)
         .options(  # type: ignore[attr-defined]
-            name="ingress",
+            name="index",
             num_replicas=cfg.ingress_replicas,
             max_ongoing_requests=cfg.ingress_max_ongoing_requests,
             ray_actor_options={"num_cpus": cfg.ingress_cpus},
         )
-        .bind(cfg.model_dump(mode="json"), models)
+        .bind(cfg.model_dump(mode="json"), parsed.models)
     )
+
+
+def applications(models: list[dict[str, str]], serve_config: dict[str, Any]) -> list[dict]:
+    """The Serve deploy-config `applications` for these models: one each, plus the index.
+    jobs.deploy writes this shape; cluster/serve.yaml and the RayService carry it."""
+    cfg = ServeConfig.model_validate(serve_config)
+    specs = sorted((ModelSpec.model_validate(m) for m in models), key=lambda m: m.name)
+    dumped = cfg.model_dump(mode="json")
+    apps = [
+        {
+            "name": model_app_name(cfg, m.name),
+            "route_prefix": model_route(m.name),
+            "import_path": MODEL_IMPORT_PATH,
+            "args": {"model": m.model_dump(), "serve": dumped},
+        }
+        for m in specs
+    ]
+    apps.append(
+        {
+            "name": cfg.app_name,
+            "route_prefix": "/",
+            "import_path": INDEX_IMPORT_PATH,
+            "args": {"models": [m.name for m in specs], "serve": dumped},
+        }
+    )
+    return apps
+
+
+def run_local(models: list[dict[str, str]], serve_config: dict[str, Any]) -> None:
+    """serve.run every application of `applications` (tests and benchmarks; Serve running)."""
+    builders = {MODEL_IMPORT_PATH: build_model_app, INDEX_IMPORT_PATH: build_index_app}
+    for app in applications(models, serve_config):
+        serve.run(
+            builders[app["import_path"]](app["args"]),
+            name=app["name"],
+            route_prefix=app["route_prefix"],
+        )
+
+
+def build_app(args: dict[str, Any]):
+    """One model as a complete server by itself ({models: [one spec], serve}): `serve run` of a
+    single model at any prefix, and the benchmarks. Several models: `applications`."""
+    models = args.get("models") or []
+    if len(models) != 1:
+        raise ValueError(
+            f"build_app serves one model, got {len(models)}: list one application per model "
+            "(app.serve.app.applications; jobs.deploy writes them)"
+        )
+    return build_model_app({"model": models[0], "serve": args.get("serve", {})})

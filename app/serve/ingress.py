@@ -22,11 +22,18 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.config import ServeConfig
+from app.serve.completions import (
+    DONE,
+    CompletionEncoder,
+    parse_completion,
+    parse_generate,
+    sse,
+)
 from app.serve.protocol import (
     BINARY_HEADER,
     RequestError,
@@ -137,6 +144,33 @@ class ModelRouter:
                 503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
             ) from None
 
+    async def stream(self, name: str, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A generation on model `name`: (the rest of its events, its first event). The first
+        event is awaited here, so a refusal (bad prompt, too many streams) is a plain error
+        answer, never a stream that fails after its 200."""
+        from ray.serve.exceptions import BackPressureError
+
+        handle = self.get(name)
+        if not hasattr(handle, "generate_stream"):
+            raise RequestError(400, f"model {name!r} does not generate text")
+        try:
+            events = handle.generate_stream.remote(payload)
+            first = await asyncio.wait_for(events.__anext__(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(
+                504,
+                f"model {name!r} did not start within serve.request_timeout_s={self.timeout_s:g}",
+            ) from None
+        except BackPressureError:
+            raise RequestError(503, f"model {name!r} is overloaded; retry later") from None
+        except _unavailable_errors() as e:
+            raise RequestError(
+                503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
+            ) from None
+        if "error" in first:
+            raise RequestError(first["status"], first["error"])
+        return events, first
+
 
 @functools.cache
 def _unavailable_errors() -> tuple[type[BaseException], ...]:
@@ -156,6 +190,61 @@ def _unavailable_errors() -> tuple[type[BaseException], ...]:
     return (*errors, AioRpcError)
 
 
+async def close_events(events: Any) -> None:
+    """Stop a generation whose client is gone: a local async generator is closed, a
+    DeploymentHandle stream cancelled (Serve then cancels it in the replica)."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+    else:
+        _cancel(events)
+
+
+class _LocalMethod:
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)  # a coroutine: ModelServer's methods are async
+
+
+class LocalHandle:
+    """A ModelServer in this process, called the way ModelRouter calls a DeploymentHandle: the
+    model application's own routes use it, so its requests never leave the replica."""
+
+    def __init__(self, server: Any):
+        self.infer = _LocalMethod(server.infer)
+        self.metadata = _LocalMethod(server.metadata)
+        if hasattr(server, "generate_stream"):  # a language model
+            self.generate_stream = _LocalMethod(server.generate_stream)
+
+
+class AppHandle:
+    """The ingress deployment of another Serve application (a model's), looked up on first use:
+    the index application answers /v1/models and /v2/health/ready across models with it."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self._handle: Any = None
+        self.infer = _LocalMethod(lambda *a: self._get().infer.remote(*a))
+        self.metadata = _LocalMethod(lambda *a: self._get().metadata.remote(*a))
+        self.generate_stream = _LocalMethod(
+            lambda *a: self._get().options(stream=True).generate_stream.remote(*a)
+        )
+
+    def _get(self) -> Any:
+        if self._handle is None:
+            from ray import serve
+
+            try:
+                self._handle = serve.get_app_handle(self.app_name)
+            except Exception as e:  # noqa: BLE001 - not deployed (yet): retryable
+                raise RequestError(
+                    503, f"application {self.app_name!r} is not running ({type(e).__name__})"
+                ) from None
+        return self._handle
+
+
 async def _awaited(response: Any) -> Any:
     return await response
 
@@ -170,6 +259,7 @@ def create_api(
     cfg: ServeConfig, router: ModelRouter, metrics: Any = None, serve_host: str | None = None
 ) -> FastAPI:
     api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
+    api.add_middleware(FullPaths)
     key = api_key(cfg, serve_host)
 
     def error(status: int, message: str, request_id: str = "") -> JSONResponse:
@@ -277,7 +367,11 @@ def create_api(
             "platform": "onnxruntime_onnx",
             "inputs": schema["inputs"],
             "outputs": schema["outputs"],
-            "parameters": {"labels": schema["labels"], "variant": meta["variant"]},
+            "parameters": {
+                "labels": schema["labels"],
+                "variant": meta["variant"],
+                **({"generation": meta["generation"]} if "generation" in meta else {}),
+            },
         }
 
     @api.get("/v2/models/{name}/ready")
@@ -355,6 +449,88 @@ def create_api(
         )
         return result
 
+    # --- text generation (language models) --------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        check_content_type(request.headers.get("content-type"), binary=False)
+        parsed = parse_completion(await body(request), cfg)
+        name = parsed["model"]
+        events, _ = await router.stream(
+            name, {"prompt": parsed["prompt"], "params": parsed["params"]}
+        )
+        encoder = CompletionEncoder(name)
+        if not parsed["stream"]:
+            text, end = await collect(events)
+            return encoder.whole(text, end)
+
+        async def chunks():
+            async for event in events:
+                if "text" in event:
+                    yield sse(encoder.chunk(event["text"]))
+                elif "end" in event:
+                    yield sse(encoder.last_chunk(event["end"]))
+            yield DONE
+
+        return event_stream(events, chunks())
+
+    @api.post("/v2/models/{name}/generate")
+    @api.post("/v2/models/{name}/generate_stream")
+    async def v2_generate(name: str, request: Request):
+        router.get(name)
+        check_content_type(request.headers.get("content-type"), binary=False)
+        parsed = parse_generate(await body(request), cfg)
+        payload = {"prompt": parsed["prompt"], "params": parsed["params"], "field": "text_input"}
+        events, first = await router.stream(name, payload)
+        version = first["start"]["version"]
+
+        def answer(text: str, end: dict[str, Any] | None = None) -> dict[str, Any]:
+            out = {"model_name": name, "model_version": version, "text_output": text}
+            if end is not None:
+                out |= {k: end[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")}
+            return out
+
+        if not request.url.path.endswith("/generate_stream"):
+            text, end = await collect(events)
+            return answer(text, end)
+
+        async def chunks():
+            async for event in events:
+                if "text" in event:
+                    yield sse(answer(event["text"]))
+                elif "end" in event:
+                    yield sse(answer("", event["end"]))
+
+        return event_stream(events, chunks())
+
+    async def collect(events: Any) -> tuple[str, dict[str, Any]]:
+        pieces, end = [], None
+        try:
+            async for event in events:
+                if "text" in event:
+                    pieces.append(event["text"])
+                elif "end" in event:
+                    end = event["end"]
+        finally:
+            await close_events(events)
+        if end is None:
+            raise RequestError(500, "the generation ended without finishing; see the replica log")
+        return "".join(pieces), end
+
+    def event_stream(events: Any, chunks: Any) -> StreamingResponse:
+        async def guarded():
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except Exception as e:  # noqa: BLE001 - after the 200: say so in the stream itself
+                log.exception("generation stream failed")
+                yield sse({"error": f"generation failed ({type(e).__name__})"})
+            finally:  # the client left (cancelled) or the stream ended: stop the model
+                await close_events(events)
+
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)
+
     def check_version(meta: dict[str, Any], version: str | None) -> None:
         if version is not None and version != meta["version"]:
             raise RequestError(
@@ -367,6 +543,24 @@ def create_api(
         return error(404, f"no route /{path}")
 
     return api
+
+
+class FullPaths:
+    """Route on the full request path, whatever route prefix the application is mounted at.
+
+    Serve hands an application mounted at `/v2/models/digits` the full path with that prefix as
+    `root_path`, and Starlette would route on the rest (`/infer`). Each model's application is
+    mounted at its own prefix (app.serve.app) yet answers the same public routes as the index at
+    `/`, so the prefix is dropped from `root_path` before routing.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") in ("http", "websocket") and scope.get("root_path"):
+            scope = {**scope, "root_path": ""}
+        await self.app(scope, receive, send)
 
 
 class IngressMetrics:

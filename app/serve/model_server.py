@@ -1,51 +1,89 @@
-"""One model's replica: a verified artifact in ONNX Runtime behind Serve's dynamic batching.
+"""One model's replica state: a verified artifact in ONNX Runtime behind dynamic batching.
 
 `infer` validates one request against the artifact's schema and turns it into model inputs with
 the artifact's fitted preprocessor (the code training used), all before it joins a batch: bad input
 comes back as an error value for that request alone, never as an exception, so neither the replica
-nor the requests batched with it fail because of it. `@serve.batch` then runs the batch's inputs in
-one ONNX Runtime call.
+nor the requests batched with it fail because of it.
+
+Batching (serve.max_batch_size, serve.batch_wait_timeout_s, serve.max_concurrent_batches) is
+Serve's `serve.batch`, built per instance from config. A batch is split into groups of similar
+length (padding_groups: padded tokens at most serve.max_padding_waste of the real ones), text is
+cut to each group's own longest row when the ONNX model takes any sequence length, and the groups
+run in ONNX Runtime on a worker thread: the event loop keeps parsing the next requests meanwhile,
+and several batches can be in ONNX Runtime at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from ray import serve
 
-from app.artifact import Artifact, open_artifact, run_logits
+from app.artifact import Artifact, open_artifact, run_logits, softmax
+from app.config import ServeConfig
 from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
 
 log = logging.getLogger("ray.serve")
+MASK = "attention_mask"
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+def row_lengths(inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """Real (unpadded) length of each row: the attention mask's sum for text, 1 otherwise."""
+    mask = inputs.get(MASK)
+    if mask is None:
+        return np.ones(len(next(iter(inputs.values()))), dtype=np.int64)
+    return np.maximum(mask.sum(axis=1), 1)
+
+
+def padding_groups(lengths: list[np.ndarray], max_waste: float) -> list[list[int]]:
+    """Requests (by index) grouped so that each group, padded to its longest row, pads at most
+    `max_waste` x its real tokens. Requests are taken shortest first, so a group only grows while
+    the longer newcomer keeps the padding bounded; a request alone is always a valid group."""
+    order = sorted(range(len(lengths)), key=lambda i: int(lengths[i].max()))
+    groups: list[list[int]] = []
+    longest = rows = real = 0
+    for i in order:
+        n, total, top = len(lengths[i]), int(lengths[i].sum()), int(lengths[i].max())
+        new_longest = max(longest, top)
+        padded = new_longest * (rows + n) - (real + total)
+        if groups and padded <= max_waste * (real + total):
+            groups[-1].append(i)
+            longest, rows, real = new_longest, rows + n, real + total
+        else:
+            groups.append([i])
+            longest, rows, real = top, n, total
+    return groups
+
+
+def takes_any_length(session: Any) -> bool:
+    """Whether the ONNX model's text inputs have a free sequence axis (then a batch is cut to its
+    longest row); models exported with a fixed length get the preprocessor's full padding."""
+    try:
+        shape = session.get_inputs()[0].shape
+    except Exception:  # noqa: BLE001 - a session without shape info: keep the full padding
+        return False
+    return len(shape) > 1 and not isinstance(shape[1], int)
 
 
 class ModelServer:
-    def __init__(
-        self,
-        artifact_uri: str,
-        max_batch_size: int,
-        batch_wait_timeout_s: float,
-        threads: int,
-        max_request_rows: int = 1024,
-    ):
+    def __init__(self, artifact_uri: str, cfg: ServeConfig):
         self.artifact: Artifact = open_artifact(artifact_uri)
-        self.threads = threads
-        self.max_request_rows = max_request_rows
-        self.variant = "int8"
-        self.session = self.artifact.session(self.variant, threads)
-        # serve.batch's wrapper takes its limits at run time, so they come from config.
-        self.infer_batch.set_max_batch_size(max_batch_size)  # type: ignore[attr-defined]
-        self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)  # type: ignore[attr-defined]
+        self.threads = max(1, math.floor(cfg.replica_cpus))
+        self.max_request_rows = cfg.max_request_rows
+        self.max_padding_waste = cfg.max_padding_waste
+        self.variant = cfg.variant
+        self.session = self.artifact.session(self.variant, self.threads)
+        self.trim = takes_any_length(self.session)
+        # ONNX Runtime releases the GIL: one worker per batch that may be in flight.
+        self.pool = ThreadPoolExecutor(cfg.max_concurrent_batches, thread_name_prefix="onnx")
+        self.infer_batch = _batcher(self._run_batch, cfg)
+        self.batch_wait_timeout_s = cfg.batch_wait_timeout_s
+        self.in_flight = 0  # validated requests queued for, or inside, a batch
         self._metrics = _ReplicaMetrics(self.artifact.name)
         log.info(
             "model %s version %s loaded from %s",
@@ -61,15 +99,18 @@ class ModelServer:
             raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
         if variant != self.variant or self.session is None:
             self.session = self.artifact.session(variant, self.threads)
+            self.trim = takes_any_length(self.session)
             self.variant = variant
             log.info("model %s now serves the %s variant", self.artifact.name, variant)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         # Fails when the session can no longer run: Serve then replaces this replica.
-        sample = self._sample()
-        run_logits(self.session, self.artifact.preprocessor.features(sample))
+        inputs = self.artifact.preprocessor.features(self._sample())
+        await asyncio.get_running_loop().run_in_executor(
+            self.pool, run_logits, self.session, inputs
+        )
 
-    def metadata(self) -> dict[str, Any]:
+    async def metadata(self) -> dict[str, Any]:
         a = self.artifact
         return {
             "name": a.name,
@@ -90,7 +131,7 @@ class ModelServer:
         except Exception as e:  # noqa: BLE001 - whatever this input breaks stays its own 400
             log.warning("request refused: %s: %s", type(e).__name__, e)
             return {"error": f"inputs: could not be read ({type(e).__name__})", "status": 400}
-        result = await self.infer_batch(inputs)
+        result = await self._batched(inputs)
         if isinstance(result, RequestError):
             return {"error": result.message, "status": result.status}
         labels, probabilities = result
@@ -102,32 +143,67 @@ class ModelServer:
             "replica_pid": os.getpid(),
         }
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def infer_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
+    async def _batched(self, inputs: dict[str, np.ndarray]) -> Any:
+        """Through the batcher; a request alone in the replica does not wait for batch mates
+        that cannot come (a closed-loop client at low concurrency would pay the whole wait on
+        every request); with others in flight, the batch waits up to batch_wait_timeout_s."""
+        wait = self.batch_wait_timeout_s if self.in_flight else 0.0
+        set_wait = getattr(self.infer_batch, "set_batch_wait_timeout_s", None)
+        if set_wait is not None:
+            set_wait(wait)
+        self.in_flight += 1
+        try:
+            return await self.infer_batch(inputs)
+        finally:
+            self.in_flight -= 1
+
+    async def _run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         """Per request: (labels, probabilities), or a RequestError that is that request's alone."""
         self._metrics.batch_rows.observe(
             sum(_rows_of(r) for r in requests), tags=self._metrics.tags
         )
-        try:
-            return self._predict(requests)
-        except Exception:  # noqa: BLE001 - one request must not fail its batch mates
-            log.exception("batch of %d requests failed; running them one by one", len(requests))
-        alone = [self._predict_alone(r) for r in requests]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._answer, requests)
+
+    def _answer(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
+        """On the worker thread: every length group of the batch, then any failure one by one."""
+        out: list[Any] = [None] * len(requests)
+        groups = padding_groups([row_lengths(r) for r in requests], self.max_padding_waste)
+        failed: list[int] = []
+        for group in groups:
+            try:
+                for i, answer in zip(
+                    group, self._predict([requests[i] for i in group]), strict=True
+                ):
+                    out[i] = answer
+            except Exception:  # noqa: BLE001 - one request must not fail its batch mates
+                log.exception("group of %d requests failed; running them one by one", len(group))
+                failed += group
+        if not failed:
+            return out
+        alone = {i: self._predict_alone(requests[i]) for i in failed}
         # A request that fails alone while others pass is the odd one out: its input (400).
         # When all fail, the model itself is broken (500; check_health replaces the replica).
-        status = 400 if any(not isinstance(a, Exception) for a in alone) else 500
-        return [
-            RequestError(
-                status, f"inputs: the model could not run this request ({type(a).__name__})"
+        everything_failed = len(failed) == len(requests) and all(
+            isinstance(a, Exception) for a in alone.values()
+        )
+        status = 500 if everything_failed else 400
+        for i, a in alone.items():
+            out[i] = (
+                RequestError(
+                    status, f"inputs: the model could not run this request ({type(a).__name__})"
+                )
+                if isinstance(a, Exception)
+                else a
             )
-            if isinstance(a, Exception)
-            else a
-            for a in alone
-        ]
+        return out
 
     def _predict(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         names = list(requests[0])
         batch = {k: np.concatenate([r[k] for r in requests]) for k in names}
+        if self.trim and MASK in batch:
+            longest = int(row_lengths(batch).max())
+            batch = {k: v[:, :longest] for k, v in batch.items()}
         probabilities = softmax(run_logits(self.session, batch))
         labels = self.artifact.preprocessor.labels
         predicted = np.asarray(labels, dtype=object)[probabilities.argmax(1)].tolist()
@@ -188,6 +264,18 @@ class ModelServer:
         return (
             ["health check"] if pre.kind == "text" else np.zeros((1, pre.num_features), np.float32)
         )
+
+
+def _batcher(handler: Any, cfg: ServeConfig) -> Any:
+    """Serve's dynamic batching around `handler`, its limits from config. Outside a Serve
+    replica (the bench's plain server) it is the same asyncio batcher."""
+    from ray import serve
+
+    return serve.batch(
+        max_batch_size=cfg.max_batch_size,
+        batch_wait_timeout_s=cfg.batch_wait_timeout_s,
+        max_concurrent_batches=cfg.max_concurrent_batches,
+    )(handler)
 
 
 def _rows_of(inputs: dict[str, np.ndarray]) -> int:

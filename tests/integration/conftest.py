@@ -66,9 +66,17 @@ SHORT_RUNS = {
 }
 
 
+def mlflow_uri(workspace: Path) -> str:
+    """The session's MLflow tracking store (MLflow 3 refuses plain file stores by default)."""
+    return f"sqlite:///{workspace / 'mlflow.db'}"
+
+
 @pytest.fixture(scope="session")
 def trained(prepared, workspace):
-    """workload -> (config, train summary), trained once per session on the local Ray."""
+    """workload -> (config, train summary), trained once per session on the local Ray.
+
+    Every run writes TensorBoard events; digits also logs to MLflow (tests/integration/
+    test_tracking.py reads both back)."""
     from app.train import train
 
     done: dict[str, tuple[Config, dict]] = {}
@@ -84,7 +92,10 @@ def trained(prepared, workspace):
                 "train.log_every_steps=1000",
                 f"train.run_name={workload}-short",
             )
-            done[workload] = (config, train(config))
+            with pytest.MonkeyPatch.context() as env:
+                if workload == "digits":
+                    env.setenv("MLFLOW_TRACKING_URI", mlflow_uri(workspace))
+                done[workload] = (config, train(config))
         return done[workload]
 
     return get

@@ -2,7 +2,7 @@
 bench.render puts them in the README block between the markers and nowhere else.
 
 `make test` runs the two that take seconds (B3, B4) and the render check; the ones that start
-clusters, train and load servers (B1/B9, B2, B5, B6, B8: minutes even at smoke size) run under
+clusters, train and load servers (B1/B9, B2, B5a-c, B6, B8: minutes even at smoke size) run under
 the `slow` marker (`make test-all`). It starts its own private Ray (address="local") and Serve
 on free ports, never the default ones.
 """
@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 QUICK = ["B3", "B4"]
-ALL = ["B1", "B2", "B3", "B4", "B5", "B6", "B8", "B9"]
+ALL = ["B1", "B2", "B3", "B4", "B5a", "B5b", "B5c", "B6", "B8", "B9"]
 KEYS = {"id", "metric", "value", "goal", "met", "machine", "details"}
 
 
@@ -90,6 +91,11 @@ def test_render_replaces_only_the_marked_block(smoke_results, tmp_path):
     assert "old table" not in text
     for bid in QUICK:
         assert f"| {bid} |" in block
+        # Its chart: a PNG beside the result, linked under the table.
+        chart = Path(out) / f"{bid}.png"
+        assert f"[{bid}](" in block
+        with Image.open(chart) as image:
+            assert image.format == "PNG" and image.size[0] >= 400 and image.size[1] >= 200
     assert "| id | what | goal | measured | met |" in block and "Machine:" in block
 
     bare = tmp_path / "NO_MARKERS.md"

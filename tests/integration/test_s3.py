@@ -142,13 +142,21 @@ def test_pipeline_on_s3(s3_root, ray_with_s3_env):
     checkpoint = trained["checkpoint"]
     assert checkpoint.startswith(f"{s3_root}/runs/tabular-s3/")
     assert storage.exists(storage.join(checkpoint, "model.safetensors"))
+    # TensorBoard events written locally by rank 0 and uploaded beside the checkpoints.
+    assert trained["tensorboard"] == f"{s3_root}/runs/tabular-s3/tensorboard"
+    events = storage.list_dir(trained["tensorboard"])
+    assert any(name.startswith("events.out.tfevents") for name in events)
 
-    metrics = evaluate(config, checkpoint)["metrics"]
+    evaluated = evaluate(config, checkpoint)
+    metrics = evaluated["metrics"]
     assert metrics["rows"] == 142
     assert storage.exists(storage.join(checkpoint, "evaluation.json"))
+    for uri in evaluated["plots"].values():  # the PNGs go to the object store too
+        assert storage.read_bytes(uri).startswith(b"\x89PNG")
 
     exported = export(config, checkpoint)
     assert exported["artifact"] == f"{s3_root}/registry/tabular/1"
+    assert storage.read_bytes(exported["plots"]["quantization"]).startswith(b"\x89PNG")
     latest = f"{s3_root}/registry/tabular/{LATEST}"
     assert storage.read_int(latest) == 1
 

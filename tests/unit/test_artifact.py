@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from app import checkpoint
 from app.artifact import (
@@ -39,6 +40,7 @@ FILES = {
     "preprocessor.json",
     "schema.json",
     "report.json",
+    "quantization.png",
 }
 FAST_EXPORT = [
     "model.channels=[4,8]",
@@ -111,6 +113,9 @@ def test_export_publishes_version_one_with_a_full_manifest(built):
         assert entry["size"] == (folder / name).stat().st_size
     report = json.loads((folder / "report.json").read_text())
     assert report == summary["report"]
+    with Image.open(folder / "quantization.png") as picture:  # fp32 vs int8, a real PNG
+        assert picture.format == "PNG" and picture.size[0] >= 600 and picture.size[1] >= 200
+    assert summary["plots"] == {"quantization": str(folder / "quantization.png")}
     assert report["parity"]["max_abs_diff"] <= built["config"].export.parity_tolerance
     assert report["quantization"]["method"] == "static"  # as configs/digits.yaml asks
     assert (registry / "digits" / LATEST).read_text().strip() == "1"

@@ -155,7 +155,10 @@ def _serve_yaml() -> dict[str, Any]:
 def _strip_artifacts(applications: list[dict[str, Any]]) -> list[dict[str, Any]]:
     apps = copy.deepcopy(applications)
     for app in apps:
-        for model in app.get("args", {}).get("models", []):
+        args = app.get("args", {})
+        for model in [args.get("model") or {}] + [
+            m for m in args.get("models", []) if isinstance(m, dict)
+        ]:
             model.pop("artifact", None)
     return apps
 
@@ -242,14 +245,21 @@ def test_serve_yaml_is_a_valid_serve_deploy_config() -> None:
     # Serve's deploy-config default host is 0.0.0.0: the file must pin loopback.
     assert deploy.http_options.host == "127.0.0.1"
     assert deploy.http_options.port == 8000
-    (app,) = config["applications"]
-    assert app["name"] == ServeConfig().app_name
-    assert app["import_path"] == "app.serve.app:build_app"
-    assert app["route_prefix"] == "/"
-    models = app["args"]["models"]
+    # Exactly what jobs.deploy would write for these models (app.serve.app.applications).
+    from app.serve.app import applications
+
+    apps = config["applications"]
+    models = [a["args"]["model"] for a in apps if "model" in a["args"]]
     assert models and all(m["name"] and m["artifact"] for m in models)
-    serve = ServeConfig.model_validate(app["args"]["serve"])  # every key is a ServeConfig field
+    serve = ServeConfig.model_validate(apps[0]["args"]["serve"])  # every key is a field
     assert serve.max_batch_size <= serve.max_ongoing_requests
+    written = copy.deepcopy(apps)
+    for app in written:  # the file may leave fields at their defaults; deploy writes them all
+        app["args"]["serve"] = ServeConfig.model_validate(app["args"]["serve"]).model_dump(
+            mode="json"
+        )
+    assert written == applications(models, serve.model_dump(mode="json"))
+    assert apps[-1]["name"] == ServeConfig().app_name and apps[-1]["route_prefix"] == "/"
 
 
 @pytest.mark.unit
@@ -260,8 +270,8 @@ def test_rayservice_carries_the_serve_yaml_application() -> None:
     remote = serve_v2["applications"]
     assert _strip_artifacts(remote) == _strip_artifacts(local)
     for app in remote:
-        for model in app["args"]["models"]:
-            assert "://" in model["artifact"], "the cluster reads artifacts from shared storage"
+        if "model" in app["args"]:
+            assert "://" in app["args"]["model"]["artifact"], "artifacts from shared storage"
     # In a pod Serve must listen beyond loopback, so the API key must be required there.
     assert serve_v2["http_options"]["host"] == "0.0.0.0"
     env = _walk(service["spec"]["rayClusterConfig"], "env")

@@ -28,6 +28,8 @@ DATASET_KEYS = {
     "schema",
     "rows",
     "splits",
+    "files",  # other files of the dataset by name (a token dataset's tokenizer.json)
+    "block_size",  # a token dataset's model input length
 }
 
 

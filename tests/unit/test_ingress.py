@@ -250,3 +250,45 @@ def test_serve_http_host_reads_the_controller_and_fails_closed(monkeypatch):
 
     monkeypatch.setattr(ray, "get_actor", no_controller)
     assert asyncio.run(serve_http_host()) == UNKNOWN_HOST
+
+
+def test_an_application_mounted_at_a_model_prefix_answers_the_full_routes(monkeypatch):
+    # Serve mounts a model's application at /v2/models/<name>: root_path is that prefix and
+    # path the full path, which the routes must still match (not the rest, `/infer`).
+    api = client(monkeypatch).app
+    messages: list[dict] = []
+
+    async def call(path: str) -> int:
+        body = b'{"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}'
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "/v2/models/m",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 8000),
+        }
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            messages.append(message)
+
+        await api(scope, receive, send)
+        return next(m["status"] for m in messages if m["type"] == "http.response.start")
+
+    assert asyncio.run(call("/v2/models/m/infer")) == 200
+    messages.clear()
+    assert asyncio.run(call("/v2/models/m/versions/1/infer")) == 200

@@ -12,6 +12,7 @@ import pytest
 from app import deploy as deploy_mod
 from app.cli import UserError
 from app.config import ServeConfig
+from app.serve.app import applications
 from app.serve.deploy_lock import DeployLease, hold
 
 pytestmark = pytest.mark.unit
@@ -42,13 +43,17 @@ class FakeServe:
         return {"http_options": self.http, "applications": {a["name"]: self._app(a) for a in apps}}
 
     def _app(self, app: dict) -> dict:
-        states = {
-            f"model-{m['name']}": {
-                "status": "DEPLOY_FAILED" if m["artifact"] in self.failing else "HEALTHY",
-                "message": "The deployment failed to start 3 times in a row.\nTraceback ...",
+        model = app["args"].get("model")
+        states = (
+            {
+                f"model-{model['name']}": {
+                    "status": "DEPLOY_FAILED" if model["artifact"] in self.failing else "HEALTHY",
+                    "message": "The deployment failed to start 3 times in a row.\nTraceback ...",
+                }
             }
-            for m in app["args"]["models"]
-        }
+            if model
+            else {"index": {"status": "HEALTHY", "message": ""}}
+        )
         failed = any(s["status"] == "DEPLOY_FAILED" for s in states.values())
         return {
             "status": "DEPLOY_FAILED" if failed else "RUNNING",
@@ -64,7 +69,11 @@ class FakeServe:
             self.applications = copy.deepcopy(config["applications"])
 
     def models(self) -> dict[str, str]:
-        return {m["name"]: m["artifact"] for a in self.applications for m in a["args"]["models"]}
+        models = [a["args"]["model"] for a in self.applications if "model" in a["args"]]
+        index = [a["args"]["models"] for a in self.applications if "models" in a["args"]]
+        # The index lists exactly the models that have an application.
+        assert index == ([sorted(m["name"] for m in models)] if models else []), index
+        return {m["name"]: m["artifact"] for m in models}
 
     def answer(self, url: str, model: str, api_key_env: str) -> str:
         """What GET /v2/models/<model> would say: the version folder of the live artifact."""
@@ -74,16 +83,9 @@ class FakeServe:
         return artifact.rsplit("/", 1)[-1]
 
 
-def app_with(*models: tuple[str, str]) -> dict:
-    return {
-        "name": "models",
-        "route_prefix": "/",
-        "import_path": deploy_mod.IMPORT_PATH,
-        "args": {
-            "models": [{"name": n, "artifact": a} for n, a in models],
-            "serve": ServeConfig().model_dump(mode="json"),
-        },
-    }
+def apps_with(*models: tuple[str, str]) -> list[dict]:
+    specs = [{"name": n, "artifact": a} for n, a in models]
+    return applications(specs, ServeConfig().model_dump(mode="json"))
 
 
 @pytest.fixture
@@ -153,7 +155,7 @@ def test_unlocked_concurrent_deploys_lose_a_model(serve):
 
 
 def test_concurrent_deploys_of_different_models_both_end_up_served(serve):
-    fake = serve(apps=[app_with(("tabular", "/registry/tabular/4"))], write_delay=0.1)
+    fake = serve(apps=apps_with(("tabular", "/registry/tabular/4")), write_delay=0.1)
     lease, guard = DeployLease(), threading.Lock()
     errors = in_threads(
         locked(lease, guard, lambda: apply(fake, "digits", "1")),
@@ -169,7 +171,7 @@ def test_concurrent_deploys_of_different_models_both_end_up_served(serve):
 
 
 def test_a_new_version_that_fails_to_start_is_rolled_back(serve):
-    before = [app_with(("digits", "/registry/digits/1"), ("topics", "/registry/topics/1"))]
+    before = apps_with(("digits", "/registry/digits/1"), ("topics", "/registry/topics/1"))
     fake = serve(apps=before, failing={"/registry/digits/2"})
     with pytest.raises(UserError) as info:
         apply(fake, "digits", "2")
@@ -182,7 +184,7 @@ def test_a_new_version_that_fails_to_start_is_rolled_back(serve):
 
 
 def test_a_new_model_that_never_answers_is_removed_again(serve):
-    before = [app_with(("digits", "/registry/digits/1"))]
+    before = apps_with(("digits", "/registry/digits/1"))
     fake = serve(apps=before, silent={"/registry/topics/1"})
     with pytest.raises(UserError, match=r"did not come up in time .*no topics \(it was new\)"):
         apply(fake, "topics", "1", timeout_s=0.3)
@@ -203,9 +205,7 @@ def test_deploy_refuses_a_public_serve_without_a_key_before_submitting(serve, mo
     assert fake.submits == []
     monkeypatch.setenv("RAYTORCH_API_KEY", "k")
     url, app = apply(fake, "digits", "1")
-    assert url == "http://127.0.0.1:8000" and [m["name"] for m in app["args"]["models"]] == [
-        "digits"
-    ]
+    assert url == "http://127.0.0.1:8000" and app["args"]["models"] == ["digits"]
 
 
 def test_deploy_lease_is_exclusive_renewable_and_expires():
@@ -225,3 +225,32 @@ def test_hold_gives_up_with_one_line():
         hold(lambda o, t: False, lambda o: None, ttl_s=1, wait_s=0.05, poll_s=0.01),
     ):
         pass
+
+
+def test_each_model_is_its_own_application_and_the_old_shape_is_carried_over(serve):
+    cfg = ServeConfig().model_dump(mode="json")
+    legacy = {
+        "name": "models",
+        "route_prefix": "/",
+        "import_path": deploy_mod.LEGACY_IMPORT_PATH,
+        "args": {"models": [{"name": "tabular", "artifact": "/registry/tabular/4"}], "serve": cfg},
+    }
+    other = {"name": "someone-else", "route_prefix": "/x", "import_path": "x:y", "args": {}}
+    fake = serve(apps=[legacy, other])
+    apply(fake, "digits", "1")
+    by_name = {a["name"]: a for a in fake.applications}
+    assert by_name["someone-else"] == other  # applications not ours are kept as they are
+    assert by_name["models"]["args"]["models"] == ["digits", "tabular"]
+    assert by_name["models-digits"]["route_prefix"] == "/v2/models/digits"
+    assert by_name["models-tabular"]["args"]["model"]["artifact"] == "/registry/tabular/4"
+    assert fake.models() == {"digits": "/registry/digits/1", "tabular": "/registry/tabular/4"}
+
+
+def test_without_model_keeps_the_others_untouched():
+    cfg = ServeConfig()
+    apps = {a["name"]: a for a in apps_with(("digits", "/r/digits/1"), ("topics", "/r/topics/2"))}
+    left = deploy_mod.without_model(apps, cfg, "digits")
+    assert sorted(left) == ["models", "models-topics"]
+    assert left["models-topics"] == apps["models-topics"]
+    assert left["models"]["args"]["models"] == ["topics"]
+    assert deploy_mod.without_model(left, cfg, "topics") == {}

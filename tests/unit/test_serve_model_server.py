@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from app.preprocess import Preprocessor
-from app.serve.model_server import ModelServer
+from app.serve.model_server import ModelServer, padding_groups
 
 pytestmark = pytest.mark.unit
 
@@ -23,13 +23,21 @@ class FakeSession:
     """ONNX Runtime stand-in: logits favour "dog" when the first token id is odd; a batch with a
     `poison` row of token ids fails as a whole (a fault no validation could foresee)."""
 
-    def __init__(self, poison: np.ndarray | None = None):
+    def __init__(self, poison: np.ndarray | None = None, any_length: bool = False):
         self.poison = poison
+        self.any_length = any_length
         self.runs: list[int] = []
+        self.widths: list[int] = []
+
+    def get_inputs(self):
+        return [SimpleNamespace(shape=["batch", "sequence" if self.any_length else 8])]
 
     def run(self, names, inputs):
         ids = inputs["input_ids"]
         self.runs.append(len(ids))
+        self.widths.append(ids.shape[1])
+        if self.poison is not None:
+            ids = np.pad(ids, ((0, 0), (0, len(self.poison) - ids.shape[1])))
         if self.poison is not None and (ids == self.poison).all(axis=1).any():
             raise RuntimeError("ONNX Runtime failed")
         odd = (ids[:, 0] % 2).astype(np.float32)
@@ -50,9 +58,15 @@ def text_pre() -> Preprocessor:
     return Preprocessor.fit(iter([frame]), manifest, max_length=8, vocab_size=60)
 
 
-def text_server(pre: Preprocessor, session=None, max_request_rows: int = 1024) -> ModelServer:
+def text_server(
+    pre: Preprocessor, session=None, max_request_rows: int = 1024, max_padding_waste: float = 10.0
+) -> ModelServer:
     """A ModelServer on a fake text artifact; its batch method runs every concurrent call as one
-    batch, as @serve.batch would."""
+    batch, as @serve.batch would, and ONNX Runtime on a worker thread, as the replica does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.serve.model_server import takes_any_length
+
     server = ModelServer.__new__(ModelServer)
     server.artifact = SimpleNamespace(  # type: ignore[assignment]
         name="topics",
@@ -61,7 +75,11 @@ def text_server(pre: Preprocessor, session=None, max_request_rows: int = 1024) -
         schema={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}]},
     )
     server.session = session or FakeSession()
+    server.trim = takes_any_length(server.session)
+    server.pool = ThreadPoolExecutor(1)
     server.max_request_rows = max_request_rows
+    server.max_padding_waste = max_padding_waste
+    server.batch_wait_timeout_s, server.in_flight = 0.005, 0
     server._metrics = NoMetrics()  # type: ignore[assignment]
     server.infer_batch = Batcher(server)  # type: ignore[method-assign]
     return server
@@ -83,8 +101,7 @@ class Batcher:
     async def _flush(self):
         batch, self.pending = self.pending, []
         self.sizes.append(len(batch))
-        raw = ModelServer.infer_batch.__wrapped__  # the function under @serve.batch
-        results = await raw(self.server, [inputs for inputs, _ in batch])
+        results = await self.server._run_batch([inputs for inputs, _ in batch])
         for (_, future), result in zip(batch, results, strict=True):
             future.set_result(result)
 
@@ -159,3 +176,35 @@ def test_shape_mismatch_and_good_answers(text_pre):
     assert mismatch["status"] == 400 and "inputs[0].shape" in mismatch["error"]
     assert ok["version"] == "3" and ok["label_names"] == LABELS
     assert math.isclose(float(np.asarray(ok["probabilities"]).sum()), 2.0, rel_tol=1e-5)
+
+
+def test_padding_groups_bound_the_waste():
+    lengths = [np.array([n]) for n in (20, 118, 24, 120, 21, 60)]
+    groups = padding_groups(lengths, max_waste=0.5)
+    assert sorted(i for g in groups for i in g) == list(range(6))  # every request, once
+    for group in groups:
+        rows = np.concatenate([lengths[i] for i in group])
+        assert rows.max() * len(rows) - rows.sum() <= 0.5 * rows.sum()
+    assert [sorted(g) for g in groups] == [[0, 2, 4], [1, 3, 5]]
+    assert padding_groups([np.array([5, 9])], max_waste=0.0) == [[0]]  # alone is always valid
+    assert len(padding_groups([np.array([7])] * 16, max_waste=0.0)) == 1  # equal lengths share
+
+
+def test_text_is_cut_to_each_groups_longest_row_when_the_model_takes_any_length(text_pre):
+    short, long = v2(["a cat"]), v2(["a cat sat and a dog ran"])
+    fixed = text_server(text_pre, FakeSession())
+    run(fixed, short, long)
+    assert fixed.session.widths == [8]  # a fixed-length model gets the full padding
+    free = text_server(text_pre, FakeSession(any_length=True), max_padding_waste=0.0)
+    answers = run(free, short, long)
+    assert sorted(free.session.widths) == [2, 7] and free.session.runs == [1, 1]
+    assert [len(a["labels"]) for a in answers] == [1, 1]
+
+
+def test_a_request_alone_does_not_wait_for_batch_mates(text_pre):
+    server = text_server(text_pre)
+    waits: list[float] = []
+    server.infer_batch.set_batch_wait_timeout_s = waits.append  # type: ignore[attr-defined]
+    run(server, v2(["a cat"]))  # alone: nothing else can join its batch
+    run(server, v2(["a cat"]), v2(["a dog"]), v2(["cats"]))  # others in flight: wait for them
+    assert waits == [0.0, 0.0, 0.005, 0.005] and server.in_flight == 0

@@ -1,0 +1,296 @@
+"""Text generation with an exported causal language model: ONNX Runtime, numpy and `tokenizers`
+only (no torch, no Ray), so a Serve replica and the export gate run the same loop.
+
+The exported graph (app/export_lm.py) takes `input_ids` [batch, tokens] after a KV cache
+(`past_key_<i>` / `past_value_<i>` per block, [batch, heads, cached, head_dim], possibly 0
+cached) and returns `logits` and the extended cache (`present_*`). A generation feeds the prompt
+once, then one token per step: the prefix is never recomputed.
+
+`Generator.generate` returns a `Generation`, a lazy iterator of text pieces: each `next()` runs at
+most one model step, so a consumer that stops iterating (a client that disconnected) stops the
+computation with it. Pieces are decoded incrementally so that a character split over several
+byte-level tokens comes out whole, and text that could still turn into a `stop` string is held
+back until it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+EOS = "<|endoftext|>"  # app/corpus.py's document separator: the model's end of text
+REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
+
+
+def past_name(kind: str, layer: int) -> str:
+    return f"past_{kind}_{layer}"
+
+
+def present_name(kind: str, layer: int) -> str:
+    return f"present_{kind}_{layer}"
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take (too long, empty); the message names the field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature` 0 is greedy (argmax); `top_k` 0 and `top_p` 1
+    are off; `seed` makes sampling reproducible (None: fresh entropy per generation)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+# --- the model step ------------------------------------------------------------------------------
+
+
+class KVDecoder:
+    """One ONNX Runtime session of an exported LM graph and its cache layout."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.layers = sum(1 for name in inputs if name.startswith("past_key_"))
+        if "input_ids" not in inputs or self.layers == 0:
+            raise ValueError("not a KV-cache language model graph (input_ids, past_key_0, ...)")
+        shape = inputs[past_name("key", 0)].shape  # [batch, heads, cached, head_dim]
+        self.heads, self.head_dim = int(shape[1]), int(shape[3])
+        self.vocab_size = int(session.get_outputs()[0].shape[-1])
+        self.outputs = ["logits"] + [
+            present_name(kind, i) for i in range(self.layers) for kind in ("key", "value")
+        ]
+
+    def empty_cache(self, batch: int = 1) -> list[np.ndarray]:
+        empty = np.zeros((batch, self.heads, 0, self.head_dim), dtype=np.float32)
+        return [empty] * (2 * self.layers)
+
+    def step(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list]:
+        """Logits [batch, tokens, vocab] for `ids` [batch, tokens] after `cache`; the new cache."""
+        feed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
+        for i in range(self.layers):
+            feed[past_name("key", i)] = cache[2 * i]
+            feed[past_name("value", i)] = cache[2 * i + 1]
+        logits, *presents = self.session.run(self.outputs, feed)
+        return logits, presents
+
+
+def greedy(decoder: KVDecoder, prompt: Sequence[int], tokens: int) -> list[int]:
+    """`tokens` argmax continuations of `prompt` (the export gate compares fp32 and int8)."""
+    logits, cache = decoder.step(np.asarray([prompt]), decoder.empty_cache())
+    out: list[int] = []
+    for _ in range(tokens):
+        out.append(int(logits[0, -1].argmax()))
+        logits, cache = decoder.step(np.asarray([[out[-1]]]), cache)
+    return out
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from a position's logits: greedy at temperature 0, else softmax sampling
+    restricted to the `top_k` most likely tokens and to the smallest set whose probability
+    reaches `top_p` (nucleus)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    z = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < len(z):
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        # Keep a token while the mass before it is below top_p: the most likely always stays.
+        keep = np.cumsum(sorted_probs) - sorted_probs < params.top_p
+        probs = np.zeros_like(probs)
+        probs[order[keep]] = sorted_probs[keep]
+        probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    return int(
+        min(
+            np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1
+        )
+    )
+
+
+# --- text out -----------------------------------------------------------------------------------
+
+
+class IncrementalDecoder:
+    """Token ids in, new text out, one token at a time. Decodes a short window (the tokens since
+    the last complete piece) and emits only once the text no longer ends in a partial UTF-8
+    character, so a multi-byte character split over tokens comes out whole."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith(REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character comes out as U+FFFD)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix) :]
+
+
+class StopFilter:
+    """Holds back text that could still become one of the `stop` strings; cuts the text at the
+    first stop string found. `done` turns true once one is found."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.pending = ""
+        self.done = False
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out
+        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if found:
+            out, self.pending, self.done = self.pending[: min(found)], "", True
+            return out
+        hold = max((self._partial(s) for s in self.stop), default=0)
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def _partial(self, stop: str) -> int:
+        """The length of the longest end of `pending` that begins `stop`."""
+        for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if self.pending.endswith(stop[:n]):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+# --- a generation -------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """A lazy stream of text pieces. After it ends: `finish_reason` ("stop": end of text or a
+    stop string, "length": `max_tokens` or the context window) and the token counts."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    _pieces: Iterator[str] = field(default_factory=lambda: iter(()), repr=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (what a disconnected client's stream does); safe to call twice."""
+        close = getattr(self._pieces, "close", None)
+        try:
+            if close is not None:
+                close()
+        except ValueError:  # a step is running on another thread: it is the last one
+            pass
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    def text(self) -> str:
+        """Run to the end and return the whole completion."""
+        return "".join(self)
+
+
+class Generator:
+    """An exported LM ready to complete prompts: session, tokenizer and the window it can read."""
+
+    def __init__(
+        self,
+        session: Any,
+        tokenizer: Any,
+        block_size: int,
+        max_prompt_tokens: int | None = None,
+    ):
+        self.decoder = KVDecoder(session)
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        # A prompt must leave room for at least one generated token in the position table.
+        limit = block_size - 1
+        self.max_prompt_tokens = min(limit, max_prompt_tokens) if max_prompt_tokens else limit
+        self.eos_id = tokenizer.token_to_id(EOS)
+
+    @classmethod
+    def from_artifact(
+        cls, artifact: Any, variant: str = "int8", threads: int = 1, **kwargs: Any
+    ) -> Generator:
+        pre = artifact.preprocessor
+        return cls(artifact.session(variant, threads), pre.tokenizer, pre.block_size, **kwargs)
+
+    def encode(self, prompt: str, field_name: str = "prompt") -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if not ids:
+            raise PromptError(field_name, "must not be empty")
+        if len(ids) > self.max_prompt_tokens:
+            raise PromptError(
+                field_name, f"{len(ids)} tokens, more than the limit of {self.max_prompt_tokens}"
+            )
+        return ids
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        generation = Generation(prompt_tokens=len(prompt_ids))
+        generation._pieces = self._pieces(list(prompt_ids), params, generation)
+        return generation
+
+    def _pieces(self, prompt: list[int], params: SamplingParams, out: Generation) -> Iterator[str]:
+        rng = np.random.default_rng(params.seed)
+        text, stops = IncrementalDecoder(self.tokenizer), StopFilter(params.stop)
+        # Tokens the position table still has room for after the prompt.
+        budget = min(params.max_tokens, self.block_size - len(prompt))
+        logits, cache = self.decoder.step(np.asarray([prompt]), self.decoder.empty_cache())
+        reason = "length"
+        while out.completion_tokens < budget:
+            token = sample(logits[0, -1], params, rng)
+            if token == self.eos_id:
+                reason = "stop"
+                break
+            out.completion_tokens += 1
+            piece = stops.feed(text.add(token))
+            if piece:
+                yield piece
+            if stops.done:
+                out.finish_reason = "stop"
+                return
+            if out.completion_tokens < budget:  # no step for a token that will not be used
+                logits, cache = self.decoder.step(np.asarray([[token]]), cache)
+        tail = stops.feed(text.flush())
+        tail += "" if stops.done else stops.flush()
+        out.finish_reason = "stop" if stops.done else reason
+        if tail:
+            yield tail

@@ -1,0 +1,176 @@
+"""Model lifecycle on a registry: list versions, take a model off Serve, prune old versions.
+
+The registry (`<export.registry>/<name>/<version>/`, with `<name>/latest` pointing at the newest
+good version) is the source of truth for what exists; the running Serve application for what is
+live. Without a cluster nothing is live, which `list` reports as "unknown" (a registry on shared
+storage may still be served by a cluster this machine cannot see).
+
+Pruning never deletes the version `latest` points at, nor one a running cluster serves, nor a
+version without its manifest (an export still writing it: the manifest is written last).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from app import artifact as art
+from app import storage
+from app.config import Config
+
+log = logging.getLogger(__name__)
+UNKNOWN = "unknown"
+
+
+def list_models(config: Config) -> dict[str, Any]:
+    live = live_versions(config)
+    models = [model_entry(config.registry, name, live) for name in model_names(config.registry)]
+    return {"stage": "models", "action": "list", "registry": config.registry, "models": models}
+
+
+def model_names(registry: str) -> list[str]:
+    if not storage.exists(registry):
+        return []
+    return sorted(
+        n
+        for n in storage.list_dir(registry)
+        if storage.exists(storage.join(registry, n, art.LATEST))
+    )
+
+
+def model_entry(registry: str, name: str, live: dict[str, str] | None) -> dict[str, Any]:
+    folder = storage.join(registry, name)
+    latest = str(storage.read_int(storage.join(folder, art.LATEST)))
+    serving = UNKNOWN if live is None else live.get(name)
+    versions = []
+    for version in complete_versions(folder):
+        versions.append(
+            {
+                "version": version,
+                "latest": version == latest,
+                "live": UNKNOWN if live is None else version == serving,
+                **version_facts(storage.join(folder, version)),
+            }
+        )
+    return {"name": name, "latest": latest, "live": serving, "versions": versions}
+
+
+def complete_versions(folder: str) -> list[str]:
+    """Versions with their manifest (written last, so complete), oldest first."""
+    return [
+        str(v)
+        for v in art.versions(folder)
+        if storage.exists(storage.join(folder, str(v), art.MANIFEST))
+    ]
+
+
+def version_facts(uri: str) -> dict[str, Any]:
+    """When it was made, from what, and its gate report in brief (the whole one is report.json)."""
+    manifest = art.read_manifest(uri)
+    report = json.loads(storage.read_bytes(storage.join(uri, "report.json")))
+    accuracy = report.get("accuracy", {})
+    return {
+        "created": manifest.created,
+        "source_checkpoint": manifest.source_checkpoint,
+        "gate": {
+            "fp32_accuracy": accuracy.get("onnx_fp32"),
+            "int8_accuracy": accuracy.get("onnx_int8"),
+            "accuracy_drop_points": report.get("accuracy_drop_points"),
+            "size_ratio_int8": report.get("size_ratio_int8"),
+            "thresholds": report.get("thresholds", {}),
+        },
+    }
+
+
+# --- what a running cluster serves -------------------------------------------------------------
+
+
+def live_versions(config: Config) -> dict[str, str] | None:
+    """{model name: version served} from the running Serve application for this registry's
+    models; None when no cluster runs (nothing can be known to be live)."""
+    from app.cli import connect_ray
+    from app.errors import NoClusterError
+
+    try:
+        connect_ray(require_cluster=True)
+    except NoClusterError:
+        return None
+    from app.deploy import current_apps, serve_client, served_models
+
+    served = served_models(current_apps(serve_client().get_serve_details()), config.serve)
+    # An artifact is served by its version folder (deploy resolves `latest` first).
+    return {name: art.resolve(uri).rstrip("/").rsplit("/", 1)[-1] for name, uri in served.items()}
+
+
+def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Take `name`'s Serve application away; the other models' applications do not change, so
+    Serve leaves their replicas alone (the index is updated to list the rest)."""
+    from app.cli import UserError, connect_ray
+    from app.deploy import (
+        ROLLBACK_TIMEOUT_S,
+        current_apps,
+        serve_client,
+        serve_config,
+        served_models,
+        wait_for_app,
+        without_model,
+    )
+    from app.serve.app import model_app_name
+    from app.serve.deploy_lock import cluster_lock
+
+    connect_ray(require_cluster=True)
+    cfg = config.serve
+    with cluster_lock(ttl_s=timeout_s + ROLLBACK_TIMEOUT_S, wait_s=timeout_s):
+        client = serve_client()
+        apps = current_apps(client.get_serve_details())
+        served = served_models(apps, cfg)
+        if name not in served:
+            listing = ", ".join(sorted(served)) or "none"
+            raise UserError(f"{name} is not deployed (serving: {listing})")
+        client.deploy_applications(serve_config(cfg, without_model(apps, cfg, name)))
+        deadline = time.monotonic() + timeout_s
+        state = wait_for_app(client, model_app_name(cfg, name), False, deadline)
+    if state != "absent":
+        raise UserError(f"{name}: its application is still {state} after {timeout_s:g}s")
+    log.info("undeploy: %s removed", name)
+    remaining = sorted(n for n in served if n != name)
+    return {"stage": "models", "action": "undeploy", "model": name, "models": remaining}
+
+
+# --- pruning ------------------------------------------------------------------------------------
+
+
+def prune(config: Config, keep: int, model: str | None = None) -> dict[str, Any]:
+    """Delete all but the newest `keep` complete versions of each model (or of `model`); the
+    latest and the live version always stay."""
+    if keep < 1:
+        from app.errors import ConfigError
+
+        raise ConfigError(f"--keep must be at least 1 (got {keep})")
+    live = live_versions(config) or {}
+    names = [model] if model else model_names(config.registry)
+    deleted: dict[str, list[str]] = {}
+    for name in names:
+        deleted[name] = prune_model(config.registry, name, keep, live.get(name))
+    return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
+
+
+def prune_model(registry: str, name: str, keep: int, live: str | None) -> list[str]:
+    from app.errors import UserError
+
+    folder = storage.join(registry, name)
+    if not storage.exists(storage.join(folder, art.LATEST)):
+        raise UserError(f"{folder}: no such model in the registry")
+    latest = str(storage.read_int(storage.join(folder, art.LATEST)))
+    versions = complete_versions(folder)
+    protected = set(versions[-keep:]) | {latest} | ({live} if live else set())
+    doomed = [v for v in versions if v not in protected]
+    for version in doomed:
+        # The manifest goes first: a reader then sees an incomplete version, never a
+        # half-deleted one that still claims to be whole.
+        storage.delete_file(storage.join(folder, version, art.MANIFEST))
+        storage.delete_dir(storage.join(folder, version))
+        log.info("prune: deleted %s/%s", name, version)
+    return doomed

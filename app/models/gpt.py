@@ -1,0 +1,148 @@
+"""A decoder-only causal language model (GPT-2 style), in plain `torch.nn`.
+
+Token + learned position embeddings, pre-norm blocks (causal self-attention through
+`F.scaled_dot_product_attention`, then a GELU MLP), a final LayerNorm and an output head tied to
+the token embedding. The blocks are one `nn.ModuleList` named `blocks`, the unit that sharded
+training (FSDP) wraps one by one.
+
+`forward(input_ids)` returns next-token logits for every position. `decode(input_ids, past)`
+is the same computation that also takes and returns each block's keys and values, so generation
+can feed one new token at a time instead of recomputing the prefix (a KV cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# One block's cached keys and values, each [batch, heads, past_length, head_dim].
+KeyValue = tuple[torch.Tensor, torch.Tensor]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, x: torch.Tensor, past: KeyValue | None = None
+    ) -> tuple[torch.Tensor, KeyValue]:
+        b, t, d = x.shape
+        q, k, v = (
+            self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        )
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=causal_mask(t, k.shape[2], x.device),
+            dropout_p=self.dropout if self.training else 0.0,
+            # SDPA's own causal mask is aligned top-left, which is only right without a past.
+            is_causal=k.shape[2] == t and t > 1,
+        )
+        return self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, d))), (k, v)
+
+
+def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask letting query i (position keys - queries + i) see keys up to its own position.
+
+    None where SDPA needs none: without a past (`is_causal` covers it) or for a single new token,
+    which sees the whole cache.
+    """
+    if queries == keys or queries == 1:
+        return None
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, ff_dim: int, dropout: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, ff_dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(ff_dim, dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(
+        self, x: torch.Tensor, past: KeyValue | None = None
+    ) -> tuple[torch.Tensor, KeyValue]:
+        attended, present = self.attn(self.norm1(x), past)
+        x = x + attended
+        return x + self.mlp(self.norm2(x)), present
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 128,
+        dim: int = 128,
+        layers: int = 4,
+        heads: int = 4,
+        ff_dim: int | None = None,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.block_size = block_size
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(block_size, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, ff_dim or 4 * dim, dropout) for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.tokens.weight  # tied: one matrix embeds and un-embeds
+        self._init_weights(layers)
+
+    def _init_weights(self, layers: int) -> None:
+        # GPT-2's scheme: N(0, 0.02) everywhere, and the projections that add into the residual
+        # stream scaled by 1/sqrt(2 * layers) so its variance does not grow with depth.
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            for residual in (block.attn.proj, block.mlp[2]):
+                assert isinstance(residual, nn.Linear)
+                nn.init.normal_(residual.weight, std=0.02 / math.sqrt(2 * layers))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[batch, time] token ids -> [batch, time, vocab] next-token logits."""
+        return self.decode(input_ids)[0]
+
+    def decode(
+        self, input_ids: torch.Tensor, past: list[KeyValue] | None = None
+    ) -> tuple[torch.Tensor, list[KeyValue]]:
+        """Logits for `input_ids` following the cached `past` (one entry per block), and the
+        cache extended by them."""
+        start = past[0][0].shape[2] if past else 0
+        end = start + input_ids.shape[1]
+        if end > self.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds the block size {self.block_size}")
+        positions = torch.arange(start, end, device=input_ids.device)
+        x = self.dropout(self.tokens(input_ids) + self.positions(positions))
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, present = block(x, past[i] if past else None)
+            presents.append(present)
+        return self.head(self.norm(x)), presents

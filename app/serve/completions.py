@@ -1,0 +1,192 @@
+"""The text-generation HTTP contract, without Ray or FastAPI: request parsing and validation
+(a `RequestError` naming the field), and the response and Server-Sent-Event encodings.
+
+- `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
+  `temperature`, `top_k`, `top_p`, `stop`, `seed`, `stream` (other OpenAI fields are refused by
+  name rather than silently ignored).
+- `POST /v2/models/{name}/generate` and `/generate_stream`: Triton's generate extension,
+  `{"text_input": ..., "parameters": {max_tokens, temperature, ...}}` -> `text_output`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from app.config import ServeConfig
+from app.serve.protocol import bad, json_type, parse_json
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
+MAX_STOP_STRINGS = 4  # as OpenAI
+DONE = b"data: [DONE]\n\n"
+
+
+def _number(value: Any, field: str, integer: bool) -> float | int:
+    # bool is an int in Python, never a number in JSON.
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if not ok or isinstance(value, bool):
+        raise bad(
+            f"{field}: expected {'an integer' if integer else 'a number'}, got {json_type(value)}"
+        )
+    return value
+
+
+def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, Any]:
+    """Validated sampling fields of `body` (absent or null: the defaults), as the keyword
+    arguments of app.generate.SamplingParams. `prefix` names where they sit ("", "parameters.")."""
+    out: dict[str, Any] = {"max_tokens": cfg.default_max_tokens, "temperature": 1.0}
+    get = {k: body.get(k) for k in SAMPLING_FIELDS}
+    if get["max_tokens"] is not None:
+        n = _number(get["max_tokens"], f"{prefix}max_tokens", integer=True)
+        if not 1 <= n <= cfg.max_tokens:
+            raise bad(f"{prefix}max_tokens: {n} is outside 1..{cfg.max_tokens} (serve.max_tokens)")
+        out["max_tokens"] = n
+    if get["temperature"] is not None:
+        t = float(_number(get["temperature"], f"{prefix}temperature", integer=False))
+        if not 0 <= t <= 2:
+            raise bad(f"{prefix}temperature: {t:g} is outside 0..2")
+        out["temperature"] = t
+    if get["top_k"] is not None:
+        k = _number(get["top_k"], f"{prefix}top_k", integer=True)
+        if k < 0:
+            raise bad(f"{prefix}top_k: {k} is negative (0 turns it off)")
+        out["top_k"] = k
+    if get["top_p"] is not None:
+        p = float(_number(get["top_p"], f"{prefix}top_p", integer=False))
+        if not 0 < p <= 1:
+            raise bad(f"{prefix}top_p: {p:g} is outside (0, 1]")
+        out["top_p"] = p
+    if get["seed"] is not None:
+        out["seed"] = _number(get["seed"], f"{prefix}seed", integer=True)
+        if out["seed"] < 0:
+            raise bad(f"{prefix}seed: {out['seed']} is negative")
+    if get["stop"] is not None:
+        out["stop"] = stop_strings(get["stop"], f"{prefix}stop")
+    return out
+
+
+def stop_strings(value: Any, field: str) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"{field}: expected a non-empty string or a list of them, got {json_type(value)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"{field}: {len(stops)} strings, at most {MAX_STOP_STRINGS}")
+    return tuple(stops)
+
+
+def _object(body: bytes) -> dict[str, Any]:
+    request = parse_json(body)
+    if not isinstance(request, dict):
+        raise bad(f"body: expected a JSON object, got {json_type(request)}")
+    return request
+
+
+def _unknown(request: dict[str, Any], known: tuple[str, ...], prefix: str = "") -> None:
+    extra = sorted(set(request) - set(known))
+    if extra:
+        raise bad(f"{prefix}{extra[0]}: not supported (supported: {', '.join(known)})")
+
+
+def parse_completion(body: bytes, cfg: ServeConfig) -> dict[str, Any]:
+    """`/v1/completions` body -> {model, prompt, stream, params} (params: SamplingParams kwargs)."""
+    request = _object(body)
+    # `user`, `n` at 1 and `logprobs` null change nothing; anything else would be ignored.
+    known = ("model", "prompt", "stream", "user", "n", "logprobs", *SAMPLING_FIELDS)
+    _unknown(request, known)
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad(f"model: expected a model name (string), got {json_type(model)}")
+    if request.get("n") not in (None, 1):
+        raise bad("n: only 1 completion per request is supported")
+    if request.get("logprobs") is not None:
+        raise bad("logprobs: not supported")
+    return {
+        "model": model,
+        "prompt": prompt_text(request.get("prompt"), "prompt"),
+        "stream": flag(request.get("stream"), "stream"),
+        "params": sampling(request, "", cfg),
+    }
+
+
+def parse_generate(body: bytes, cfg: ServeConfig) -> dict[str, Any]:
+    """Triton generate body -> {prompt, params}."""
+    request = _object(body)
+    _unknown(request, ("text_input", "parameters", "id"))
+    params = request.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise bad(f"parameters: expected an object, got {json_type(params)}")
+    _unknown(params, (*SAMPLING_FIELDS, "stream"), "parameters.")
+    return {
+        "prompt": prompt_text(request.get("text_input"), "text_input"),
+        "params": sampling(params, "parameters.", cfg),
+    }
+
+
+def prompt_text(value: Any, field: str) -> str:
+    if isinstance(value, list) and len(value) == 1:  # OpenAI's list form, one prompt
+        value = value[0]
+    if not isinstance(value, str):
+        raise bad(f"{field}: expected a string, got {json_type(value)}")
+    if not value:
+        raise bad(f"{field}: must not be empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{field}: not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def flag(value: Any, field: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"{field}: expected true or false, got {json_type(value)}")
+    return value
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One Server-Sent Event: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+
+class CompletionEncoder:
+    """OpenAI `text_completion` objects for one request: streamed chunks or the whole answer."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _object(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+
+    def chunk(self, text: str) -> dict[str, Any]:
+        return self._object(text, None)
+
+    def last_chunk(self, end: dict[str, Any]) -> dict[str, Any]:
+        return {**self._object("", end["finish_reason"]), "usage": usage(end)}
+
+    def whole(self, text: str, end: dict[str, Any]) -> dict[str, Any]:
+        return {**self._object(text, end["finish_reason"]), "usage": usage(end)}
+
+
+def usage(end: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = end["prompt_tokens"], end["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

@@ -1,0 +1,124 @@
+"""One language model's replica state: a verified artifact's ONNX Runtime session generating
+text (app/generate.py), at most `serve.max_streams` generations at once.
+
+`generate_stream` is an async generator of events, the contract between the HTTP routes and the
+replica (local call or a streaming DeploymentHandle): first `{"start": {...}}` or `{"error",
+"status"}`, then `{"text": piece}` per piece, last `{"end": {finish_reason, prompt_tokens,
+completion_tokens}}`. Each model step runs on a worker thread, one step per piece asked for, so
+when the consumer stops (the client disconnected and Serve cancelled the request) the generation
+stops at the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from app.artifact import Artifact, open_artifact
+from app.config import ServeConfig
+from app.generate import Generation, Generator, PromptError, SamplingParams
+
+log = logging.getLogger("ray.serve")
+_END = object()
+
+
+class LMServer:
+    def __init__(self, artifact_uri: str, cfg: ServeConfig):
+        self.artifact: Artifact = open_artifact(artifact_uri)
+        self.cfg = cfg
+        self.threads = max(1, math.floor(cfg.replica_cpus))
+        self.variant = cfg.variant
+        self.generator = self._generator(self.variant)
+        self.pool = ThreadPoolExecutor(cfg.max_streams, thread_name_prefix="generate")
+        # What this replica did, for metadata (and the disconnect test): generations running now,
+        # finished by reason, and tokens generated in all.
+        self.stats: dict[str, int] = {"active": 0, "tokens": 0, "completed": 0, "cancelled": 0}
+        log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
+
+    def _generator(self, variant: str) -> Generator:
+        return Generator.from_artifact(
+            self.artifact, variant, self.threads, max_prompt_tokens=self.cfg.max_prompt_tokens
+        )
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        variant = user_config.get("variant", "int8")
+        if variant not in self.artifact.models:
+            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        if variant != self.variant:
+            self.generator, self.variant = self._generator(variant), variant
+
+    async def check_health(self) -> None:
+        loop = asyncio.get_running_loop()
+        ids = self.generator.encode("\n")
+        params = SamplingParams(max_tokens=1, temperature=0)
+        await loop.run_in_executor(self.pool, lambda: self.generator.generate(ids, params).text())
+
+    async def metadata(self) -> dict[str, Any]:
+        a = self.artifact
+        return {
+            "name": a.name,
+            "version": a.version,
+            "variant": self.variant,
+            "artifact": a.uri,
+            "schema": a.schema,
+            "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
+            "replica_pid": os.getpid(),
+            "generation": dict(self.stats),
+        }
+
+    async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "error": f"model {self.artifact.name!r} generates text: POST .../generate",
+            "status": 400,
+        }
+
+    async def generate_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """request: {"prompt", "params", "field"} (validated by app.serve.completions)."""
+        if self.stats["active"] >= self.cfg.max_streams:
+            yield {
+                "status": 503,
+                "error": f"model {self.artifact.name!r} is running serve.max_streams="
+                f"{self.cfg.max_streams} generations; retry later",
+            }
+            return
+        try:
+            ids = self.generator.encode(request["prompt"], request.get("field", "prompt"))
+        except PromptError as e:
+            yield {"status": 400, "error": str(e)}
+            return
+        generation = self.generator.generate(ids, SamplingParams(**request["params"]))
+        self.stats["active"] += 1
+        try:
+            yield {"start": {"prompt_tokens": len(ids), "version": self.artifact.version}}
+            async for piece in self._pieces(generation):
+                yield {"text": piece}
+            yield {"end": self._end(generation)}
+            self.stats["completed"] += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stats["cancelled"] += 1
+            raise
+        finally:
+            generation.close()
+            self.stats["active"] -= 1
+            self.stats["tokens"] += generation.completion_tokens
+
+    async def _pieces(self, generation: Generation) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        while True:
+            piece = await loop.run_in_executor(self.pool, next, generation, _END)
+            if piece is _END:
+                return
+            yield cast(str, piece)
+
+    def _end(self, generation: Generation) -> dict[str, Any]:
+        return {
+            "finish_reason": generation.finish_reason,
+            "prompt_tokens": generation.prompt_tokens,
+            "completion_tokens": generation.completion_tokens,
+            "version": self.artifact.version,
+        }

@@ -1,0 +1,218 @@
+"""B5c: the project's Serve application vs LitServe (batching on) on the same artifact and the
+same requests, driven by wrk.
+
+- serve: app.serve.app.run_local in a private Ray with Serve's high-throughput mode (HAProxy ->
+  the model's replica), one replica, the workload config's serve section (batching on);
+- litserve: bench.lit_server, one LitServe worker with max_batch_size / batch_timeout equal to
+  serve.max_batch_size / serve.batch_wait_timeout_s, the same validation, preprocessor and int8
+  ONNX Runtime session.
+
+The artifact is $B5C_ARTIFACT, or the text workload trained and exported once in the workspace.
+Text requests are one string of 20-120 tokens each (capped by the tokenizer's max_length), sent
+in turn from a fixed set; wrk at 16, 32 and 64 connections, 3 windows per side, alternating, after
+a bounded wait for a quiet machine. Goal: Serve >= 1.0x LitServe's req/s at 32 connections with
+p99 no worse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.b5_serve import (
+    QUIET_WAIT_S,
+    _stop,
+    serve_config,
+    start_ht_child,
+    summarize_side,
+    wait_child_ready,
+)
+from bench.common import (
+    QUIET_LOAD,
+    REPO,
+    ensure_artifact,
+    free_port,
+    main_wrapper,
+    ratio,
+    wait_for_quiet,
+    write_result,
+)
+from bench.load import wait_ready, wrk_run
+
+ID = "B5c"
+WHAT = "serving framework: the project's Ray Serve app vs LitServe (batching on), same artifact"
+GOAL = "Serve >= 1.0x LitServe req/s at 32 connections, p99 no worse"
+CONNECTIONS = (16, 32, 64)
+RUNS = 3
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "data",
+    "cat",
+    "dog",
+    "runs",
+    "over",
+    "under",
+    "quickly",
+    "slowly",
+    "serve",
+    "batch",
+    "token",
+    "ray",
+]
+
+
+def request_bodies(artifact_uri: str, n: int = 64) -> tuple[str, list[str], list[int]]:
+    """(model name, v2 JSON bodies one per line, tokens per body)."""
+    from app.artifact import open_artifact
+
+    artifact = open_artifact(artifact_uri)
+    spec, pre = artifact.schema["inputs"][0], artifact.preprocessor
+    rng = np.random.default_rng(0)
+    bodies, tokens = [], []
+    for _ in range(n):
+        if pre.kind == "text":
+            limit = int(pre.state["max_length"])
+            target = int(rng.integers(min(20, limit), min(120, limit) + 1))
+            text = " ".join(rng.choice(WORDS, target))
+            while int(pre.features([text])["attention_mask"].sum()) > target and " " in text:
+                text = text.rsplit(" ", 1)[0]
+            tensor = {"name": spec["name"], "datatype": "BYTES", "shape": [1], "data": [text]}
+            tokens.append(int(pre.features([text])["attention_mask"].sum()))
+        else:
+            row = rng.integers(0, 17, pre.num_features).astype(float).tolist()
+            tensor = {"name": spec["name"], "datatype": "FP32", "shape": [1, len(row)], "data": row}
+        bodies.append(json.dumps({"inputs": [tensor]}))
+    return artifact.name, bodies, tokens
+
+
+def start_lit(artifact: str, cfg: dict[str, Any], port: int, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.lit_server",
+        "--artifact",
+        artifact,
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(cfg["max_batch_size"]),
+        "--batch-timeout",
+        str(cfg["batch_wait_timeout_s"]),
+    ]
+    with open(log, "wb") as f:
+        # Its own process group: LitServe's worker processes outlive a terminated parent.
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End the LitServe server this benchmark started and its workers (its process group)."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    artifact = os.environ.get("B5C_ARTIFACT") or ensure_artifact(work, "text", smoke)["artifact"]
+    name, bodies, tokens = request_bodies(artifact)
+    cfg = serve_config(work)
+    logs = work / "b5c-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="bench-haproxy-")
+    body_file = os.path.join(scratch, "bodies.jsonl")
+    Path(body_file).write_text("\n".join(bodies) + "\n")
+    duration, runs = (2.0, 1) if smoke else (5.0, RUNS)
+    windows: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    loads: list[float] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        serve_port, serve_log = free_port(), logs / "serve_ht.log"
+        child = start_ht_child(artifact, cfg, serve_port, scratch, serve_log, name)
+        stack.callback(_stop, child)
+        lit_port = free_port()
+        lit = start_lit(artifact, cfg, lit_port, logs / "litserve.log")
+        stack.callback(stop_group, lit)
+        wait_ready(f"http://127.0.0.1:{lit_port}", 180, path="/health")
+        wait_child_ready(child, 300, serve_log)
+        urls = {
+            "litserve": f"http://127.0.0.1:{lit_port}/predict",
+            "serve": f"http://127.0.0.1:{serve_port}/v2/models/{name}/infer",
+        }
+        for c in CONNECTIONS:
+            for url in urls.values():
+                wrk_run(url, body_file, c, 1.0)  # warm-up
+            for i in range(runs):
+                for side in list(urls) if i % 2 == 0 else list(urls)[::-1]:
+                    load = wait_for_quiet(0 if smoke else QUIET_WAIT_S)
+                    loads.append(load)
+                    result = wrk_run(urls[side], body_file, c, duration)
+                    result["load_average_before"] = load
+                    windows.setdefault(c, {}).setdefault(side, []).append(result)
+    sides = {c: {k: summarize_side(r) for k, r in by.items()} for c, by in windows.items()}
+    ratios = {
+        c: ratio(s["serve"]["requests_per_s"], s["litserve"]["requests_per_s"])
+        for c, s in sides.items()
+    }
+    at32 = sides[32]
+    met = bool(ratios[32] >= 1.0 and at32["serve"]["p99_ms"] <= at32["litserve"]["p99_ms"])
+    busy = [x for x in loads if x >= QUIET_LOAD]
+    details = {
+        "artifact": artifact,
+        "model": name,
+        "request_tokens": {"min": min(tokens), "max": max(tokens)} if tokens else None,
+        "by_connections": sides,
+        "ratios_rps": ratios,
+        "windows_busy": f"{len(busy)} of {len(loads)} windows started with load average >= "
+        f"{QUIET_LOAD} (waited up to {QUIET_WAIT_S:.0f} s for a quiet one)",
+        "serve_config": {
+            k: cfg[k] for k in ("max_batch_size", "batch_wait_timeout_s", "max_concurrent_batches")
+        },
+    }
+    summary = "; ".join(
+        f"c={c}: LitServe {s['litserve']['requests_per_s']:.0f} req/s p99 "
+        f"{s['litserve']['p99_ms']:.1f} ms vs Serve {s['serve']['requests_per_s']:.0f} req/s "
+        f"p99 {s['serve']['p99_ms']:.1f} ms (x{ratios[c]:.2f})"
+        for c, s in sides.items()
+    )
+    return write_result(
+        ID,
+        "serve_vs_litserve_rps_ratio_at_32_connections",
+        ratios[32],
+        GOAL,
+        met,
+        details,
+        out,
+        what=WHAT,
+        summary=summary,
+        mode="smoke" if smoke else "full",
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+def main(argv=None) -> None:
+    main_wrapper(run, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""python -m jobs.tune --config configs/digits.yaml [section.key=value ...]
+
+A hyperparameter search over the config's `tune:` space (Ray Tune, ASHA early stopping); the
+summary names the best trial's overrides and checkpoint (`jobs.export --checkpoint` takes it)."""
+
+from app.cli import parser, run_job
+from app.tune import tune
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("tune", "Search hyperparameters; each trial is a full training run.").parse_args(
+        argv
+    )
+    run_job(args, tune)
+
+
+if __name__ == "__main__":
+    main()

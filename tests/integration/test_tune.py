@@ -1,0 +1,41 @@
+"""jobs.tune's search on the real local Ray: trials are whole training runs, ASHA stops trials
+that trail, and the best checkpoint is an ordinary one that export takes as is."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import checkpoint, storage
+from tests.integration.conftest import ensure_local_ray, workload_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace):
+    from app.tune import tune
+
+    prepared("digits")
+    ensure_local_ray()
+    config = workload_config(
+        workspace,
+        "digits",
+        "train.epochs=3",
+        "train.log_every_steps=1000",
+        "train.run_name=digits-search",
+        "tune.num_trials=2",
+        "tune.grace_period=1",
+    )
+    summary = tune(config)
+
+    assert summary["metric"] == "val_accuracy" and len(summary["trials"]) == 2
+    lrs = [t["overrides"]["train.lr"] for t in summary["trials"]]
+    assert len(set(lrs)) == 2 and all(0.0005 <= lr <= 0.01 for lr in lrs)
+    assert all(1 <= t["epochs"] <= 3 for t in summary["trials"])
+    best = summary["best"]
+    assert best["value"] == max(t["best_value"] for t in summary["trials"])
+    assert best["value"] > 0.8  # three epochs of the CNN on digits
+    # An ordinary checkpoint of an ordinary run: what jobs.export --checkpoint reads.
+    meta = checkpoint.read_meta(best["checkpoint"])
+    assert best["run_name"].startswith("digits-search-")
+    assert storage.exists(storage.join(best["checkpoint"], "model.safetensors"))
+    assert meta.metrics["val_accuracy"] == pytest.approx(best["value"])

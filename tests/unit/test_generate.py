@@ -1,0 +1,216 @@
+"""app/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
+exported KV-cache graph (app/export_lm.py) of a tiny random GPT against torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from app import artifact as art
+from app.corpus import train_tokenizer
+from app.export_lm import (
+    decode_parity,
+    export_kv_onnx,
+    greedy_agreement,
+    perplexity,
+    quantize_weights,
+)
+from app.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
+from app.models.gpt import GPT
+
+pytestmark = pytest.mark.unit
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "# café, naïve, 10 € ✓\n", "print('hello world')\n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # A small vocabulary leaves the multi-byte characters split over byte tokens.
+    return train_tokenizer(TEXTS * 3, vocab_size=280)
+
+
+class ScriptedSession:
+    """An ONNX Runtime session stand-in that 'predicts' a fixed token sequence: the logits of
+    step n put all mass on script[n]. Counts its runs and the tokens it was fed."""
+
+    def __init__(self, script: list[int], vocab: int, layers: int = 1):
+        self.script, self.vocab, self.layers = script, vocab, layers
+        self.runs, self.fed = 0, []
+
+    def get_inputs(self):
+        cache = [
+            SimpleNamespace(name=f"past_{k}_{i}", shape=["batch", 2, "past", 4])
+            for i in range(self.layers)
+            for k in ("key", "value")
+        ]
+        return [SimpleNamespace(name="input_ids", shape=["batch", "tokens"]), *cache]
+
+    def get_outputs(self):
+        return [SimpleNamespace(name="logits", shape=["batch", "tokens", self.vocab])]
+
+    def run(self, outputs, feed):
+        ids = feed["input_ids"]
+        self.fed.append(ids[0].tolist())
+        logits = np.zeros((1, ids.shape[1], self.vocab), dtype=np.float32)
+        logits[0, -1, self.script[min(self.runs, len(self.script) - 1)]] = 10.0
+        self.runs += 1
+        grow = np.zeros((1, 2, ids.shape[1], 4), dtype=np.float32)
+        presents = [np.concatenate([feed[n], grow], axis=2) for n in sorted(feed) if "past" in n]
+        return [logits, *presents]
+
+
+def scripted(tokenizer, text: str, block_size: int = 64, **kwargs):
+    script = tokenizer.encode(text, add_special_tokens=False).ids
+    session = ScriptedSession(script, tokenizer.get_vocab_size())
+    return Generator(session, tokenizer, block_size, **kwargs), session, script
+
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+def test_multibyte_characters_come_out_whole(tokenizer):
+    text = "café 10 € ✓"
+    generator, _, script = scripted(tokenizer, text)
+    # é, € and ✓ span several byte tokens: decoded alone, those are incomplete characters.
+    assert sum("\ufffd" in tokenizer.decode([i]) for i in script) >= 3
+    pieces = list(generator.generate([1], SamplingParams(max_tokens=len(script), temperature=0)))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert len(pieces) > 1  # streamed, not one blob at the end
+
+
+def test_stop_string_cuts_the_text_and_never_streams_part_of_it(tokenizer):
+    generator, session, _ = scripted(tokenizer, "print('hello world')\nreturn a")
+    generation = generator.generate(
+        [1], SamplingParams(max_tokens=64, temperature=0, stop=("\nret",))
+    )
+    pieces = list(generation)
+    assert "".join(pieces) == "print('hello world')"
+    assert generation.finish_reason == "stop"
+    assert not any("\n" in p for p in pieces)  # the held-back start of the stop string
+    assert session.runs == generation.completion_tokens  # no step after the stop
+
+
+def test_max_tokens_and_the_context_window_bound_a_generation(tokenizer):
+    generator, session, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n")
+    generation = generator.generate([1, 2], SamplingParams(max_tokens=5, temperature=0))
+    generation.text()
+    assert (generation.completion_tokens, generation.finish_reason) == (5, "length")
+    assert session.runs == 5  # the prompt once, then one step per token but the last
+    assert session.fed[0] == [1, 2] and all(len(f) == 1 for f in session.fed[1:])
+    short, _, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n", block_size=6)
+    bounded = short.generate([1, 2, 3, 4], SamplingParams(max_tokens=50, temperature=0))
+    bounded.text()
+    assert (bounded.completion_tokens, bounded.finish_reason) == (2, "length")
+
+
+def test_end_of_text_token_stops_with_reason_stop(tokenizer):
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    ids = tokenizer.encode("a + b", add_special_tokens=False).ids
+    session = ScriptedSession([*ids, eos, *ids], tokenizer.get_vocab_size())
+    generation = Generator(session, tokenizer, 64).generate([1], GREEDY)
+    assert generation.text() == "a + b"
+    assert (generation.finish_reason, generation.completion_tokens) == ("stop", len(ids))
+
+
+def test_a_consumer_that_stops_stops_the_model(tokenizer):
+    generator, session, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n" * 3)
+    generation = generator.generate([1], SamplingParams(max_tokens=40, temperature=0))
+    for _ in zip(range(3), generation, strict=False):
+        pass
+    runs = session.runs
+    generation.close()
+    assert list(generation) == []
+    assert session.runs == runs <= 4
+
+
+def test_prompt_limits_name_the_field(tokenizer):
+    generator, _, _ = scripted(tokenizer, "x", block_size=8, max_prompt_tokens=100)
+    assert generator.max_prompt_tokens == 7  # one position left to generate into
+    with pytest.raises(PromptError, match=r"^prompt: \d+ tokens, more than the limit of 7$"):
+        generator.encode("def add(a, b):\n    return a + b\n")
+    with pytest.raises(PromptError, match="text_input: must not be empty"):
+        generator.encode("", field_name="text_input")
+
+
+def test_sampling_filters_and_is_reproducible():
+    logits = np.log(np.asarray([0.5, 0.3, 0.15, 0.05]))
+
+    def draw(params: SamplingParams, seed: int = 0) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        return np.bincount([sample(logits, params, rng) for _ in range(4000)], minlength=4)
+
+    full = draw(SamplingParams(temperature=1.0)) / 4000
+    np.testing.assert_allclose(full, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    assert draw(SamplingParams(temperature=1.0, top_k=2))[2:].sum() == 0
+    # top_p 0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it: the nucleus is {0, 1}.
+    nucleus = draw(SamplingParams(temperature=1.0, top_p=0.7))
+    assert nucleus[2:].sum() == 0 and nucleus[1] > 0
+    assert draw(SamplingParams(temperature=0)).tolist() == [4000, 0, 0, 0]
+    cold = draw(SamplingParams(temperature=0.2)) / 4000
+    assert cold[0] > 0.9  # a low temperature sharpens towards the argmax
+    np.testing.assert_array_equal(draw(SamplingParams(), seed=7), draw(SamplingParams(), seed=7))
+
+
+# --- the exported graph of a real (tiny, random) GPT -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    model = GPT(tokenizer.get_vocab_size(), block_size=32, dim=32, layers=2, heads=4, ff_dim=64)
+    work = tmp_path_factory.mktemp("lm")
+    fp32, int8 = str(work / "model.onnx"), str(work / "model.int8.onnx")
+    export_kv_onnx(model.eval(), fp32, opset=17)
+    quantize_weights(fp32, int8, str(work))
+    sessions = {
+        v: art.create_session(Path(p).read_bytes()) for v, p in (("fp32", fp32), ("int8", int8))
+    }
+    return model, sessions
+
+
+@torch.no_grad()
+def test_onnx_graph_matches_torch_decode_for_prompt_and_cached_steps(exported):
+    model, sessions = exported
+    rows = np.random.default_rng(0).integers(0, model.tokens.num_embeddings, (3, 33))
+    parity = decode_parity(model, KVDecoder(sessions["fp32"]), rows, steps=4)
+    assert parity["max_abs_diff"] < 1e-4
+    # Greedy continuation through the ONNX cache == argmax of torch's full forward each step.
+    prompt = rows[0, :6].tolist()
+    ids = list(prompt)
+    for _ in range(8):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert greedy(KVDecoder(sessions["fp32"]), prompt, 8) == ids[6:]
+
+
+def test_int8_graph_scores_like_fp32_and_fp32_like_torch(exported):
+    model, sessions = exported
+    decoders = {v: KVDecoder(s) for v, s in sessions.items()}
+    rows = np.random.default_rng(1).integers(0, model.tokens.num_embeddings, (4, 33))
+    fp32, int8 = perplexity(decoders["fp32"], rows), perplexity(decoders["int8"], rows)
+    assert abs(int8 / fp32 - 1) < 0.05
+    with torch.no_grad():
+        logits = model(torch.from_numpy(rows[:, :-1]))
+        expected = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), torch.from_numpy(rows[:, 1:]).flatten()
+        )
+    assert fp32 == pytest.approx(float(expected.exp()), rel=1e-4)
+    agreement = greedy_agreement(decoders, [r[:4].tolist() for r in rows], 8)
+    assert 0 <= agreement["prefix_agreement"] <= agreement["token_agreement"] <= 1
+
+
+def test_seeded_sampling_of_the_exported_model_is_deterministic(exported, tokenizer):
+    _, sessions = exported
+    generator = Generator(sessions["int8"], tokenizer, block_size=32)
+    prompt = generator.encode("def ")
+    run = lambda seed: generator.generate(  # noqa: E731
+        prompt, SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=seed)
+    )
+    a, b = run(3), run(3)
+    assert a.text() == b.text()
+    assert a.completion_tokens == b.completion_tokens
+    assert len({run(seed).text() for seed in range(4)}) > 1  # the seed does drive the draws

@@ -1,0 +1,76 @@
+"""Registry listing and pruning (app.lifecycle) on a local registry; no cluster involved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app import lifecycle
+from app.artifact import LATEST, MANIFEST
+from app.config import Config
+from app.errors import ConfigError, UserError
+
+pytestmark = pytest.mark.unit
+
+
+def make_version(registry: Path, name: str, version: int, complete: bool = True) -> None:
+    folder = registry / name / str(version)
+    folder.mkdir(parents=True)
+    report = {
+        "accuracy": {"onnx_fp32": 0.99, "onnx_int8": 0.985},
+        "accuracy_drop_points": 0.5,
+        "size_ratio_int8": 0.3,
+        "thresholds": {"max_accuracy_drop": 0.5},
+    }
+    (folder / "report.json").write_text(json.dumps(report))
+    if complete:
+        manifest = {"name": name, "version": str(version), "files": {}, "created": f"day {version}"}
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Path:
+    root = tmp_path / "registry"
+    for v in (1, 2, 3, 4):
+        make_version(root, "digits", v)
+    make_version(root, "digits", 5, complete=False)  # an export still writing it
+    (root / "digits" / LATEST).write_text("3")  # 4 was published but latest is pinned back
+    make_version(root, "text", 1)
+    (root / "text" / LATEST).write_text("1")
+    (root / "stray").mkdir()  # not a model: no latest pointer
+    return root
+
+
+def test_listing_shows_versions_gate_latest_and_unknown_live_without_cluster(registry):
+    entry = lifecycle.model_entry(str(registry), "digits", live=None)
+    assert entry["latest"] == "3" and entry["live"] == "unknown"
+    assert [v["version"] for v in entry["versions"]] == ["1", "2", "3", "4"]  # 5 is incomplete
+    third = entry["versions"][2]
+    assert third["latest"] is True and third["live"] == "unknown"
+    assert third["gate"]["int8_accuracy"] == 0.985 and third["created"] == "day 3"
+    assert lifecycle.model_names(str(registry)) == ["digits", "text"]
+
+
+def test_listing_marks_the_live_version(registry):
+    entry = lifecycle.model_entry(str(registry), "digits", live={"digits": "2"})
+    assert [v["live"] for v in entry["versions"]] == [False, True, False, False]
+    assert lifecycle.model_entry(str(registry), "text", live={})["live"] is None
+
+
+def test_prune_keeps_newest_latest_and_live_and_incomplete(registry):
+    deleted = lifecycle.prune_model(str(registry), "digits", keep=1, live="1")
+    assert deleted == ["2"]  # 4 newest, 3 latest, 1 live, 5 still being written
+    assert sorted(p.name for p in (registry / "digits").iterdir()) == ["1", "3", "4", "5", LATEST]
+    assert lifecycle.prune_model(str(registry), "digits", keep=1, live="1") == []
+
+
+def test_prune_refuses_bad_keep_and_unknown_model(registry, monkeypatch):
+    monkeypatch.setattr(lifecycle, "live_versions", lambda config: None)
+    config = Config.model_validate({"export": {"registry": str(registry)}})
+    with pytest.raises(ConfigError, match="--keep"):
+        lifecycle.prune(config, 0)
+    with pytest.raises(UserError, match="no such model"):
+        lifecycle.prune(config, 1, model="nope")
+    assert lifecycle.prune(config, 2)["deleted"] == {"digits": ["1", "2"], "text": []}

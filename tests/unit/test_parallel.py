@@ -1,0 +1,209 @@
+"""app/parallel.py and sharded checkpoints without Ray: the config, which modules are blocks,
+activation checkpointing, and FSDP2 on a one-rank gloo group in this process (sharding, memory
+accounting, sharded save and resume, the consolidated copy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from app import checkpoint, parallel
+from app.config import ConfigError, dump, load_config
+from app.loop import TrainState
+from app.models.cnn import ResNetCNN
+from app.models.mlp import MLP
+from app.models.transformer import TransformerClassifier
+
+pytestmark = pytest.mark.unit
+
+
+def tiny_transformer() -> TransformerClassifier:
+    return TransformerClassifier(
+        50, 3, dim=16, layers=2, heads=2, ff_dim=32, max_length=8, dropout=0
+    )
+
+
+def batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (4, 8), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.tensor([0, 1, 2, 0])
+
+
+def train_config(*overrides: str):
+    return load_config(None, ["data.source=synthetic_text", "model.name=transformer", *overrides])
+
+
+def test_parallel_keys_default_to_plain_ddp():
+    t = train_config().train
+    assert (t.strategy, t.activation_checkpointing, t.compile, t.profile_steps) == (
+        "ddp",
+        False,
+        False,
+        0,
+    )
+    t = train_config("train.strategy=fsdp", "train.profile_steps=3", "train.compile=true").train
+    assert (t.strategy, t.profile_steps, t.compile) == ("fsdp", 3, True)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.strategy=zero3", "train.strategy"),
+        ("train.profile_steps=-1", "train.profile_steps"),
+        ("train.activation_checkpointing=sometimes", "train.activation_checkpointing"),
+    ],
+)
+def test_bad_parallel_keys_are_one_line_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        train_config(override)
+    assert str(e.value).startswith(f"config error: {key}:")
+    assert "\n" not in str(e.value)
+
+
+def test_blocks_are_the_layers_or_blocks_container_else_none():
+    model = tiny_transformer()
+    assert parallel.find_blocks(model) == list(model.layers)
+    cnn = ResNetCNN(1, 3, widths=[4, 8])
+    assert parallel.find_blocks(cnn) == list(cnn.blocks)
+    assert parallel.find_blocks(MLP(4, 3, hidden=[8])) == []  # wrapped at the root only
+
+
+def test_activation_checkpointing_keeps_values_gradients_and_names():
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    plain = tiny_transformer()
+    torch.manual_seed(0)
+    recomputed = tiny_transformer()
+    for block in parallel.find_blocks(recomputed):
+        parallel.checkpoint_activations(block)
+    for model in (plain, recomputed):
+        F.cross_entropy(model(**inputs), labels).backward()
+    assert list(recomputed.state_dict()) == list(plain.state_dict())
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real gloo process group of one rank, in this process (no subprocess, no network peer)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def fsdp_state(config) -> TrainState:
+    torch.manual_seed(0)
+    model = parallel.parallelize(tiny_transformer(), config.train, torch.device("cpu"))
+    return TrainState.create(model, config, total_steps=10)
+
+
+def step(state: TrainState) -> float:
+    inputs, labels = batch()
+    loss = F.cross_entropy(state.model(**inputs), labels)
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+    return loss.item()
+
+
+def test_fsdp_shards_every_block_and_the_root_and_counts_its_bytes(one_rank_group):
+    from torch.distributed.tensor import DTensor
+
+    config = train_config("train.strategy=fsdp", "train.activation_checkpointing=true")
+    state = fsdp_state(config)
+    assert parallel.is_sharded(state.model)
+    assert all(parallel.is_sharded(b) for b in parallel.find_blocks(state.model))
+    assert all(isinstance(p, DTensor) for p in state.model.parameters())
+    meter = parallel.MemoryMeter(state.model, state.optimizer)
+    step(state)
+    params = sum(p.numel() * 4 for p in tiny_transformer().parameters())
+    # One rank holds everything: fp32 params, grads, and AdamW's two moments (+ a step scalar
+    # per parameter tensor).
+    assert meter.peak["params"] == meter.peak["grads"] == params
+    assert 2 * params <= meter.peak["optimizer"] <= 2 * params + 8 * 64
+    assert meter.peak["total"] == sum(v for k, v in meter.peak.items() if k != "total")
+
+
+def save_fsdp_checkpoint(state: TrainState, config, folder: str) -> None:
+    """What a rank-0 FSDP worker writes: shards, consolidated weights, train state, meta."""
+    checkpoint.save_sharded(folder, state.model, state.optimizer, rank=0)
+    plain = parallel.plain_model(tiny_transformer, parallel.full_state_dict(state.model))
+    meta = {
+        "config": dump(config),
+        "epoch": 1,
+        "step": state.step,
+        "metrics": {},
+        "preprocessor": "{}",
+    }
+    checkpoint.save(folder, plain, state.train_state(), meta)
+
+
+def test_sharded_checkpoint_resumes_model_optimizer_schedule_and_rng(one_rank_group, tmp_path):
+    config = train_config("train.strategy=fsdp", "train.warmup_fraction=0.5")
+    state = fsdp_state(config)
+    step(state)
+    folder = str(tmp_path / "ckpt")
+    save_fsdp_checkpoint(state, config, folder)
+    assert "optimizer" not in state.train_state()  # its shards live in `sharded/`
+    # The second step's loss depends on the first update after the restart (AdamW moments,
+    # the warm-up learning rate), the draw on the restored RNG.
+    expected = [step(state), step(state)]
+    draw = torch.rand(3)
+
+    resumed = fsdp_state(config)  # fresh weights, empty optimizer, schedule at step 0
+    resumed.restore(folder, rank=0)
+    assert resumed.step == 1
+    assert [step(resumed), step(resumed)] == pytest.approx(expected, abs=1e-6)
+    torch.testing.assert_close(torch.rand(3), draw)
+    # The consolidated copy is the plain model family with the trained values.
+    loaded = tiny_transformer()
+    checkpoint.load_weights(folder, loaded)
+    reference = parallel.full_state_dict(fsdp_state(config).model)
+    assert set(loaded.state_dict()) == set(reference)
+
+
+def test_a_ddp_checkpoint_is_not_resumed_by_an_fsdp_run_or_the_reverse(one_rank_group, tmp_path):
+    fsdp = train_config("train.strategy=fsdp")
+    state = fsdp_state(fsdp)
+    step(state)
+    folder = str(tmp_path / "fsdp")
+    save_fsdp_checkpoint(state, fsdp, folder)
+    torch.manual_seed(0)
+    ddp = TrainState.create(tiny_transformer(), train_config(), total_steps=10)
+    with pytest.raises(checkpoint.CheckpointError, match="train.strategy=fsdp"):
+        ddp.restore(folder)
+
+
+class TiedLM(torch.nn.Module):
+    """The shape of a GPT: blocks, and an output head sharing the embedding matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(20, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 20, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_consolidated_copy_keeps_tied_weights_tied(one_rank_group, tmp_path):
+    from safetensors.torch import load_model, save_model
+
+    config = train_config("train.strategy=fsdp")
+    model = parallel.parallelize(TiedLM(), config.train, torch.device("cpu"))
+    plain = parallel.plain_model(TiedLM, parallel.full_state_dict(model))
+    assert plain.head.weight is plain.tokens.weight
+    save_model(plain, str(tmp_path / "model.safetensors"))  # what checkpoint.save writes
+    loaded = TiedLM()
+    load_model(loaded, str(tmp_path / "model.safetensors"))
+    torch.testing.assert_close(loaded.head.weight, plain.tokens.weight)

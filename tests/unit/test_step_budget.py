@@ -1,0 +1,30 @@
+"""train.max_steps_per_epoch: an epoch stops after the budget, yet samples the whole shard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.feed import MemoryFeed
+from app.loop import epoch_batches, steps_per_epoch
+
+pytestmark = pytest.mark.unit
+
+
+def test_budget_bounds_the_epoch_and_the_schedule(config_factory):
+    config = config_factory("train.max_steps_per_epoch=3", "train.batch_size=10")
+    feed = MemoryFeed.from_arrays({"x": np.arange(100)})
+    first = [b["x"] for b in epoch_batches(feed, 10, 1, config)]
+    second = [b["x"] for b in epoch_batches(feed, 10, 2, config)]
+    assert len(first) == len(second) == 3
+    assert len(feed) == 100  # the cache holds the whole shard although the pass stopped early
+    assert not torch.equal(torch.cat(first), torch.cat(second))  # each epoch a fresh sample
+    assert steps_per_epoch(100, 1, config) == 3  # the LR schedule counts the budget
+    assert steps_per_epoch(20, 1, config) == 2  # a smaller split stays smaller
+
+
+def test_no_budget_is_the_whole_split(config_factory):
+    config = config_factory("train.batch_size=10")
+    feed = MemoryFeed.from_arrays({"x": np.arange(100)})
+    assert sum(len(b["x"]) for b in epoch_batches(feed, 10, 1, config)) == 100
