@@ -265,6 +265,11 @@ class ServeConfig(_Section):
             )
         if self.autoscaling.min_replicas > self.autoscaling.max_replicas:
             raise ValueError("serve.autoscaling.min_replicas must not exceed max_replicas")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"serve.default_max_tokens ({self.default_max_tokens}) must not exceed "
+                f"serve.max_tokens ({self.max_tokens})"
+            )
         return self
 
 

@@ -101,7 +101,7 @@ def served_models(apps: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str
     models: dict[str, str] = {}
     for name, app in apps.items():
         args = app.get("args") or {}
-        if app.get("import_path") == MODEL_IMPORT_PATH and name.startswith(f"{cfg.app_name}-"):
+        if is_model_app(name, app, cfg):
             models[args["model"]["name"]] = args["model"]["artifact"]
         elif name == cfg.app_name and app.get("import_path") == LEGACY_IMPORT_PATH:
             models.update({m["name"]: m["artifact"] for m in args.get("models", [])})
@@ -111,13 +111,11 @@ def served_models(apps: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str
 def with_model(
     apps: dict[str, dict[str, Any]], cfg: ServeConfig, model: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """A copy of `apps` with `model`'s application added or replaced, the index listing every
-    model, and this `serve` in all of them; other applications are kept as they are."""
+    """A copy of `apps` with `model`'s application built from this `serve` config and the index
+    listing every model. Every other application stays exactly as it is, so Serve leaves its
+    replicas (and their own serve settings and pinned artifact) alone."""
     models = {**served_models(apps, cfg), model["name"]: model["artifact"]}
-    owned = {model_app_name(cfg, m) for m in models} | {cfg.app_name}
-    kept = {k: copy.deepcopy(v) for k, v in apps.items() if k not in owned}
-    specs = [{"name": n, "artifact": a} for n, a in models.items()]
-    return {**kept, **{a["name"]: a for a in applications(specs, cfg.model_dump(mode="json"))}}
+    return rebuilt(apps, cfg, models, changed=model["name"])
 
 
 def without_model(
@@ -127,12 +125,33 @@ def without_model(
     model left, no index either). The other models' applications are unchanged, so Serve leaves
     their replicas alone."""
     models = {n: a for n, a in served_models(apps, cfg).items() if n != name}
-    owned = {model_app_name(cfg, name), cfg.app_name} | {model_app_name(cfg, m) for m in models}
-    kept = {k: copy.deepcopy(v) for k, v in apps.items() if k not in owned}
+    return rebuilt(apps, cfg, models, changed=None)
+
+
+def rebuilt(
+    apps: dict[str, dict[str, Any]], cfg: ServeConfig, models: dict[str, str], changed: str | None
+) -> dict[str, dict[str, Any]]:
+    """Applications not ours as they are; ours for exactly `models`: the `changed` one (and any
+    still in the one-application shape) built anew, the others' kept; the index rebuilt."""
+    ours = {cfg.app_name} | {n for n, a in apps.items() if is_model_app(n, a, cfg)}
+    result = {n: copy.deepcopy(a) for n, a in apps.items() if n not in ours}
     if not models:
-        return kept
+        return result
     specs = [{"name": n, "artifact": a} for n, a in models.items()]
-    return {**kept, **{a["name"]: a for a in applications(specs, cfg.model_dump(mode="json"))}}
+    for app in applications(specs, cfg.model_dump(mode="json")):
+        name = app["name"]
+        model = (app["args"].get("model") or {}).get("name")
+        keep = model is not None and model != changed and is_model_app(name, apps.get(name), cfg)
+        result[name] = copy.deepcopy(apps[name]) if keep else app
+    return result
+
+
+def is_model_app(name: str, app: dict[str, Any] | None, cfg: ServeConfig) -> bool:
+    return (
+        app is not None
+        and app.get("import_path") == MODEL_IMPORT_PATH
+        and name.startswith(f"{cfg.app_name}-")
+    )
 
 
 def serve_config(cfg: ServeConfig, apps: dict[str, dict[str, Any]]) -> dict[str, Any]:

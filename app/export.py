@@ -259,13 +259,15 @@ def accuracy_drop_allowed(report: dict[str, Any], max_drop: float) -> bool:
     return report["accuracy_drop_points"] <= allowed_drop_points(report, max_drop) + 1e-9
 
 
-def gate(report: dict[str, Any], config: Config) -> None:
+def gate_parity_and_size(report: dict[str, Any], config: Config, compared: str) -> None:
+    """The gate's checks every task shares: ONNX fp32 against torch (`compared` says on what),
+    and int8's size against fp32's."""
     e = config.export
     parity = report["parity"]["max_abs_diff"]
     if parity > e.parity_tolerance:
         raise GateError(
-            f"export refused: ONNX fp32 differs from torch by {parity:.3g} (max abs logit diff), "
-            f"above export.parity_tolerance={e.parity_tolerance}",
+            f"export refused: ONNX fp32 differs from torch by {parity:.3g} (max abs logit diff"
+            f"{compared}), above export.parity_tolerance={e.parity_tolerance}",
             report,
         )
     ratio = report["size_ratio_int8"]
@@ -275,6 +277,11 @@ def gate(report: dict[str, Any], config: Config) -> None:
             f"export.max_size_ratio={e.max_size_ratio}",
             report,
         )
+
+
+def gate(report: dict[str, Any], config: Config) -> None:
+    e = config.export
+    gate_parity_and_size(report, config, "")
     if not accuracy_drop_allowed(report, e.max_accuracy_drop):
         acc, drop = report["accuracy"], report["accuracy_drop_points"]
         raise GateError(

@@ -68,19 +68,41 @@ def complete_versions(folder: str) -> list[str]:
 
 def version_facts(uri: str) -> dict[str, Any]:
     """When it was made, from what, and its gate report in brief (the whole one is report.json)."""
+    from app.errors import ArtifactError
+
     manifest = art.read_manifest(uri)
-    report = json.loads(storage.read_bytes(storage.join(uri, "report.json")))
-    accuracy = report.get("accuracy", {})
+    path = storage.join(uri, "report.json")
+    try:
+        report = json.loads(storage.read_bytes(path))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
     return {
         "created": manifest.created,
         "source_checkpoint": manifest.source_checkpoint,
-        "gate": {
-            "fp32_accuracy": accuracy.get("onnx_fp32"),
-            "int8_accuracy": accuracy.get("onnx_int8"),
-            "accuracy_drop_points": report.get("accuracy_drop_points"),
-            "size_ratio_int8": report.get("size_ratio_int8"),
-            "thresholds": report.get("thresholds", {}),
-        },
+        "gate": gate_figures(report),
+    }
+
+
+def gate_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The gate's headline figures: accuracy for a classifier, perplexity and greedy agreement
+    for a language model (report.json has the rest)."""
+    common = {
+        "size_ratio_int8": report.get("size_ratio_int8"),
+        "thresholds": report.get("thresholds", {}),
+    }
+    if "perplexity" in report:
+        return {
+            "perplexity": report["perplexity"],
+            "perplexity_increase": report.get("perplexity_increase"),
+            "greedy_agreement": (report.get("greedy") or {}).get("token_agreement"),
+            **common,
+        }
+    accuracy = report.get("accuracy", {})
+    return {
+        "fp32_accuracy": accuracy.get("onnx_fp32"),
+        "int8_accuracy": accuracy.get("onnx_int8"),
+        "accuracy_drop_points": report.get("accuracy_drop_points"),
+        **common,
     }
 
 
@@ -88,20 +110,35 @@ def version_facts(uri: str) -> dict[str, Any]:
 
 
 def live_versions(config: Config) -> dict[str, str] | None:
-    """{model name: version served} from the running Serve application for this registry's
-    models; None when no cluster runs (nothing can be known to be live)."""
+    """{model name: version served} for this project's Serve applications; None when no cluster
+    runs (nothing can be known to be live)."""
     from app.cli import connect_ray
+    from app.config import resolve_uri
+    from app.deploy import current_apps, serve_client, served_models, serving_address
     from app.errors import NoClusterError
 
     try:
         connect_ray(require_cluster=True)
     except NoClusterError:
         return None
-    from app.deploy import current_apps, serve_client, served_models
+    details = serve_client().get_serve_details()
+    host, port = serving_address(details, config.serve)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    live = {}
+    for name, uri in served_models(current_apps(details), config.serve).items():
+        live[name] = served_version(resolve_uri(uri), url, name, config.serve.api_key_env)
+    return live
 
-    served = served_models(current_apps(serve_client().get_serve_details()), config.serve)
-    # An artifact is served by its version folder (deploy resolves `latest` first).
-    return {name: art.resolve(uri).rstrip("/").rsplit("/", 1)[-1] for name, uri in served.items()}
+
+def served_version(uri: str, url: str, name: str, api_key_env: str) -> str:
+    """The version a model's replicas run: the folder its application names, or, when that is a
+    `latest` pointer (cluster/serve.yaml), what the model answers over HTTP (its replicas pinned
+    whatever `latest` was when they started, which need not be what it is now)."""
+    from app.deploy import serving_version
+
+    if uri.rstrip("/").rsplit("/", 1)[-1] != art.LATEST:
+        return uri.rstrip("/").rsplit("/", 1)[-1]
+    return serving_version(url, name, api_key_env)
 
 
 def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -163,6 +200,8 @@ def prune_model(registry: str, name: str, keep: int, live: str | None) -> list[s
     folder = storage.join(registry, name)
     if not storage.exists(storage.join(folder, art.LATEST)):
         raise UserError(f"{folder}: no such model in the registry")
+    if live is not None and not live.isdigit():
+        raise UserError(f"{name}: cannot tell which version is live ({live}); nothing pruned")
     latest = str(storage.read_int(storage.join(folder, art.LATEST)))
     versions = complete_versions(folder)
     protected = set(versions[-keep:]) | {latest} | ({live} if live else set())

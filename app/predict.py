@@ -753,8 +753,9 @@ def predict(
         # Every row read comes out as a prediction or a reject; for Parquet the files' own
         # metadata gives an independent count.
         if expected_rows is not None and expected_rows != rows["input"]:
-            raise RuntimeError(
-                f"predict: read {rows['input']} rows, the input holds {expected_rows}"
+            raise UserError(
+                f"predict: read {rows['input']} rows, the input holds {expected_rows}; "
+                "nothing published"
             )
         manifest = PredictionManifest(
             created=datetime.now(timezone.utc).isoformat(),

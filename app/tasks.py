@@ -61,12 +61,16 @@ def task_for(kind: str, reference: dict[str, float] | None = None) -> Task:
 def check_metric(config: Config, task: Task) -> None:
     """The checkpoint ranking metric must be one the task reports (before any worker starts)."""
     known = (*task.metrics, *TRAIN_METRICS)
-    metric = config.train.checkpoint_metric
-    if metric not in known:
-        raise ConfigError(
-            f"config error: train.checkpoint_metric: {metric!r} is not reported by task "
-            f"{task.name!r} (reports: {', '.join(known)})"
-        )
+    t = config.train
+    keys = {"train.checkpoint_metric": t.checkpoint_metric}
+    if t.early_stopping_patience is not None:
+        keys["train.early_stopping_metric"] = t.early_stopping_metric
+    for key, metric in keys.items():
+        if metric not in known:
+            raise ConfigError(
+                f"config error: {key}: {metric!r} is not reported by task "
+                f"{task.name!r} (reports: {', '.join(known)})"
+            )
 
 
 def reference_metrics(

@@ -168,7 +168,7 @@ class EpochTracker:
             self.writer.add_scalar(SCALARS[key], value, step)
         self.writer.flush()
         if self.remote:
-            self.upload()
+            self.upload(step)
         if self.client is not None and self.mlflow:
             self.log_mlflow(logged, step)
 
@@ -185,10 +185,15 @@ class EpochTracker:
         except Exception as e:  # noqa: BLE001 - tracking must not end a training run
             log.warning("MLflow: epoch %d not logged: %s", step, first_line(e))
 
-    def upload(self) -> None:
-        """Copy the event files to the run folder on the object store (whole files: small)."""
-        for name in os.listdir(self.local):
-            storage.upload_file(os.path.join(self.local, name), storage.join(self.dest, name))
+    def upload(self, step: int | None = None) -> None:
+        """Copy the event files to the run folder on the object store (whole files: small). A
+        failure is a warning: the next epoch uploads the whole file again."""
+        try:
+            for name in os.listdir(self.local):
+                storage.upload_file(os.path.join(self.local, name), storage.join(self.dest, name))
+        except Exception as e:  # noqa: BLE001 - tracking must not end a training run
+            when = "at the end" if step is None else f"after epoch {step}"
+            log.warning("TensorBoard: events not uploaded %s: %s", when, first_line(e))
 
     def close(self) -> None:
         self.writer.close()

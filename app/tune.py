@@ -20,6 +20,8 @@ from typing import Any
 
 from app.config import Config, SearchDimension, TuneSection, dump, validate
 from app.errors import ConfigError, UserError
+from app.prepare import read_manifest
+from app.tasks import check_metric, task_for
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "checkpoint_path"  # where ray.tune.integration.ray_train puts it
@@ -34,15 +36,17 @@ def tune(config: Config) -> dict[str, Any]:
 
     spec = require_tune(config)
     name = config.train.run_name or f"{config.workload}-tune-{datetime.now():%Y%m%d-%H%M%S}"
+    base = search_base(config, spec)
+    task = task_for(read_manifest(config.data_output).kind)
     for i in range(spec.num_trials):  # every sample must make a valid config: fail before Ray
-        trial_config(dump(config), sample_corner(spec, i), f"{name}-check")
+        check_metric(trial_config(base, sample_corner(spec, i), f"{name}-check"), task)
     connect_ray()
     tuner = ray.tune.Tuner(
         # The trial only drives a Train run whose workers hold the resources. No CPU: even a
         # sliver would leave Ray Data's file listing (one whole CPU) unschedulable beside the
         # workers on a small cluster. Tune refuses an empty request, hence one byte of memory.
         ray.tune.with_resources(
-            ray.tune.with_parameters(run_trial, base=dump(config), search=name),
+            ray.tune.with_parameters(run_trial, base=base, search=name),
             {"cpu": 0, "memory": 1},
         ),
         param_space={key: dimension(d) for key, d in spec.space.items()},
@@ -68,6 +72,16 @@ def tune(config: Config) -> dict[str, Any]:
     log.info("tune: %s, %d trials of %s", name, spec.num_trials, sorted(spec.space))
     grid = tuner.fit()
     return summarize(config, spec, name, grid)
+
+
+def search_base(config: Config, spec: TuneSection) -> dict[str, Any]:
+    """The config every trial starts from. Each run keeps its checkpoints ranked by the searched
+    metric, so the best epoch Tune saw is one the run kept (train.keep_checkpoints deletes the
+    others), and the metric must be one the task reports."""
+    base = dump(config)
+    base["train"]["checkpoint_metric"] = spec.metric
+    base["train"]["checkpoint_mode"] = spec.mode
+    return base
 
 
 def require_tune(config: Config) -> TuneSection:

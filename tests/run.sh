@@ -4,12 +4,16 @@
 #   tests/run.sh --all    make test-all: the same plus the `slow` ones
 #   tests/run.sh ARGS...  plain pytest arguments (one pytest run)
 #
-# Unit first (seconds, no Ray: a broken build fails fast). Then the integration tier (a private
-# local Ray) and the e2e tier (a cluster from cluster/start.sh on the standard ports) run side by
-# side: most of their wall time is waiting on Ray and Serve (process starts, health checks,
-# rollouts), not computing, and they share nothing: the integration tier's Rays are private,
-# and e2e jobs name their cluster's address. RAYTORCH_TEST_SERIAL=1 runs them one after the other.
-# The e2e tier's output is printed when it ends; both tiers' exit codes count.
+# Unit first (seconds, no Ray: a broken build fails fast). Then two lanes side by side, each its
+# own pytest process: most of their wall time is waiting on Ray and Serve (process starts,
+# health checks, rollouts, restarts after injected faults), not computing, and they share
+# nothing: the integration tests' Rays are private (address="local", ray.cluster_utils) and e2e
+# jobs name their cluster's address.
+#   lane 1: the integration tier, but for the files of lane 2;
+#   lane 2: the fault, multi-node and tuning tests (integration, long waits), then the e2e tier
+#           (a cluster from cluster/start.sh on the standard ports).
+# RAYTORCH_TEST_SERIAL=1 runs the tiers one after the other instead. Lane 2's output is printed
+# when it ends; both lanes' exit codes count.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest --durations=15)
@@ -29,28 +33,32 @@ if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
 "${PYTEST[@]}" "${MARK[@]}" tests/unit || { check $?; exit 1; }
 
+LANE2=(tests/integration/test_faults.py tests/integration/test_multinode.py
+    tests/integration/test_tune.py)
 if [ "${RAYTORCH_TEST_SERIAL:-0}" = "1" ]; then
     "${PYTEST[@]}" "${MARK[@]}" tests/integration
-    integration=$?
+    lane1=$?
     "${PYTEST[@]}" "${MARK[@]}" tests/e2e
-    e2e=$?
+    lane2=$?
 else
-    log="$(mktemp -t raytorch-e2e.XXXXXX.log)"
-    "${PYTEST[@]}" "${MARK[@]}" tests/e2e >"$log" 2>&1 &
-    e2e_pid=$!
-    # A run cut short (Ctrl-C, CI timeout) stops the e2e tier too; its cluster fixture tears down.
-    trap 'kill -INT "$e2e_pid" 2>/dev/null; wait "$e2e_pid"; cat "$log"; exit 130' INT TERM
-    "${PYTEST[@]}" "${MARK[@]}" tests/integration
-    integration=$?
-    wait "$e2e_pid"
-    e2e=$?
+    log="$(mktemp -t raytorch-lane2.XXXXXX.log)"
+    "${PYTEST[@]}" "${MARK[@]}" "${LANE2[@]}" tests/e2e >"$log" 2>&1 &
+    lane2_pid=$!
+    # A run cut short (Ctrl-C, CI timeout) stops lane 2 too; its cluster fixture tears down.
+    trap 'kill -INT "$lane2_pid" 2>/dev/null; wait "$lane2_pid"; cat "$log"; exit 130' INT TERM
+    ignore=()
+    for f in "${LANE2[@]}"; do ignore+=("--ignore=$f"); done
+    "${PYTEST[@]}" "${MARK[@]}" "${ignore[@]}" tests/integration
+    lane1=$?
+    wait "$lane2_pid"
+    lane2=$?
     trap - INT TERM
     echo
-    echo "================================ e2e tier ================================"
+    echo "============== lane 2: faults, multi-node, tuning, then e2e =============="
     cat "$log"
     rm -f "$log"
 fi
 failed=0
-check "$integration" || { echo "integration tier failed (exit $integration)" >&2; failed=1; }
-check "$e2e" || { echo "e2e tier failed (exit $e2e)" >&2; failed=1; }
+check "$lane1" || { echo "lane 1 (integration) failed (exit $lane1)" >&2; failed=1; }
+check "$lane2" || { echo "lane 2 (faults, multi-node, tuning, e2e) failed (exit $lane2)" >&2; failed=1; }
 exit "$failed"

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
-from app.artifact import resolve
+from app.artifact import Artifact, resolve
 from app.config import ServeConfig, resolve_uri
 from app.serve.ingress import (
     AppHandle,
@@ -79,13 +79,15 @@ def model_route(model: str) -> str:
     return f"/v2/models/{model}"
 
 
-@serve.ingress()
-class ModelApp(ModelServer):
-    """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
+class SelfServing:
+    """Mixed into a replica class: the replica answers its own model's routes (its HTTP stack
+    and its model in one process, no hop between them)."""
+
+    artifact: Artifact
 
     def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
         self.config = ServeConfig.model_validate(serve_config)
-        super().__init__(artifact_uri, self.config)
+        super().__init__(artifact_uri, self.config)  # type: ignore[call-arg]
 
     async def __serve_build_asgi_app__(self):
         # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
@@ -96,17 +98,13 @@ class ModelApp(ModelServer):
 
 
 @serve.ingress()
-class LMApp(LMServer):
+class ModelApp(SelfServing, ModelServer):
+    """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
+
+
+@serve.ingress()
+class LMApp(SelfServing, LMServer):
     """A language model's replica: the same routes, generation instead of batched inference."""
-
-    def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
-        self.config = ServeConfig.model_validate(serve_config)
-        super().__init__(artifact_uri, self.config)
-
-    async def __serve_build_asgi_app__(self):
-        host = await serve_http_host()
-        router = ModelRouter({self.artifact.name: LocalHandle(self)}, self.config.request_timeout_s)
-        return create_api(self.config, router, IngressMetrics(), serve_host=host)
 
 
 def is_language_model(artifact: str) -> bool:

@@ -151,12 +151,15 @@ class ModelRouter:
         from ray.serve.exceptions import BackPressureError
 
         handle = self.get(name)
-        if not hasattr(handle, "generate_stream"):
+        if not await self.generates(name, handle):
             raise RequestError(400, f"model {name!r} does not generate text")
+        events = None
         try:
             events = handle.generate_stream.remote(payload)
             first = await asyncio.wait_for(events.__anext__(), self.timeout_s)
         except asyncio.TimeoutError:
+            if events is not None:
+                await close_events(events)  # else the replica generates on, holding a stream slot
             raise RequestError(
                 504,
                 f"model {name!r} did not start within serve.request_timeout_s={self.timeout_s:g}",
@@ -168,8 +171,19 @@ class ModelRouter:
                 503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
             ) from None
         if "error" in first:
+            await close_events(events)
             raise RequestError(first["status"], first["error"])
         return events, first
+
+    async def generates(self, name: str, handle: Any) -> bool:
+        """Whether model `name` is a language model. A replica's own handle knows; the index's
+        handle on another application would accept any method name, so ask the model."""
+        if not hasattr(handle, "generate_stream"):
+            return False
+        if not isinstance(handle, AppHandle):
+            return True
+        metadata = await self.call(name, "metadata")
+        return (metadata.get("schema") or {}).get("task") == "lm"
 
 
 @functools.cache

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -22,6 +21,7 @@ from typing import Any, cast
 from app.artifact import Artifact, open_artifact
 from app.config import ServeConfig
 from app.generate import Generation, Generator, PromptError, SamplingParams
+from app.serve.model_server import artifact_metadata
 
 log = logging.getLogger("ray.serve")
 _END = object()
@@ -59,17 +59,7 @@ class LMServer:
         await loop.run_in_executor(self.pool, lambda: self.generator.generate(ids, params).text())
 
     async def metadata(self) -> dict[str, Any]:
-        a = self.artifact
-        return {
-            "name": a.name,
-            "version": a.version,
-            "variant": self.variant,
-            "artifact": a.uri,
-            "schema": a.schema,
-            "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
-            "replica_pid": os.getpid(),
-            "generation": dict(self.stats),
-        }
+        return {**artifact_metadata(self.artifact, self.variant), "generation": dict(self.stats)}
 
     async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
         return {

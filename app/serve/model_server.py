@@ -111,16 +111,7 @@ class ModelServer:
         )
 
     async def metadata(self) -> dict[str, Any]:
-        a = self.artifact
-        return {
-            "name": a.name,
-            "version": a.version,
-            "variant": self.variant,
-            "artifact": a.uri,
-            "schema": a.schema,
-            "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
-            "replica_pid": os.getpid(),
-        }
+        return artifact_metadata(self.artifact, self.variant)
 
     async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
         """request: {"protocol": "v2", "tensor": {...}} or {"protocol": "v1", "instances": [...]}."""
@@ -298,3 +289,16 @@ class _ReplicaMetrics:
             "raytorch_replicas", description="live model replicas", tag_keys=("model", "replica")
         )
         self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})
+
+
+def artifact_metadata(a: Artifact, variant: str) -> dict[str, Any]:
+    """What a replica says about itself at `GET /v2/models/{name}` (and `/v1/models`)."""
+    return {
+        "name": a.name,
+        "version": a.version,
+        "variant": variant,
+        "artifact": a.uri,
+        "schema": a.schema,
+        "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
+        "replica_pid": os.getpid(),
+    }

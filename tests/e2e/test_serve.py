@@ -385,6 +385,16 @@ class Load:
             t.join(timeout=60)
 
 
+def answering_version(model: str) -> str | None:
+    """The version the model answers with now; None while a rollout keeps it from answering
+    (a poll retries that, it is not the failure being tested)."""
+    try:
+        r = requests.get(f"{SERVE}/v2/models/{model}", timeout=5)
+    except requests.RequestException:
+        return None
+    return (r.json().get("versions") or [None])[0] if r.status_code == 200 else None
+
+
 def running_replicas() -> int:
     import subprocess
 
@@ -481,14 +491,7 @@ def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    wait_for(
-        lambda: (
-            requests.get(f"{SERVE}/v2/models/digits", timeout=5).json().get("versions") == ["2"]
-        ),
-        120,
-        1,
-        "version 2 from serve.yaml",
-    )
+    wait_for(lambda: answering_version("digits") == "2", 120, 1, "version 2 from serve.yaml")
     x, _ = val_rows(served["root"], 8)
     r = infer(x)
     assert r.status_code == 200 and r.json()["model_version"] == "2"

@@ -292,3 +292,19 @@ def test_an_application_mounted_at_a_model_prefix_answers_the_full_routes(monkey
     assert asyncio.run(call("/v2/models/m/infer")) == 200
     messages.clear()
     assert asyncio.run(call("/v2/models/m/versions/1/infer")) == 200
+
+
+def test_completions_naming_a_classifier_on_another_application_is_a_400():
+    """The index reaches models through handles that accept any method name; asking a
+    classifier to generate must be a 400 naming it, not Serve's 500 for a missing method."""
+    from app.serve.ingress import AppHandle, _LocalMethod
+
+    async def classifier_metadata():
+        return {"name": "digits", "schema": {"inputs": []}}
+
+    handle = AppHandle("models-digits")
+    handle.metadata = _LocalMethod(classifier_metadata)
+    router = ModelRouter({"digits": handle}, timeout_s=1)
+    with pytest.raises(Exception, match="does not generate text") as info:
+        asyncio.run(router.stream("digits", {"prompt": "x"}))
+    assert getattr(info.value, "status", None) == 400

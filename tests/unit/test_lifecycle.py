@@ -74,3 +74,21 @@ def test_prune_refuses_bad_keep_and_unknown_model(registry, monkeypatch):
     with pytest.raises(UserError, match="no such model"):
         lifecycle.prune(config, 1, model="nope")
     assert lifecycle.prune(config, 2)["deleted"] == {"digits": ["1", "2"], "text": []}
+
+
+def test_prune_refuses_when_the_live_version_cannot_be_told(registry):
+    with pytest.raises(UserError, match="cannot tell which version is live"):
+        lifecycle.prune_model(str(registry), "digits", keep=1, live="HTTP 503: busy")
+    assert len(lifecycle.complete_versions(str(registry / "digits"))) == 4
+
+
+def test_a_language_models_gate_shows_perplexity_and_agreement():
+    report = {
+        "perplexity": {"fp32": 10.0, "int8": 10.1},
+        "perplexity_increase": 0.01,
+        "greedy": {"token_agreement": 0.97},
+        "size_ratio_int8": 0.5,
+    }
+    figures = lifecycle.gate_figures(report)
+    assert figures["greedy_agreement"] == 0.97 and figures["perplexity_increase"] == 0.01
+    assert "int8_accuracy" not in figures

@@ -254,3 +254,16 @@ def test_without_model_keeps_the_others_untouched():
     assert left["models-topics"] == apps["models-topics"]
     assert left["models"]["args"]["models"] == ["topics"]
     assert deploy_mod.without_model(left, cfg, "topics") == {}
+
+
+def test_deploying_one_model_leaves_the_others_applications_exactly_as_they_were():
+    """Another model keeps its own serve settings and pinned artifact (a changed config would be
+    a new version to Serve: a rolling restart of a model nobody deployed)."""
+    apps = {a["name"]: a for a in apps_with(("digits", "/r/digits/1"), ("topics", "/r/topics/2"))}
+    apps["models-topics"]["args"]["serve"]["variant"] = "fp32"  # deployed with other settings
+    cfg = ServeConfig(api_key_env="OTHER_KEY")
+    after = deploy_mod.with_model(apps, cfg, {"name": "digits", "artifact": "/r/digits/3"})
+    assert after["models-topics"] == apps["models-topics"]
+    assert after["models-digits"]["args"]["model"]["artifact"] == "/r/digits/3"
+    assert after["models-digits"]["args"]["serve"]["api_key_env"] == "OTHER_KEY"
+    assert after["models"]["args"]["models"] == ["digits", "topics"]
