@@ -65,6 +65,9 @@ def tune(config: Config) -> dict[str, Any]:
                 max_t=config.train.epochs,
                 grace_period=min(spec.grace_period, config.train.epochs),
                 reduction_factor=spec.reduction_factor,
+                # A trial that reaches the last epoch ends by itself (its run returns and
+                # releases its workers) instead of being stopped there by the scheduler.
+                stop_last_trials=False,
             ),
         ),
         run_config=ray.tune.RunConfig(name=name, storage_path=config.storage_path, verbose=0),

@@ -6,16 +6,36 @@ from __future__ import annotations
 import pytest
 
 from app import checkpoint, storage
-from tests.integration.conftest import ensure_local_ray, workload_config
+from tests.integration.conftest import workload_config
+from tests.s3_server import free_port
 
 pytestmark = pytest.mark.integration
 
 
-def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace):
+@pytest.fixture
+def ray_with_dashboard():
+    """A private Ray with its dashboard (on a free port), as every real cluster has: a trial that
+    ASHA stops is killed with its Train run, whose placement group Ray Train's cleaner then
+    removes, and the cleaner asks the dashboard's state API whether the run's controller died.
+    The suite's usual private Ray has no dashboard; there the next trial would wait forever."""
+    import ray
+
+    ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_port=free_port(),
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()  # later tests start the usual one again
+
+
+def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace, ray_with_dashboard):
     from app.tune import tune
 
     prepared("digits")
-    ensure_local_ray()
     config = workload_config(
         workspace,
         "digits",
