@@ -70,7 +70,13 @@ def tune(config: Config) -> dict[str, Any]:
                 stop_last_trials=False,
             ),
         ),
-        run_config=ray.tune.RunConfig(name=name, storage_path=config.storage_path, verbose=0),
+        # Tune's own tables are off (verbose=0): one line per finished trial instead.
+        run_config=ray.tune.RunConfig(
+            name=name,
+            storage_path=config.storage_path,
+            verbose=0,
+            callbacks=[trial_log(spec)],
+        ),
     )
     log.info("tune: %s, %d trials of %s", name, spec.num_trials, sorted(spec.space))
     grid = tuner.fit()
@@ -85,6 +91,36 @@ def search_base(config: Config, spec: TuneSection) -> dict[str, Any]:
     base["train"]["checkpoint_metric"] = spec.metric
     base["train"]["checkpoint_mode"] = spec.mode
     return base
+
+
+def trial_log(spec: TuneSection):
+    """A Tune callback writing one log line per finished trial (its values, best metric, epochs).
+    Built here because `ray.tune` is imported only when a search runs."""
+    from ray.tune import Callback
+
+    class TrialLog(Callback):
+        def __init__(self) -> None:
+            self.done = 0
+
+        def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+            self.done += 1
+            result = trial.last_result or {}
+            values = ", ".join(f"{k}={_short(v)}" for k, v in (trial.config or {}).items())
+            log.info(
+                "tune: trial %d/%d (%s): %s %s after %s epochs",
+                self.done,
+                spec.num_trials,
+                values,
+                spec.metric,
+                _short(result.get(spec.metric)),
+                result.get("training_iteration", "?"),
+            )
+
+    return TrialLog()
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def require_tune(config: Config) -> TuneSection:
