@@ -10,7 +10,7 @@
 # nothing: the integration tests' Rays are private (address="local", ray.cluster_utils) and e2e
 # jobs name their cluster's address.
 #   lane 1: the integration tier, but for the files of lane 2;
-#   lane 2: the fault and tuning tests (integration, long waits), then the e2e tier
+#   lane 2: the fault, multi-node and tuning tests (integration, long waits), then the e2e tier
 #           (a cluster from cluster/start.sh on the standard ports).
 # RAYTORCH_TEST_SERIAL=1 runs the tiers one after the other instead. Lane 2's output is printed
 # when it ends; both lanes' exit codes count.
@@ -33,7 +33,8 @@ if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
 "${PYTEST[@]}" "${MARK[@]}" tests/unit || { check $?; exit 1; }
 
-LANE2=(tests/integration/test_faults.py tests/integration/test_tune.py)
+LANE2=(tests/integration/test_faults.py tests/integration/test_multinode.py
+    tests/integration/test_tune.py)
 if [ "${RAYTORCH_TEST_SERIAL:-0}" = "1" ]; then
     "${PYTEST[@]}" "${MARK[@]}" tests/integration
     lane1=$?
@@ -53,11 +54,11 @@ else
     lane2=$?
     trap - INT TERM
     echo
-    echo "=================== lane 2: faults, tuning, then e2e ==================="
+    echo "============== lane 2: faults, multi-node, tuning, then e2e =============="
     cat "$log"
     rm -f "$log"
 fi
 failed=0
 check "$lane1" || { echo "lane 1 (integration) failed (exit $lane1)" >&2; failed=1; }
-check "$lane2" || { echo "lane 2 (faults, tuning, e2e) failed (exit $lane2)" >&2; failed=1; }
+check "$lane2" || { echo "lane 2 (faults, multi-node, tuning, e2e) failed (exit $lane2)" >&2; failed=1; }
 exit "$failed"
