@@ -10,8 +10,8 @@
 # nothing: the integration tests' Rays are private (address="local", ray.cluster_utils) and e2e
 # jobs name their cluster's address.
 #   lane 1: the integration tier, but for the files of lane 2;
-#   lane 2: the fault, multi-node and tuning tests (integration, long waits), then the e2e tier
-#           (a cluster from cluster/start.sh on the standard ports).
+#   lane 2: the e2e tier (a cluster from cluster/start.sh on the standard ports), then the
+#           fault, multi-node and tuning tests (integration, long waits).
 # RAYTORCH_TEST_SERIAL=1 runs the tiers one after the other instead. Lane 2's output is printed
 # when it ends; both lanes' exit codes count.
 set -uo pipefail
@@ -42,7 +42,10 @@ if [ "${RAYTORCH_TEST_SERIAL:-0}" = "1" ]; then
     lane2=$?
 else
     log="$(mktemp -t raytorch-lane2.XXXXXX.log)"
-    "${PYTEST[@]}" "${MARK[@]}" "${LANE2[@]}" tests/e2e >"$log" 2>&1 &
+    # e2e first: its jobs then train while lane 1 runs its early files. When they overlapped
+    # test_train.py instead, lane 1's process ended silently with exit 1 inside trainer.fit()
+    # (3 runs of 6; the cause is not found yet, see docs/architecture.md "Tests").
+    "${PYTEST[@]}" "${MARK[@]}" tests/e2e "${LANE2[@]}" >"$log" 2>&1 &
     lane2_pid=$!
     # A run cut short (Ctrl-C, CI timeout) stops lane 2 too; its cluster fixture tears down.
     trap 'kill -INT "$lane2_pid" 2>/dev/null; wait "$lane2_pid"; cat "$log"; exit 130' INT TERM
@@ -54,7 +57,7 @@ else
     lane2=$?
     trap - INT TERM
     echo
-    echo "============== lane 2: faults, multi-node, tuning, then e2e =============="
+    echo "============== lane 2: e2e, then faults, multi-node, tuning =============="
     cat "$log"
     rm -f "$log"
 fi
