@@ -4,16 +4,15 @@
 #   tests/run.sh --all    make test-all: the same plus the `slow` ones
 #   tests/run.sh ARGS...  plain pytest arguments (one pytest run)
 #
-# Unit first (seconds, no Ray: a broken build fails fast). Then two lanes side by side, each its
-# own pytest process: most of their wall time is waiting on Ray and Serve (process starts,
-# health checks, rollouts, restarts after injected faults), not computing, and they share
-# nothing: the integration tests' Rays are private (address="local", ray.cluster_utils) and e2e
-# jobs name their cluster's address.
-#   lane 1: the integration tier, but for the files of lane 2;
-#   lane 2: the e2e tier (a cluster from cluster/start.sh on the standard ports), then the
-#           fault, multi-node and tuning tests (integration, long waits).
-# RAYTORCH_TEST_SERIAL=1 runs the tiers one after the other instead. Lane 2's output is printed
-# when it ends; both lanes' exit codes count.
+# Unit first (seconds, no Ray: a broken build fails fast), then the integration tier (private
+# local Rays), then the e2e tier (a cluster from cluster/start.sh on the standard ports).
+#
+# RAYTORCH_TEST_PARALLEL=1 (experimental) runs two lanes side by side instead: lane 1 the
+# integration tier, lane 2 the e2e tier and then the fault, multi-node and tuning files. Most of
+# their time is waiting on Ray and Serve, so the lanes take about 12 minutes instead of about 17,
+# but in 4 of 7 runs lane 1's pytest ended silently (exit 1) in test_train.py while lane 2 was
+# training or injecting faults, its Ray reporting lost objects first: the cause is not found, so
+# it is not the default. Lane 2's output is printed when it ends; both lanes' exit codes count.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest --durations=15)
@@ -35,16 +34,13 @@ if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
 LANE2=(tests/integration/test_faults.py tests/integration/test_multinode.py
     tests/integration/test_tune.py)
-if [ "${RAYTORCH_TEST_SERIAL:-0}" = "1" ]; then
+if [ "${RAYTORCH_TEST_PARALLEL:-0}" != "1" ]; then
     "${PYTEST[@]}" "${MARK[@]}" tests/integration
     lane1=$?
     "${PYTEST[@]}" "${MARK[@]}" tests/e2e
     lane2=$?
 else
     log="$(mktemp -t raytorch-lane2.XXXXXX.log)"
-    # e2e first: its jobs then train while lane 1 runs its early files. When they overlapped
-    # test_train.py instead, lane 1's process ended silently with exit 1 inside trainer.fit()
-    # (3 runs of 6; the cause is not found yet, see docs/architecture.md "Tests").
     "${PYTEST[@]}" "${MARK[@]}" tests/e2e "${LANE2[@]}" >"$log" 2>&1 &
     lane2_pid=$!
     # A run cut short (Ctrl-C, CI timeout) stops lane 2 too; its cluster fixture tears down.
