@@ -1,9 +1,10 @@
 """Ingest: prepared Parquet shards -> Ray Data -> fitted preprocessing -> training workers.
 
 The driver decides the data path once per run (`plan_data_path`, logged with its reason):
-- `memory`: the preprocessed splits fit the cache budget. Ray Data reads and preprocesses them
-  once; each worker keeps its shard as tensors (app/feed.py) and reshuffles it every epoch, so
-  later epochs have no per-epoch set-up at all (no streaming execution, no task start-up).
+- `memory`: the preprocessed splits fit the cache budget. Each worker reads its own row range
+  of the Parquet shards straight from storage and preprocesses it once (`read_rank_share`: no
+  Ray Data execution to plan or start, so the first step comes seconds sooner), keeps it as
+  tensors (app/feed.py) and reshuffles it every epoch: no per-epoch set-up at all.
 - `stream`: they do not fit. Every epoch streams `read_parquet` -> `map_batches` into the workers,
   with several read tasks per worker so reading overlaps training, prefetching in the workers,
   and Ray Data's CPUs bounded so it cannot starve the trainers (nor they it).
@@ -75,6 +76,42 @@ def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
     for uri in files:
         fs, path = storage.filesystem(uri)
         yield pq.read_table(path, filesystem=fs).to_pandas()
+
+
+def rank_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's contiguous row range of a split: every rank the same count, the last `rows % world`
+    rows left out, as Ray Data's `streaming_split(equal=True)` does (DDP and FSDP need every rank
+    to run the same number of steps)."""
+    share = rows // world
+    return rank * share, (rank + 1) * share
+
+
+def read_rank_share(
+    shards: list[tuple[str, int]], rank: int, world: int, pre: Preprocessor
+) -> Iterator[dict[str, Any]]:
+    """This rank's rows of a split, read straight from its Parquet shards and preprocessed, one
+    block per shard file (files outside the rank's range are never opened).
+
+    The in-memory path's worker side: no Ray Data execution, so nothing to plan, schedule or
+    start before the first step (`shards` are (uri, rows) in manifest order, already verified
+    against their sha256 on the driver).
+    """
+    lo, hi = rank_range(sum(rows for _, rows in shards), rank, world)
+    offset = 0
+    for uri, rows in shards:
+        start, offset = offset, offset + rows
+        a, b = max(lo, start) - start, min(hi, offset) - start
+        if b <= a:
+            continue
+        fs, path = storage.filesystem(uri)
+        part = pq.read_table(path, filesystem=fs).slice(a, b - a).to_pandas()
+        yield pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
+
+
+def split_shards(config: Config, manifest: DatasetManifest, split: str) -> list[tuple[str, int]]:
+    """(uri, rows) of every shard of a split, in manifest order: what `read_rank_share` reads."""
+    files = split_files(config.data_output, manifest, split)
+    return [(uri, s.rows) for uri, s in zip(files, manifest.splits[split].shards, strict=True)]
 
 
 def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) -> Preprocessor:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 Batch = dict[str, torch.Tensor]
-# Rows per Ray Data batch while filling the cache: big batches, few round trips.
+# Batch rows while a `tensors` access fills the cache in one pass (no training on it).
 FILL_BATCH_ROWS = 1024
 
 
@@ -32,10 +32,6 @@ class MemoryFeed:
     def __init__(self, source: Callable[[], Iterable[dict[str, np.ndarray]]]):
         self._source = source
         self._tensors: Batch | None = None
-
-    @classmethod
-    def from_shard(cls, shard: Any) -> MemoryFeed:
-        return cls(lambda: shard.iter_batches(batch_size=FILL_BATCH_ROWS, batch_format="numpy"))
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> MemoryFeed:
@@ -66,20 +62,29 @@ class MemoryFeed:
         return self._cached_pass(batch_size, seed)
 
     def _first_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
+        """Trains on the source's blocks as they arrive and keeps them. Rows left over at a
+        block's end go into the next block's first batch: every batch but the last is full, so
+        ranks holding as many rows take as many steps whatever their block sizes (DDP needs
+        that: a rank one step ahead would all-reduce against the other's epoch-end sums)."""
         parts: dict[str, list[torch.Tensor]] = {}
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        carry: Batch = {}
         for raw in self._source():
             block = {k: torch.from_numpy(np.asarray(v)) for k, v in raw.items()}
             for key, value in block.items():
                 parts.setdefault(key, []).append(value)
+            if generator is not None:  # shuffled within the block
+                order = torch.randperm(len(next(iter(block.values()))), generator=generator)
+                block = {k: v[order] for k, v in block.items()}
+            if carry:
+                block = {k: torch.cat([carry[k], v]) for k, v in block.items()}
             rows = len(next(iter(block.values())))
-            order = torch.randperm(rows, generator=generator) if generator else None
-            for start in range(0, rows, batch_size):
-                index = order[start : start + batch_size] if order is not None else None
-                yield {
-                    k: v[index] if index is not None else v[start : start + batch_size]
-                    for k, v in block.items()
-                }
+            full = rows - rows % batch_size
+            for start in range(0, full, batch_size):
+                yield {k: v[start : start + batch_size] for k, v in block.items()}
+            carry = {k: v[full:] for k, v in block.items()} if full < rows else {}
+        if carry:
+            yield carry
         self._tensors = {k: torch.cat(v) for k, v in parts.items()}
 
     def _cached_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:

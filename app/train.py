@@ -1,7 +1,8 @@
-"""Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed by Ray Data.
+"""Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from Parquet shards.
 
-The driver fits the preprocessor, chooses the data path (app/data.py: in-memory cache or
-streaming), builds the lazy datasets and launches the trainer; each worker runs `train_loop` top
+The driver fits the preprocessor, chooses the data path (app/data.py: each worker reads its rows
+into memory, or Ray Data streams them), builds the lazy datasets when streaming and launches
+the trainer; each worker runs `train_loop` top
 to bottom: build model -> maybe resume -> epochs of (train, validate, report + checkpoint). The
 epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
 """
@@ -56,7 +57,7 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from app.cli import connect_ray
-    from app.data import fit_preprocessor, ingest_options, load_split, plan_data_path
+    from app.data import fit_preprocessor, ingest_options, load_split, plan_data_path, split_shards
     from app.prepare import read_manifest, verify_shards
 
     check_precision(config)
@@ -76,10 +77,11 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     connect_ray()
     plan = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", plan.mode, plan.reason)
-    datasets = {
-        split: load_split(config, split, preprocessor, manifest, plan.mode)
-        for split in ("train", "val")
-    }
+    splits = ("train", "val")
+    # In memory, each worker reads its own rows (no Ray Data); streamed, Ray Data feeds them.
+    memory = plan.mode == "memory"
+    shards = {split: split_shards(config, manifest, split) for split in splits} if memory else None
+    datasets = {} if memory else {s: load_split(config, s, preprocessor, manifest) for s in splits}
     t = config.train
     # Propagated by Ray Train from this process to its controller (see TrainConfig).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(t.controller_poll_s))
@@ -91,6 +93,7 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             "run_dir": run_dir,
             "train_rows": manifest.rows["train"],
             "data_path": plan.mode,
+            "shards": shards,
             "reference_metrics": reference_metrics(config, manifest, preprocessor),
             "mlflow": {"uri": tracking.mlflow_uri(), "run_id": mlflow_run} if mlflow_run else None,
         },
@@ -310,7 +313,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     tracker = tracking.EpochTracker(loop_config["run_dir"], mlflow) if rank == 0 else None
     state.worker_nodes = gather_node_ids(world)
 
-    train_feed, val_feed = (feed(config, loop_config["data_path"], s) for s in ("train", "val"))
+    shards = loop_config["shards"]
+    train_feed, val_feed = (
+        feed(config, shards and shards[s], s, preprocessor, rank, world) for s in ("train", "val")
+    )
     log_every = t.log_every_steps if rank == 0 else 0
     # A resumed run that had already stopped early stays stopped (unless patience was raised).
     last_epoch = state.epoch if should_stop_early(state.history, config) else t.epochs
@@ -374,15 +380,25 @@ def quiet_ray_train_logs() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def feed(config: Config, mode: str, split: str):
-    """This worker's batches of one split: its shard kept in memory, or streamed each epoch."""
+def feed(
+    config: Config,
+    shards: list[tuple[str, int]] | None,
+    split: str,
+    preprocessor: Preprocessor,
+    rank: int,
+    world: int,
+):
+    """This worker's batches of one split: its row range read from `shards` and kept in memory
+    (the memory path), or its Ray Data shard streamed each epoch."""
     import ray.train
 
     from app.feed import MemoryFeed, StreamFeed
 
+    if shards is not None:
+        from app.data import read_rank_share
+
+        return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
     shard = ray.train.get_dataset_shard(split)
-    if mode == "memory":
-        return MemoryFeed.from_shard(shard)
     d = config.data
     return StreamFeed(shard, d.stream_prefetch_batches, config.train.shuffle_buffer)
 

@@ -4,8 +4,8 @@
   tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass
   reads the Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
 - cached: the in-memory path training takes when the data fits (`app.feed.MemoryFeed` filled
-  from a Ray Data pass once, then reshuffled per epoch) vs the DataLoader, which reads and
-  transforms every epoch. Both the steady epochs and the filling pass (the same read + transform
+  once by `app.data.read_rank_share` straight from the shards, then reshuffled per epoch) vs
+  the DataLoader, which reads and transforms every epoch. Both the steady epochs and the filling pass (the same read + transform
   work as one DataLoader pass) are reported; `value` is the worse of the steady ratios.
 
 Rows/s = rows of one full pass / its wall time (start-up included, as in an epoch), median of
@@ -61,7 +61,13 @@ def measure(make_iter, passes: int) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    from app.data import fit_preprocessor, ingest_options, load_split
+    from app.data import (
+        fit_preprocessor,
+        ingest_options,
+        load_split,
+        read_rank_share,
+        split_shards,
+    )
     from app.feed import MemoryFeed
     from bench.torch_data import TorchShard
 
@@ -87,8 +93,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         streamed = measure(
             lambda: ds.iter_torch_batches(batch_size=BATCH, prefetch_batches=4), passes
         )
-        cached_ds = load_split(config, "train", pre, manifest, mode="memory")
-        feed = MemoryFeed(lambda: cached_ds.iter_batches(batch_size=1024, batch_format="numpy"))
+        shards = split_shards(config, manifest, "train")
+        feed = MemoryFeed(lambda: read_rank_share(shards, 0, 1, pre))
         wait_for_quiet(quiet_s)
         fill = measure(lambda: feed.batches(BATCH, seed=0), 1)  # the first epoch fills it
         cached = measure(lambda: feed.batches(BATCH, seed=1), passes)

@@ -168,3 +168,42 @@ def test_stream_feed_starts_the_next_pass_ahead():
     feed.prefetch(4, seed=8)
     assert [int(v) for b in feed.batches(4, seed=9) for v in b["label"]] == list(range(6))
     assert 9 in shard.opened
+
+
+def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_path):
+    import pandas as pd
+
+    from app.data import read_rank_share
+
+    pre = tabular_pre(features=1)
+    shards, start = [], 0
+    for i, rows in enumerate([5, 3, 4]):  # 12 rows in 3 files of uneven size
+        path = tmp_path / f"part-{i}.parquet"
+        values = np.arange(start, start + rows, dtype=np.float32)
+        pd.DataFrame({"f0": values, "label": ["a"] * rows}).to_parquet(path)
+        shards.append((str(path), rows))
+        start += rows
+
+    def rows_of(rank: int, world: int) -> list[int]:
+        blocks = list(read_rank_share(shards, rank, world, pre))
+        return [int(v) for b in blocks for v in b["x"][:, 0]]
+
+    assert rows_of(0, 1) == list(range(12))
+    # 12 rows over 5 ranks: 2 each, the last 2 rows left out (every rank takes as many steps).
+    shares = [rows_of(r, 5) for r in range(5)]
+    assert shares == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    # A rank whose range lies in one file never opens the others.
+    (tmp_path / "part-2.parquet").unlink()
+    assert rows_of(0, 3) == [0, 1, 2, 3]
+
+
+def test_first_pass_batches_are_full_across_uneven_blocks():
+    # Two ranks with 213 rows each, read as blocks of different sizes, must take as many steps.
+    def feed_of(sizes):
+        blocks = [{"label": np.arange(n, dtype=np.int64)} for n in sizes]
+        return MemoryFeed(lambda: blocks)
+
+    for seed in (None, 3):
+        a = [len(b["label"]) for b in feed_of([10, 203]).batches(64, seed=seed)]
+        b = [len(b["label"]) for b in feed_of([213]).batches(64, seed=seed)]
+        assert a == b == [64, 64, 64, 21]
