@@ -29,8 +29,10 @@
 #                            variables, default 8404 / 9101), checked free when RAYTORCH_SERVE_FAST=1.
 #   RAYTORCH_CLUSTER_STATE   the state file (default ~/.ray/raytorch-cluster-<GCS port>.state).
 #   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
-#                            RAY_SERVE_ENABLE_HA_PROXY=1 and a 5 s replica drain
-#                            (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S); 0 leaves Serve's
+#                            RAY_SERVE_ENABLE_HA_PROXY=1, a 5 s replica drain
+#                            (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S) and HAProxy retries
+#                            of requests a dead replica left unanswered
+#                            (RAY_SERVE_HAPROXY_RETRY_ON); 0 leaves Serve's
 #                            defaults.
 #   RAYTORCH_ROOT            where jobs resolve relative output paths (default: the repo root).
 #   RAYTORCH_RAY_START_ARGS  extra arguments for `ray start` (word-split).
@@ -145,6 +147,11 @@ if [[ "$SERVE_FAST" == "1" ]]; then
     # Here HAProxy on the same node reloads its backends within a second or two and retries
     # refused connections, and every rollout waited out the previous replica's 30 s.
     export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="${RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S:-5}"
+    # A replica that dies mid-request leaves HAProxy an empty response, which it answers with a
+    # plain "500 Internal Server Error" (Serve maps 502/503/504 to it). Every endpoint here is
+    # inference (no side effects), so HAProxy may replay such a request on another replica:
+    # the in-flight requests of a killed replica then succeed instead of failing.
+    export RAY_SERVE_HAPROXY_RETRY_ON="${RAY_SERVE_HAPROXY_RETRY_ON:-conn-failure empty-response}"
 else
     export RAY_SERVE_DEFAULT_HTTP_HOST="$BIND_HOST"
 fi

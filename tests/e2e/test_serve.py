@@ -446,9 +446,10 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(served):
         wait_for(lambda: running_replicas() >= 2, 30, 0.5, "a replacement replica")
         replaced_in = time.monotonic() - killed_at
     assert replaced_in < 30
-    # Only requests in flight on the killed replica may fail (at most one per load thread), and
-    # fast: the replica that parses a request runs it, so HAProxy in front sees its connection
-    # close (or answers 503), and the client retries. Never a 500, never a hang.
+    # Requests in flight on the killed replica are replayed by HAProxy on the survivor
+    # (cluster/start.sh: RAY_SERVE_HAPROXY_RETRY_ON). At most one per load thread may still
+    # fail, fast, with its connection closed or a 503: never a 500 (HAProxy's answer to an
+    # empty response when it does not retry), never a hang.
     assert load.failures <= threads, load.errors[:5]
     for error, seconds in zip(load.errors, load.error_seconds, strict=True):
         assert error.startswith(("503 ", "ConnectionError(")), error
