@@ -37,29 +37,42 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class DataPlan:
-    """Which data path a run takes, and why (logged and kept in the train summary)."""
+    """Which data path a run takes, and why (logged and kept in the train summary).
+
+    `mode` is the training split's path; `val_mode` the validation split's, which stays in
+    memory when only the training split is too large (a streamed pass costs seconds to start,
+    every epoch, however few rows it holds).
+    """
 
     mode: Literal["memory", "stream"]
     reason: str
     preprocessed_bytes: int
     budget_bytes: int
+    val_mode: Literal["memory", "stream"] = "memory"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def split_mode(self, split: str) -> str:
+        return self.val_mode if split == "val" else self.mode
 
 
 def plan_data_path(config: Config, manifest: DatasetManifest, pre: Preprocessor) -> DataPlan:
     """The one place that chooses between the in-memory cache and streaming."""
     rows = sum(manifest.rows.get(split, 0) for split in SPLITS)
     size = rows * pre.row_bytes()
+    val_size = manifest.rows.get("val", 0) * pre.row_bytes()
     budget = cache_budget_bytes(config)
     sizes = f"preprocessed train + val {size / MIB:.1f} MiB ({rows} rows), budget {budget / MIB:.1f} MiB"
     choice = config.data.cache
     if choice != "auto":
-        return DataPlan(choice, f"data.cache={choice} ({sizes})", size, budget)
+        return DataPlan(choice, f"data.cache={choice} ({sizes})", size, budget, val_mode=choice)
     if size <= budget:
         return DataPlan("memory", f"fits the cache budget: {sizes}", size, budget)
-    return DataPlan("stream", f"over the cache budget: {sizes}", size, budget)
+    if val_size <= budget:
+        reason = f"over the cache budget: {sizes}; validation ({val_size / MIB:.1f} MiB) cached"
+        return DataPlan("stream", reason, size, budget, val_mode="memory")
+    return DataPlan("stream", f"over the cache budget: {sizes}", size, budget, val_mode="stream")
 
 
 def cache_budget_bytes(config: Config) -> int:

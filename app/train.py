@@ -77,11 +77,15 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     connect_ray()
     plan = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", plan.mode, plan.reason)
-    splits = ("train", "val")
-    # In memory, each worker reads its own rows (no Ray Data); streamed, Ray Data feeds them.
-    memory = plan.mode == "memory"
-    shards = {split: split_shards(config, manifest, split) for split in splits} if memory else None
-    datasets = {} if memory else {s: load_split(config, s, preprocessor, manifest) for s in splits}
+    # A split in memory: each worker reads its own rows (no Ray Data); streamed: Ray Data feeds it.
+    shards: dict[str, list[tuple[str, int]] | None] = {}
+    datasets = {}
+    for split in ("train", "val"):
+        if plan.split_mode(split) == "memory":
+            shards[split] = split_shards(config, manifest, split)
+        else:
+            shards[split] = None
+            datasets[split] = load_split(config, split, preprocessor, manifest)
     t = config.train
     # Propagated by Ray Train from this process to its controller (see TrainConfig).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(t.controller_poll_s))
@@ -92,7 +96,6 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             "preprocessor": preprocessor.to_json(),
             "run_dir": run_dir,
             "train_rows": manifest.rows["train"],
-            "data_path": plan.mode,
             "shards": shards,
             "reference_metrics": reference_metrics(config, manifest, preprocessor),
             "mlflow": {"uri": tracking.mlflow_uri(), "run_id": mlflow_run} if mlflow_run else None,
@@ -293,13 +296,19 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     if t.precision == "fp16" and device.type != "cuda":
         raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
+    shards = loop_config["shards"]
+    train_feed, val_feed = (
+        feed(config, shards[s], s, preprocessor, rank, world) for s in ("train", "val")
+    )
+    resumed = ray.train.get_checkpoint()
+    if not resumed:  # streamed: Ray Data starts its first pass while the model is built
+        train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
     build = functools.partial(build_model, config.model, preprocessor)
     # DDP or FSDP, activation checkpointing, torch.compile (app/parallel.py); the optimizer is
     # built over what that leaves (under FSDP, this rank's shards).
     model = parallel.parallelize(build(), t, device)
     total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
     state = TrainState.create(model, config, total_steps)
-    resumed = ray.train.get_checkpoint()
     if resumed:
         with resumed.as_directory() as folder:
             state.restore(folder, rank)
@@ -313,10 +322,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     tracker = tracking.EpochTracker(loop_config["run_dir"], mlflow) if rank == 0 else None
     state.worker_nodes = gather_node_ids(world)
 
-    shards = loop_config["shards"]
-    train_feed, val_feed = (
-        feed(config, shards and shards[s], s, preprocessor, rank, world) for s in ("train", "val")
-    )
     log_every = t.log_every_steps if rank == 0 else 0
     # A resumed run that had already stopped early stays stopped (unless patience was raised).
     last_epoch = state.epoch if should_stop_early(state.history, config) else t.epochs

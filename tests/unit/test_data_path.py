@@ -35,19 +35,26 @@ MANIFEST = manifest_with_rows({"train": 1000, "val": 250})  # 1250 rows x (4 x 4
 
 
 @pytest.mark.parametrize(
-    ("overrides", "mode", "says"),
+    ("overrides", "mode", "val_mode", "says"),
     [
-        (["data.cache_budget_mb=1"], "memory", "fits the cache budget"),
-        (["data.cache_budget_mb=0.01"], "stream", "over the cache budget"),
-        (["data.cache=stream", "data.cache_budget_mb=1"], "stream", "data.cache=stream"),
-        (["data.cache=memory", "data.cache_budget_mb=0.01"], "memory", "data.cache=memory"),
+        (["data.cache_budget_mb=1"], "memory", "memory", "fits the cache budget"),
+        # Train + val (29 KiB) over the budget, val alone (6 KiB) within it: only train streams.
+        (["data.cache_budget_mb=0.01"], "stream", "memory", "validation (0.0 MiB) cached"),
+        (["data.cache_budget_mb=0.005"], "stream", "stream", "over the cache budget"),
+        (["data.cache=stream", "data.cache_budget_mb=1"], "stream", "stream", "data.cache=stream"),
+        (
+            ["data.cache=memory", "data.cache_budget_mb=0.01"],
+            "memory",
+            "memory",
+            "data.cache=memory",
+        ),
     ],
 )
 def test_the_data_path_is_chosen_by_size_and_can_be_overridden(
-    config_factory, overrides, mode, says
+    config_factory, overrides, mode, val_mode, says
 ):
     plan = plan_data_path(config_factory(*overrides), MANIFEST, tabular_pre())
-    assert plan.mode == mode
+    assert (plan.mode, plan.val_mode) == (mode, val_mode)
     assert says in plan.reason
     assert plan.preprocessed_bytes == 1250 * (4 * 4 + 8)
     assert "0.0 MiB (1250 rows)" in plan.reason  # the log line says the size it judged
