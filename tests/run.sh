@@ -9,7 +9,7 @@
 #
 # RAYTORCH_TEST_PARALLEL=1 (experimental) runs two lanes side by side instead: lane 1 the
 # integration tier, lane 2 the e2e tier and then the fault, multi-node and tuning files. Most of
-# their time is waiting on Ray and Serve, so the lanes take about 12 minutes instead of about 13,
+# their time is waiting on Ray and Serve (measured before the memory data path: about 12 minutes instead of 13),
 # but in 4 of 7 runs lane 1's pytest ended silently (exit 1) in test_train.py while lane 2 was
 # training or injecting faults, its Ray reporting lost objects first: the cause is not found, so
 # it is not the default. Lane 2's output is printed when it ends; both lanes' exit codes count.
