@@ -192,9 +192,10 @@ class ExportConfig(_Section):
     parity_rows: int = Field(256, ge=1)
     latency_repeats: int = Field(30, ge=3)
     # Language models (task lm, app/export_lm.py): int8 perplexity may exceed fp32's by this
-    # fraction on `perplexity_rows` val sequences, and greedy decoding of `greedy_prompts` val
-    # prompts (`greedy_prompt_tokens` each) for `greedy_tokens` tokens must pick fp32's token at
-    # this share of positions at least.
+    # fraction on `perplexity_rows` val sequences, and along fp32's greedy continuation of
+    # `greedy_prompts` val prompts (`greedy_prompt_tokens` each, `greedy_tokens` tokens) int8
+    # must pick fp32's token at this share of positions at least (teacher-forced: each position
+    # is one decision, app/export_lm.py:greedy_agreement).
     max_perplexity_increase: float = Field(0.02, ge=0)
     perplexity_rows: int = Field(64, ge=1)
     min_greedy_agreement: float = Field(0.9, ge=0, le=1)
