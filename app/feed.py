@@ -1,9 +1,10 @@
 """Worker-side batch feeds: what a training worker iterates, epoch after epoch.
 
-- `MemoryFeed` keeps the worker's whole shard as tensors after one pass over it (the first
-  epoch trains on the blocks as they arrive) and reshuffles it every epoch with a seeded
-  generator: after the first epoch there is nothing to set up, read or preprocess, so the
-  training loop never waits for data.
+- `MemoryFeed` keeps the worker's whole shard as tensors after one pass over it and
+  reshuffles it every epoch with a seeded generator: after the first epoch there is nothing to
+  set up, read or preprocess, so the training loop never waits for data. A seed's order is the
+  same whether the shard was just read or not, so a run resumed at epoch e trains epoch e on
+  exactly the batches the uninterrupted run did.
 - `StreamFeed` iterates a Ray Data shard anew every epoch (local shuffle buffer, prefetching),
   starting each next pass while the current epoch validates and reports.
 
@@ -40,7 +41,7 @@ class MemoryFeed:
     @property
     def tensors(self) -> Batch:
         if self._tensors is None:
-            for _ in self._first_pass(FILL_BATCH_ROWS, None):
+            for _ in self._first_pass(FILL_BATCH_ROWS):
                 pass
         assert self._tensors is not None
         return self._tensors
@@ -54,28 +55,26 @@ class MemoryFeed:
     def batches(self, batch_size: int, seed: int | None = None) -> Iterator[Batch]:
         """Batches in a fresh seeded order per `seed` (shuffled), or in stored order (None).
 
-        The first call trains on the source's blocks as they arrive (shuffled within each
-        block) while it keeps them, so the first step waits for one block, not the whole shard.
+        A shuffled pass permutes the whole shard, so its first call reads the source whole
+        first (a first pass shuffling each block as it arrived would order epoch e differently
+        in a restarted process than in the run it resumes). An unshuffled first call
+        (validation) yields the source's blocks as they arrive while it keeps them.
         """
-        if self._tensors is None:
-            return self._first_pass(batch_size, seed)
+        if self._tensors is None and seed is None:
+            return self._first_pass(batch_size)
         return self._cached_pass(batch_size, seed)
 
-    def _first_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
-        """Trains on the source's blocks as they arrive and keeps them. Rows left over at a
+    def _first_pass(self, batch_size: int) -> Iterator[Batch]:
+        """Yields the source's rows in stored order while it keeps them. Rows left over at a
         block's end go into the next block's first batch: every batch but the last is full, so
-        ranks holding as many rows take as many steps whatever their block sizes (DDP needs
-        that: a rank one step ahead would all-reduce against the other's epoch-end sums)."""
+        ranks holding as many rows take as many steps whatever their block sizes (under FSDP
+        every validation forward is a collective too)."""
         parts: dict[str, list[torch.Tensor]] = {}
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
         carry: Batch = {}
         for raw in self._source():
             block = {k: torch.from_numpy(np.asarray(v)) for k, v in raw.items()}
             for key, value in block.items():
                 parts.setdefault(key, []).append(value)
-            if generator is not None:  # shuffled within the block
-                order = torch.randperm(len(next(iter(block.values()))), generator=generator)
-                block = {k: v[order] for k, v in block.items()}
             if carry:
                 block = {k: torch.cat([carry[k], v]) for k, v in block.items()}
             rows = len(next(iter(block.values())))

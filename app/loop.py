@@ -25,7 +25,6 @@ from torch import nn
 from app import checkpoint, parallel
 from app.config import Config
 from app.errors import CheckpointError
-from app.feed import MemoryFeed
 from app.preprocess import LABEL_KEY
 
 log = logging.getLogger(__name__)
@@ -99,16 +98,11 @@ def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
 
 
 def epoch_batches(feed: Any, batch_size: int, seed: int, config: Config) -> Iterable[Any]:
-    """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth.
-
-    A budget stops the pass early, so an in-memory feed is filled whole first (its first pass
-    would otherwise keep only what was trained on): every epoch then draws from the whole shard.
-    """
+    """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth
+    (a seeded in-memory pass permutes the whole shard, so every epoch draws from all of it)."""
     limit = config.train.max_steps_per_epoch
     if limit is None:
         return feed.batches(batch_size, seed=seed)
-    if isinstance(feed, MemoryFeed):
-        feed.tensors  # noqa: B018 - fills the cache
     return itertools.islice(
         feed.batches(batch_size, seed=seed), limit * config.train.grad_accum_steps
     )
