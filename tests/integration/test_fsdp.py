@@ -76,7 +76,9 @@ def test_fsdp_rank_killed_at_an_epoch_resumes_from_its_shards_to_the_same_loss(f
         "train.run_name=digits-fsdp-fault",
     )
     summary = train(config)
-    assert summary["resume_history"][-1] == 3  # restarted after the epoch-2 checkpoint
+    # Restarted from epoch 2's shards, or epoch 1's if the controller had not polled epoch 2's
+    # report yet when the rank died (it registers checkpoints only when it polls).
+    assert summary["resume_history"] and summary["resume_history"][-1] in (2, 3)
     assert summary["final_epoch"] == 3
     assert summary["metrics"]["val_accuracy"] >= 0.97
     # Each rank reads fixed rows and every epoch's order comes from (seed, epoch, rank), and the

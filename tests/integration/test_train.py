@@ -92,15 +92,18 @@ def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_
         # once on a loaded box is retried as well).
         "train.max_failures=3",
         "train.fail_at.rank=1",
-        "train.fail_at.epoch=2",
+        "train.fail_at.epoch=3",
         "train.run_name=digits-fault",
     )
     summary = train(config)
-    # Restarted workers started at epoch 2 from the epoch-1 checkpoint, not from scratch.
-    assert summary["resume_history"][-1] == 2
+    # Restarted workers went on from a checkpoint, not from scratch: epoch 2's, or epoch 1's if
+    # the controller had not yet polled epoch 2's report when rank 1 died (Ray Train registers a
+    # checkpoint only when it polls; a rank that dies first takes the report with it).
+    assert summary["resume_history"], "the run restarted from scratch"
+    assert summary["resume_history"][-1] in (2, 3)
     assert summary["final_epoch"] == 3  # ("epoch" is the best checkpoint's, possibly earlier)
     assert os.path.exists(
-        os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch2")
+        os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch3")
     )
 
 
