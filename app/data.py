@@ -160,9 +160,9 @@ def load_split(
     split: str,
     preprocessor: Preprocessor,
     manifest: DatasetManifest | None = None,
-    mode: str = "stream",
 ):
-    """A lazy Ray Dataset of model-ready batches for one split (nothing is read until consumed)."""
+    """A lazy Ray Dataset of model-ready batches for one split, streamed (nothing is read until
+    consumed; a split that fits in memory is read by the workers themselves: read_rank_share)."""
     import ray.data
 
     quiet_progress()
@@ -171,49 +171,46 @@ def load_split(
     files = split_files(output, manifest, split)
     fs, _ = storage.filesystem(files[0])
     cpus = config.data.task_cpus
-    read_args: dict[str, Any] = {}
-    if mode == "stream":
-        # One read task per shard file at least, several per worker: small blocks start flowing
-        # while the rest is read, instead of one bin-packed read unit the first batch waits for.
-        tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
-        read_args["override_num_blocks"] = max(len(files), tasks)
+    # One read task per shard file at least, several per worker: small blocks start flowing
+    # while the rest is read, instead of one bin-packed read unit the first batch waits for.
+    tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
     ds = ray.data.read_parquet(
-        [storage.filesystem(f)[1] for f in files], filesystem=fs, num_cpus=cpus, **read_args
+        [storage.filesystem(f)[1] for f in files],
+        filesystem=fs,
+        num_cpus=cpus,
+        override_num_blocks=max(len(files), tasks),
     )
     return ds.map_batches(
         _transform,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"state_json": preprocessor.to_json()},
         batch_format="numpy",
-        batch_size=256 if mode == "stream" else 1024,
+        batch_size=256,
         zero_copy_batch=True,
         num_cpus=cpus,
     )
 
 
-def ingest_options(config: Config, mode: str):
-    """Ray Data execution options for the training datasets.
+def ingest_options(config: Config):
+    """Ray Data execution options for the streamed training datasets.
 
-    Streaming bounds Data's CPUs to what the train workers leave free (at least one task's
-    worth), so a fast reader cannot take the trainers' cores and the trainers' reservation
-    cannot leave Data with nothing, and its object store use to `data.stream_object_store_mb`,
-    so memory stays flat however large the dataset.
+    They bound Data's CPUs to what the train workers leave free (at least one task's worth), so
+    a fast reader cannot take the trainers' cores and the trainers' reservation cannot leave
+    Data with nothing, and its object store use to `data.stream_object_store_mb`, so memory
+    stays flat however large the dataset.
     """
     import ray
-    from ray.data import DataContext, ExecutionOptions, ExecutionResources
+    from ray.data import ExecutionOptions, ExecutionResources
 
-    current = DataContext.get_current().execution_options
-    options = ExecutionOptions(resource_limits=current.resource_limits, preserve_order=False)
-    if mode == "stream":
-        limit = config.data.stream_max_cpus
-        if limit is None:
-            total = ray.cluster_resources().get("CPU", 1.0)
-            reserved = config.train.num_workers * config.train.cpus_per_worker
-            limit = max(total - reserved, config.data.task_cpus)
-        store = config.data.stream_object_store_mb * MIB
-        options.resource_limits = ExecutionResources.for_limits(
-            cpu=limit, object_store_memory=store
-        )
-    return options
+    limit = config.data.stream_max_cpus
+    if limit is None:
+        total = ray.cluster_resources().get("CPU", 1.0)
+        reserved = config.train.num_workers * config.train.cpus_per_worker
+        limit = max(total - reserved, config.data.task_cpus)
+    store = config.data.stream_object_store_mb * MIB
+    return ExecutionOptions(
+        resource_limits=ExecutionResources.for_limits(cpu=limit, object_store_memory=store),
+        preserve_order=False,
+    )
 
 
 def quiet_progress() -> None:

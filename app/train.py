@@ -1,10 +1,9 @@
 """Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from Parquet shards.
 
 The driver fits the preprocessor, chooses the data path (app/data.py: each worker reads its rows
-into memory, or Ray Data streams them), builds the lazy datasets when streaming and launches
-the trainer; each worker runs `train_loop` top
-to bottom: build model -> maybe resume -> epochs of (train, validate, report + checkpoint). The
-epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
+into memory, or Ray Data streams them), builds the lazy datasets when streaming and launches the
+trainer; each worker runs `train_loop` top to bottom: build model -> maybe resume -> epochs of
+(train, validate, report + checkpoint). The epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
         datasets=datasets,
         # Validation is split too: each worker scores its share and the sums are all-reduced.
         dataset_config=ray.train.DataConfig(
-            datasets_to_split="all", execution_options=ingest_options(config, plan.mode)
+            datasets_to_split="all", execution_options=ingest_options(config)
         ),
     )
     log.info("train: run %s -> %s (%d workers, %s)", run_name, run_dir, t.num_workers, t.precision)

@@ -1,12 +1,13 @@
 """B2 ingest: the project's two data paths vs a torch DataLoader over the same shards, same transform.
 
-- streamed: Ray Data `iter_torch_batches` over `app.data.load_split(mode="stream")` (several read
-  tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass
-  reads the Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
+- streamed: Ray Data `iter_torch_batches` over `app.data.load_split` (several read tasks, Ray
+  Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
+  Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
 - cached: the in-memory path training takes when the data fits (`app.feed.MemoryFeed` filled
   once by `app.data.read_rank_share` straight from the shards, then reshuffled per epoch) vs
-  the DataLoader, which reads and transforms every epoch. Both the steady epochs and the filling pass (the same read + transform
-  work as one DataLoader pass) are reported; `value` is the worse of the steady ratios.
+  the DataLoader, which reads and transforms every epoch. Both the steady epochs and the
+  filling pass (the same read + transform work as one DataLoader pass) are reported; `value`
+  is the worse of the steady ratios.
 
 Rows/s = rows of one full pass / its wall time (start-up included, as in an epoch), median of
 the passes, batch 64, taken in quiet windows. Data: configs/stream.yaml's generator (24x24 images).
@@ -87,8 +88,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     with private_ray() as ray_info:
         from ray.data import DataContext
 
-        DataContext.get_current().execution_options = ingest_options(config, "stream")
-        ds = load_split(config, "train", pre, manifest, mode="stream")
+        DataContext.get_current().execution_options = ingest_options(config)
+        ds = load_split(config, "train", pre, manifest)
         wait_for_quiet(quiet_s)
         streamed = measure(
             lambda: ds.iter_torch_batches(batch_size=BATCH, prefetch_batches=4), passes

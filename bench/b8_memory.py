@@ -1,9 +1,10 @@
 """B8 streaming memory: peak memory of an ingest-only training pass when the data grows 10x.
 
 configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
-stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files). Each size runs in a fresh private Ray: a TorchTrainer with 2 workers whose loop pulls one
-epoch of batches through the project's streaming feed (app.data.load_split + app.feed.StreamFeed,
-the execution options training uses) and updates no model. A sampler sums the proportional set
+stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files).
+Each size runs in a fresh private Ray: a TorchTrainer with 2 workers whose loop pulls one epoch
+of batches through the project's streaming feed (app.data.load_split + app.feed.StreamFeed, the
+execution options training uses) and updates no model. A sampler sums the proportional set
 size (PSS: shared pages, the object store's included, counted once) of this process and every
 process under it (GCS, raylet, object store, workers, Ray Data tasks) every 0.2 s.
 Goal: peak(10N) / peak(N) <= 1.2: streaming memory must not grow with the dataset.
@@ -119,10 +120,8 @@ def ingest_pass(config) -> dict[str, Any]:
                     num_workers=2, resources_per_worker={"CPU": config.train.cpus_per_worker}
                 ),
                 run_config=ray.train.RunConfig(storage_path=config.storage_path),
-                datasets={"train": load_split(config, "train", pre, manifest, mode="stream")},
-                dataset_config=ray.train.DataConfig(
-                    execution_options=ingest_options(config, "stream")
-                ),
+                datasets={"train": load_split(config, "train", pre, manifest)},
+                dataset_config=ray.train.DataConfig(execution_options=ingest_options(config)),
             )
             result = trainer.fit()
             elapsed = time.perf_counter() - start

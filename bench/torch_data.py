@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from app import storage
+from app.data import rank_range
 from app.preprocess import Preprocessor
 
 READ_ROWS = 256  # rows per transform call, as app.data.load_split's map_batches(batch_size=256)
@@ -73,8 +74,7 @@ class ShardStream(IterableDataset):
                 raise ValueError("rank splitting and several DataLoader workers do not mix here")
             files = files[info.id :: info.num_workers]
         sizes = [pq.ParquetFile(storage.filesystem(f)[1]).metadata.num_rows for f in files]
-        per_rank = sum(sizes) // self.world
-        lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
+        lo, hi = rank_range(sum(sizes), self.rank, self.world)  # as the memory path splits
         offset = 0
         for uri, size in zip(files, sizes, strict=True):
             start, offset = offset, offset + size
