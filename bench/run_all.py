@@ -92,7 +92,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-render", action="store_true", help="do not update the README table")
     args = p.parse_args(argv)
     args.out = args.out or str(SMOKE_DIR if args.smoke else RESULTS_DIR)
-    ids = [i.strip().upper() for i in (args.only or ",".join(BENCHMARKS)).split(",") if i.strip()]
+    known = {b.upper(): b for b in BENCHMARKS}  # any case: b5a, B5A and B5a are B5a
+    asked = [i.strip() for i in (args.only or ",".join(BENCHMARKS)).split(",") if i.strip()]
+    ids = [known.get(i.upper(), i) for i in asked]
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
