@@ -230,12 +230,18 @@ class ServeConfig(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)
-    # Batches a replica may have in ONNX Runtime at once (each on its own worker thread), so a
-    # batch forms while the previous one runs.
+    # Batches a replica may have in flight at once, and its ONNX Runtime worker threads: a
+    # batch's length groups run side by side, and a batch forms while the previous one runs.
     max_concurrent_batches: int = Field(2, ge=1)
     # A batch is split into groups of similar text length: padding at most this many times the
     # real tokens of a group (0: only equal lengths share a call).
     max_padding_waste: float = Field(0.5, ge=0)
+    # Whether the requests a batch gathers share ONNX Runtime calls. on: grouped by length (as
+    # above); off: one call per request, spread over the worker threads; auto: the replica
+    # measures at start whether one call on 8 rows costs less than 8 calls on one row plus the
+    # thread hand-offs they take (on 2 CPU cores a small MLP or CNN gains, a width-256
+    # Transformer loses), and chooses.
+    batch_calls: Literal["auto", "on", "off"] = "auto"
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
     replica_cpus: float = Field(0.5, gt=0)
@@ -246,6 +252,10 @@ class ServeConfig(_Section):
     # default (5) would make it the bottleneck.
     ingress_max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(10.0, gt=0)
+    # Serve's per-request access log line in each model replica's log. Off by default: every
+    # request is already counted in raytorch_requests_total (model, status) and Serve's own
+    # request metrics, and the line costs a measurable share of a small model's request.
+    access_log: bool = False
     # Language models (app/serve/lm_server.py): prompt tokens at most (and never beyond the
     # model's window), `max_tokens` a request may ask for and its default, and generations a
     # replica runs at once (one more is answered 503).

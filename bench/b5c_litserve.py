@@ -7,8 +7,9 @@ same requests, driven by wrk.
   serve.max_batch_size / serve.batch_wait_timeout_s, the same validation, preprocessor and int8
   ONNX Runtime session.
 
-The artifact is $B5C_ARTIFACT, or the text workload trained and exported once in the workspace.
-Text requests are one string of 20-120 tokens each (capped by the tokenizer's max_length), sent
+The artifact is $B5C_ARTIFACT, or the issue's Transformer (configs/text.yaml's data and tokenizer,
+width 256, 4 layers, max_length 128: bench.common.TEXT256) trained briefly and exported once in
+the workspace. Text requests are one string of 20-120 tokens each (capped by the tokenizer's max_length), sent
 in turn from a fixed set; wrk at 16, 32 and 64 connections, 3 windows per side, alternating, after
 a bounded wait for a quiet machine. Goal: Serve >= 1.0x LitServe's req/s at 32 connections with
 p99 no worse.
@@ -30,24 +31,24 @@ from typing import Any
 import numpy as np
 
 from bench.b5_serve import (
-    QUIET_WAIT_S,
     _stop,
+    busy_note,
+    measure,
     serve_config,
     start_ht_child,
     summarize_side,
     wait_child_ready,
 )
 from bench.common import (
-    QUIET_LOAD,
     REPO,
+    TEXT256,
     ensure_artifact,
     free_port,
     main_wrapper,
     ratio,
-    wait_for_quiet,
     write_result,
 )
-from bench.load import wait_ready, wrk_run
+from bench.load import wait_ready
 
 ID = "B5c"
 WHAT = "serving framework: the project's Ray Serve app vs LitServe (batching on), same artifact"
@@ -134,7 +135,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
-    artifact = os.environ.get("B5C_ARTIFACT") or ensure_artifact(work, "text", smoke)["artifact"]
+    artifact = (
+        os.environ.get("B5C_ARTIFACT")
+        or ensure_artifact(work, "text", smoke, *TEXT256, tag="text256")["artifact"]
+    )
     name, bodies, tokens = request_bodies(artifact)
     cfg = serve_config(work)
     logs = work / "b5c-logs"
@@ -142,9 +146,6 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="bench-haproxy-")
     body_file = os.path.join(scratch, "bodies.jsonl")
     Path(body_file).write_text("\n".join(bodies) + "\n")
-    duration, runs = (2.0, 1) if smoke else (5.0, RUNS)
-    windows: dict[int, dict[str, list[dict[str, Any]]]] = {}
-    loads: list[float] = []
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         serve_port, serve_log = free_port(), logs / "serve_ht.log"
@@ -159,16 +160,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "litserve": f"http://127.0.0.1:{lit_port}/predict",
             "serve": f"http://127.0.0.1:{serve_port}/v2/models/{name}/infer",
         }
-        for c in CONNECTIONS:
-            for url in urls.values():
-                wrk_run(url, body_file, c, 1.0)  # warm-up
-            for i in range(runs):
-                for side in list(urls) if i % 2 == 0 else list(urls)[::-1]:
-                    load = wait_for_quiet(0 if smoke else QUIET_WAIT_S)
-                    loads.append(load)
-                    result = wrk_run(urls[side], body_file, c, duration)
-                    result["load_average_before"] = load
-                    windows.setdefault(c, {}).setdefault(side, []).append(result)
+        windows, quiet = measure(urls, body_file, smoke, CONNECTIONS)
     sides = {c: {k: summarize_side(r) for k, r in by.items()} for c, by in windows.items()}
     ratios = {
         c: ratio(s["serve"]["requests_per_s"], s["litserve"]["requests_per_s"])
@@ -176,15 +168,14 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     }
     at32 = sides[32]
     met = bool(ratios[32] >= 1.0 and at32["serve"]["p99_ms"] <= at32["litserve"]["p99_ms"])
-    busy = [x for x in loads if x >= QUIET_LOAD]
     details = {
         "artifact": artifact,
         "model": name,
         "request_tokens": {"min": min(tokens), "max": max(tokens)} if tokens else None,
         "by_connections": sides,
         "ratios_rps": ratios,
-        "windows_busy": f"{len(busy)} of {len(loads)} windows started with load average >= "
-        f"{QUIET_LOAD} (waited up to {QUIET_WAIT_S:.0f} s for a quiet one)",
+        "windows_busy": busy_note(quiet),
+        "quiet_before_windows": quiet,
         "serve_config": {
             k: cfg[k] for k in ("max_batch_size", "batch_wait_timeout_s", "max_concurrent_batches")
         },

@@ -2,32 +2,49 @@
 .create_api) with the model server (app.serve.model_server.ModelServer: artifact -> ONNX Runtime,
 the same @serve.batch dynamic batching) in the same process.
 
-    python -m bench.plain_server --artifact URI --port P [--serve-json '{...ServeConfig...}']
+    python -m bench.plain_server --artifact URI --port P [--serve-json '{...ServeConfig...}'] [--one-call]
 
 Only the transport differs from Ray Serve, where each model's replica runs this same app and
 model server (app.serve.app.ModelApp) behind Serve's proxy or HAProxy. Outside a Serve replica,
 `@serve.batch` works as a plain asyncio batcher except for one start-up check that asks for the
 replica context; that check (a warning about max_ongoing_requests) is skipped here.
+
+`--one-call` is B5b's hand-written baseline: no batcher at all, one ONNX Runtime call per request
+on the same worker threads (serve.max_concurrent_batches of them), same validation and answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from typing import Any
 
+from app.serve.model_server import ModelServer
+from app.serve.protocol import RequestError
 
-def build(artifact_uri: str, serve_config: dict[str, Any]):
+
+class OneCallServer(ModelServer):
+    """Each request straight to ONNX Runtime on a worker thread: no batch, no wait."""
+
+    async def _batched(self, inputs):  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
+        if isinstance(answer, Exception):
+            return RequestError(400, f"inputs: the model could not run this request ({answer})")
+        return answer
+
+
+def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = False):
     from ray.serve import batching
 
     from app.artifact import resolve
     from app.config import ServeConfig, resolve_uri
     from app.serve.ingress import IngressMetrics, LocalHandle, ModelRouter, create_api
-    from app.serve.model_server import ModelServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
     cfg = ServeConfig.model_validate(serve_config)
-    server = ModelServer(resolve(resolve_uri(artifact_uri)), cfg)
+    server = (OneCallServer if one_call else ModelServer)(resolve(resolve_uri(artifact_uri)), cfg)
     router = ModelRouter({server.artifact.name: LocalHandle(server)}, cfg.request_timeout_s)
     return create_api(cfg, router, IngressMetrics())
 
@@ -39,8 +56,9 @@ def main(argv=None) -> None:
     p.add_argument("--artifact", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--serve-json", default="{}")
+    p.add_argument("--one-call", action="store_true", help="no batching: one call per request")
     args = p.parse_args(argv)
-    api = build(args.artifact, json.loads(args.serve_json))
+    api = build(args.artifact, json.loads(args.serve_json), args.one_call)
     uvicorn.run(api, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

@@ -58,7 +58,13 @@ BENCHMARKS = {
         600,
         300,
     ),
-    "B5b": ("bench.b5b_batching", "batching ceiling: ONNX Runtime batch 1 vs 16", False, 300, 120),
+    "B5b": (
+        "bench.b5b_batching",
+        "batching: ceiling per model, Serve batched vs plain one call per request (wrk)",
+        False,
+        1500,
+        900,
+    ),
     "B5c": ("bench.b5c_litserve", "serving: Ray Serve vs LitServe (wrk)", False, 900, 400),
     "B6": ("bench.b6_autoscale", "autoscaling: time to a second replica", True, 240, 150),
     # B8 starts a private Ray per data size (its memory is measured from this process tree).

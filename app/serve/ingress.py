@@ -428,7 +428,11 @@ def create_api(
         metas = await asyncio.gather(*(model_metadata(n) for n in sorted(router.handles)))
         return {
             "models": [
-                {k: m[k] for k in ("name", "version", "variant", "artifact", "manifest")}
+                {
+                    k: m[k]
+                    for k in ("name", "version", "variant", "artifact", "manifest", "batching")
+                    if k in m  # batching: classifiers only (language models generate)
+                }
                 for m in metas
             ]
         }

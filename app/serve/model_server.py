@@ -9,8 +9,11 @@ Batching (serve.max_batch_size, serve.batch_wait_timeout_s, serve.max_concurrent
 Serve's `serve.batch`, built per instance from config. A batch is split into groups of similar
 length (padding_groups: padded tokens at most serve.max_padding_waste of the real ones), text is
 cut to each group's own longest row when the ONNX model takes any sequence length, and the groups
-run in ONNX Runtime on a worker thread: the event loop keeps parsing the next requests meanwhile,
-and several batches can be in ONNX Runtime at once.
+are dealt to the worker threads (serve.max_concurrent_batches of them) and run in ONNX Runtime side
+by side: the event loop keeps parsing the next requests meanwhile. Whether requests share a call
+at all (serve.batch_calls) is measured at start (measure_batch_calls): on 2 CPU cores one call on
+16 rows of a width-256 Transformer costs more per row than 16 calls of one, so there every
+request gets its own call, and the batcher only spreads them over the threads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import asyncio
 import logging
 import math
 import os
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +35,7 @@ from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
 
 log = logging.getLogger("ray.serve")
 MASK = "attention_mask"
+SHARE_MARGIN = 0.9
 
 
 def row_lengths(inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -40,10 +46,13 @@ def row_lengths(inputs: dict[str, np.ndarray]) -> np.ndarray:
     return np.maximum(mask.sum(axis=1), 1)
 
 
-def padding_groups(lengths: list[np.ndarray], max_waste: float) -> list[list[int]]:
+def padding_groups(
+    lengths: list[np.ndarray], max_waste: float, max_rows: int | None = None
+) -> list[list[int]]:
     """Requests (by index) grouped so that each group, padded to its longest row, pads at most
-    `max_waste` x its real tokens. Requests are taken shortest first, so a group only grows while
-    the longer newcomer keeps the padding bounded; a request alone is always a valid group."""
+    `max_waste` x its real tokens and holds at most `max_rows` rows. Requests are taken shortest
+    first, so a group only grows while the longer newcomer keeps the padding bounded; a request
+    alone is always a valid group."""
     order = sorted(range(len(lengths)), key=lambda i: int(lengths[i].max()))
     groups: list[list[int]] = []
     longest = rows = real = 0
@@ -51,13 +60,65 @@ def padding_groups(lengths: list[np.ndarray], max_waste: float) -> list[list[int
         n, total, top = len(lengths[i]), int(lengths[i].sum()), int(lengths[i].max())
         new_longest = max(longest, top)
         padded = new_longest * (rows + n) - (real + total)
-        if groups and padded <= max_waste * (real + total):
+        fits = max_rows is None or rows + n <= max_rows
+        if groups and fits and padded <= max_waste * (real + total):
             groups[-1].append(i)
             longest, rows, real = new_longest, rows + n, real + total
         else:
             groups.append([i])
             longest, rows, real = top, n, total
     return groups
+
+
+def spread(
+    groups: list[list[int]], lengths: list[np.ndarray], workers: int
+) -> list[list[list[int]]]:
+    """Groups dealt to at most `workers` shares of about equal work (padded tokens), the largest
+    first to the least loaded: each share is one worker thread's part of a batch."""
+
+    def cost(group: list[int]) -> int:
+        rows = sum(len(lengths[i]) for i in group)
+        return rows * max(int(lengths[i].max()) for i in group)
+
+    shares: list[list[list[int]]] = [[] for _ in range(min(workers, len(groups)))]
+    load = [0] * len(shares)
+    for group in sorted(groups, key=cost, reverse=True):
+        k = load.index(min(load))
+        shares[k].append(group)
+        load[k] += cost(group)
+    return shares
+
+
+def measure_batch_calls(
+    session: Any, row: dict[str, np.ndarray], pool: ThreadPoolExecutor, rows: int = 8
+) -> dict[str, Any]:
+    """Whether one ONNX Runtime call on `rows` copies of `row` costs clearly less than `rows`
+    calls on one plus the thread hand-offs the extra calls take (medians of a few timed calls):
+    the replica's choice for serve.batch_calls=auto."""
+
+    def median_s(fn: Any, repeats: int = 7) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    many = {k: np.repeat(v, rows, axis=0) for k, v in row.items()}
+    one_s = median_s(lambda: run_logits(session, row))
+    many_s = median_s(lambda: run_logits(session, many))
+    handoff_s = median_s(lambda: pool.submit(int).result(), repeats=21)
+    separate_s = rows * one_s + (rows - 1) * handoff_s
+    return {
+        # Shared calls must save a clear 10%: the rows measured here have equal lengths, while
+        # real batches pad to their longest, and a batch that shares calls uses fewer threads.
+        "share_calls": many_s <= SHARE_MARGIN * separate_s,
+        "rows": rows,
+        "ms_one_row": round(1000 * one_s, 4),
+        f"ms_{rows}_rows": round(1000 * many_s, 4),
+        "ms_thread_handoff": round(1000 * handoff_s, 4),
+    }
 
 
 def takes_any_length(session: Any) -> bool:
@@ -79,18 +140,50 @@ class ModelServer:
         self.variant = cfg.variant
         self.session = self.artifact.session(self.variant, self.threads)
         self.trim = takes_any_length(self.session)
-        # ONNX Runtime releases the GIL: one worker per batch that may be in flight.
-        self.pool = ThreadPoolExecutor(cfg.max_concurrent_batches, thread_name_prefix="onnx")
+        # ONNX Runtime releases the GIL: its calls run on these threads, side by side.
+        self.workers = cfg.max_concurrent_batches
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="onnx")
+        self.batch_setting = cfg.batch_calls
+        self._choose_batch_calls()
         self.infer_batch = _batcher(self._run_batch, cfg)
         self.batch_wait_timeout_s = cfg.batch_wait_timeout_s
         self.in_flight = 0  # validated requests queued for, or inside, a batch
         self._metrics = _ReplicaMetrics(self.artifact.name)
         log.info(
-            "model %s version %s loaded from %s",
+            "model %s version %s loaded from %s; batched requests %s (%s)",
             self.artifact.name,
             self.artifact.version,
             self.artifact.uri,
+            "share ONNX Runtime calls" if self.call_rows is None else "get a call each",
+            self.batch_calls,
         )
+
+    def _choose_batch_calls(self) -> None:
+        """Sets batch_calls (what was chosen, and measured) and call_rows (rows one ONNX
+        Runtime call may take: a whole group, or one request's)."""
+        if self.batch_setting == "auto":
+            measured = measure_batch_calls(self.session, self._calibration_row(), self.pool)
+            self.batch_calls = {"setting": "auto", **measured}
+        else:
+            self.batch_calls = {
+                "setting": self.batch_setting,
+                "share_calls": self.batch_setting == "on",
+            }
+        self.call_rows = None if self.batch_calls["share_calls"] else 1
+
+    def _calibration_row(self) -> dict[str, np.ndarray]:
+        """One typical row: for text, a request of half the window (of the whole window when
+        the model takes a fixed length), every position a real token."""
+        row = self.artifact.preprocessor.features(self._sample())
+        if MASK not in row:
+            return row
+        width = row[MASK].shape[1]
+        length = max(1, width // 2) if self.trim else width
+        ids = row["input_ids"][:, :1]
+        return {
+            k: (np.repeat(ids, length, axis=1) if k != MASK else np.ones((1, length), v.dtype))
+            for k, v in row.items()
+        }
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config: {variant: fp32|int8}` switches the ONNX model without a redeploy."""
@@ -101,6 +194,7 @@ class ModelServer:
             self.session = self.artifact.session(variant, self.threads)
             self.trim = takes_any_length(self.session)
             self.variant = variant
+            self._choose_batch_calls()  # the other variant may batch differently
             log.info("model %s now serves the %s variant", self.artifact.name, variant)
 
     async def check_health(self) -> None:
@@ -111,7 +205,7 @@ class ModelServer:
         )
 
     async def metadata(self) -> dict[str, Any]:
-        return artifact_metadata(self.artifact, self.variant)
+        return artifact_metadata(self.artifact, self.variant, self.batch_calls)
 
     async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
         """request: {"protocol": "v2", "tensor": {...}} or {"protocol": "v1", "instances": [...]}."""
@@ -150,44 +244,57 @@ class ModelServer:
 
     async def _run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         """Per request: (labels, probabilities), or a RequestError that is that request's alone."""
-        self._metrics.batch_rows.observe(
-            sum(_rows_of(r) for r in requests), tags=self._metrics.tags
-        )
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._answer, requests)
-
-    def _answer(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
-        """On the worker thread: every length group of the batch, then any failure one by one."""
-        out: list[Any] = [None] * len(requests)
-        groups = padding_groups([row_lengths(r) for r in requests], self.max_padding_waste)
-        failed: list[int] = []
+        lengths = [row_lengths(r) for r in requests]
+        groups = padding_groups(lengths, self.max_padding_waste, self.call_rows)
         for group in groups:
-            try:
-                for i, answer in zip(
-                    group, self._predict([requests[i] for i in group]), strict=True
-                ):
-                    out[i] = answer
-            except Exception:  # noqa: BLE001 - one request must not fail its batch mates
-                log.exception("group of %d requests failed; running them one by one", len(group))
-                failed += group
-        if not failed:
-            return out
-        alone = {i: self._predict_alone(requests[i]) for i in failed}
+            self._metrics.batch_rows.observe(
+                sum(len(lengths[i]) for i in group), tags=self._metrics.tags
+            )
+        loop = asyncio.get_running_loop()
+        shares = await asyncio.gather(
+            *(
+                loop.run_in_executor(self.pool, self._answer, requests, share)
+                for share in spread(groups, lengths, self.workers)
+            )
+        )
+        answers: dict[int, Any] = {}
+        alone: dict[int, Any] = {}
+        for share_answers, share_alone in shares:
+            answers.update(share_answers)
+            alone.update(share_alone)
         # A request that fails alone while others pass is the odd one out: its input (400).
         # When all fail, the model itself is broken (500; check_health replaces the replica).
-        everything_failed = len(failed) == len(requests) and all(
+        everything_failed = len(alone) == len(requests) and all(
             isinstance(a, Exception) for a in alone.values()
         )
         status = 500 if everything_failed else 400
         for i, a in alone.items():
-            out[i] = (
+            answers[i] = (
                 RequestError(
                     status, f"inputs: the model could not run this request ({type(a).__name__})"
                 )
                 if isinstance(a, Exception)
                 else a
             )
-        return out
+        return [answers[i] for i in range(len(requests))]
+
+    def _answer(
+        self, requests: list[dict[str, np.ndarray]], groups: list[list[int]]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        """On a worker thread: these groups of the batch, then the requests of any group that
+        failed one by one. Returns (answers, what each of those requests gave alone)."""
+        answers: dict[int, Any] = {}
+        failed: list[int] = []
+        for group in groups:
+            try:
+                for i, answer in zip(
+                    group, self._predict([requests[i] for i in group]), strict=True
+                ):
+                    answers[i] = answer
+            except Exception:  # noqa: BLE001 - one request must not fail its batch mates
+                log.exception("group of %d requests failed; running them one by one", len(group))
+                failed += group
+        return answers, {i: self._predict_alone(requests[i]) for i in failed}
 
     def _predict(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         names = list(requests[0])
@@ -291,7 +398,9 @@ class _ReplicaMetrics:
         self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})
 
 
-def artifact_metadata(a: Artifact, variant: str) -> dict[str, Any]:
+def artifact_metadata(
+    a: Artifact, variant: str, batching: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What a replica says about itself at `GET /v2/models/{name}` (and `/v1/models`)."""
     return {
         "name": a.name,
@@ -301,4 +410,5 @@ def artifact_metadata(a: Artifact, variant: str) -> dict[str, Any]:
         "schema": a.schema,
         "manifest": a.manifest.model_dump(mode="json", exclude={"files"}),
         "replica_pid": os.getpid(),
+        **({"batching": batching} if batching is not None else {}),
     }

@@ -127,6 +127,11 @@ def test_health_metadata_and_model_listing(served):
     assert lineage["version"] == models["digits"]["version"]
     assert "/e2e-serve/checkpoint_" in lineage["source_checkpoint"]
     assert lineage["versions"]["onnxruntime"]
+    # The replica measured at start whether batched requests should share ONNX Runtime calls:
+    # for the digits CNN one call on 8 rows costs a fraction of 8 calls of one.
+    batching = models["digits"]["batching"]
+    assert batching["setting"] == "auto" and batching["share_calls"] is True, batching
+    assert batching["ms_8_rows"] < 8 * batching["ms_one_row"]
 
 
 BAD_REQUESTS = [

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,7 +15,7 @@ import pandas as pd
 import pytest
 
 from app.preprocess import Preprocessor
-from app.serve.model_server import ModelServer, padding_groups
+from app.serve.model_server import ModelServer, measure_batch_calls, padding_groups, spread
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +62,12 @@ def text_pre() -> Preprocessor:
 
 
 def text_server(
-    pre: Preprocessor, session=None, max_request_rows: int = 1024, max_padding_waste: float = 10.0
+    pre: Preprocessor,
+    session=None,
+    max_request_rows: int = 1024,
+    max_padding_waste: float = 10.0,
+    workers: int = 1,
+    call_rows: int | None = None,
 ) -> ModelServer:
     """A ModelServer on a fake text artifact; its batch method runs every concurrent call as one
     batch, as @serve.batch would, and ONNX Runtime on a worker thread, as the replica does."""
@@ -76,7 +84,9 @@ def text_server(
     )
     server.session = session or FakeSession()
     server.trim = takes_any_length(server.session)
-    server.pool = ThreadPoolExecutor(1)
+    server.pool = ThreadPoolExecutor(workers)
+    server.workers = workers
+    server.call_rows = call_rows
     server.max_request_rows = max_request_rows
     server.max_padding_waste = max_padding_waste
     server.batch_wait_timeout_s, server.in_flight = 0.005, 0
@@ -208,3 +218,80 @@ def test_a_request_alone_does_not_wait_for_batch_mates(text_pre):
     run(server, v2(["a cat"]))  # alone: nothing else can join its batch
     run(server, v2(["a cat"]), v2(["a dog"]), v2(["cats"]))  # others in flight: wait for them
     assert waits == [0.0, 0.0, 0.005, 0.005] and server.in_flight == 0
+
+
+def test_padding_groups_hold_at_most_max_rows():
+    lengths = [np.array([7])] * 5 + [np.array([7, 7, 7])]
+    groups = padding_groups(lengths, max_waste=0.0, max_rows=4)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum(len(lengths[i]) for i in g) <= 4 for g in groups)
+    assert padding_groups([np.array([7] * 9)], max_waste=0.0, max_rows=1) == [[0]]  # alone is ok
+    assert len(padding_groups([np.array([7])] * 3, max_waste=0.0, max_rows=1)) == 3
+
+
+def test_spread_deals_groups_to_the_workers_by_padded_tokens():
+    lengths = [np.array([100]), np.array([90]), np.array([10]), np.array([10])]
+    shares = spread([[0], [1], [2], [3]], lengths, workers=2)
+    assert len(shares) == 2
+    assert sorted(i for s in shares for g in s for i in g) == [0, 1, 2, 3]
+    tokens = sorted(sum(int(lengths[i][0]) for g in s for i in g) for s in shares)
+    assert tokens == [100, 110]  # the two long ones apart, a short one with each
+    assert spread([[0, 1]], lengths, workers=4) == [[[0, 1]]]  # never more shares than groups
+
+
+class BarrierSession(FakeSession):
+    """Every call waits until a second call is inside ONNX Runtime at the same time: calls run
+    one after another break the barrier (after 5 s) and fail."""
+
+    def __init__(self):
+        super().__init__(any_length=True)
+        self.barrier = threading.Barrier(2, timeout=5)
+        self.threads: set[str] = set()
+
+    def run(self, names, inputs):
+        self.threads.add(threading.current_thread().name)
+        self.barrier.wait()
+        return super().run(names, inputs)
+
+
+def test_the_groups_of_a_batch_run_side_by_side_on_the_worker_threads(text_pre):
+    session = BarrierSession()
+    server = text_server(text_pre, session, max_padding_waste=0.0, workers=2)
+    answers = run(server, v2(["a cat"]), v2(["a cat sat and a dog ran"]))
+    assert [len(a["labels"]) for a in answers] == [1, 1]  # both groups answered
+    assert len(session.threads) == 2 and sorted(session.runs) == [1, 1]
+
+
+def test_one_call_per_request_when_calls_are_not_shared(text_pre):
+    session = FakeSession(any_length=True)
+    server = text_server(text_pre, session, workers=2, call_rows=1)
+    answers = run(server, *(v2(["a cat"]) for _ in range(4)))
+    assert all(len(a["labels"]) == 1 for a in answers)
+    assert session.runs == [1, 1, 1, 1] and server.infer_batch.sizes == [4]
+
+
+class TimedSession:
+    """A model whose call takes `cost(rows)` seconds."""
+
+    def __init__(self, cost):
+        self.cost = cost
+
+    def run(self, names, inputs):
+        rows = len(inputs["x"])
+        time.sleep(self.cost(rows))
+        return [np.zeros((rows, 2), np.float32)]
+
+
+@pytest.mark.parametrize(
+    "cost,shares",
+    [
+        (lambda rows: 0.004, True),  # fixed cost per call (small MLP, CNN): one call pays
+        (lambda rows: 0.002 * rows * (1.5 if rows > 1 else 1), False),  # batching costs per row
+    ],
+)
+def test_the_replica_measures_whether_requests_should_share_calls(cost, shares):
+    row = {"x": np.zeros((1, 4), np.float32)}
+    with ThreadPoolExecutor(1) as pool:
+        measured = measure_batch_calls(TimedSession(cost), row, pool)
+    assert measured["share_calls"] is shares
+    assert measured["ms_8_rows"] > 0 and measured["ms_thread_handoff"] >= 0
