@@ -50,7 +50,10 @@ from bench.common import (
 )
 
 ID = "B5b"
-WHAT = "batching ceiling: ONNX Runtime ms/row at batch 1 vs batch 16, per reference model"
+WHAT = (
+    "batching: Serve with its default batching vs a one-call-per-request server (wrk, 32 "
+    "connections), and ONNX Runtime's batch 1 vs 16 ceiling, per reference model"
+)
 GOAL = (
     "Serve with its default batching >= 1.0x a plain one-call-per-request server's req/s at 32 "
     "connections, p99 no worse, on every reference model (ceilings recorded per model)"
@@ -96,7 +99,16 @@ def models() -> dict[str, tuple[Any, dict[str, Any]]]:
     }
 
 
-def int8_session(module, axes: dict[str, Any], sample: dict[str, np.ndarray], folder: str):
+def int8_session(
+    module,
+    axes: dict[str, Any],
+    sample: dict[str, np.ndarray],
+    folder: str,
+    int8: bool = True,
+    providers: list[str] | None = None,
+):
+    """The module exported to ONNX (int8: dynamically quantized, what app.export ships for CPU),
+    in a one-thread session on `providers` (default: CPU)."""
     import onnxruntime as ort
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -104,7 +116,7 @@ def int8_session(module, axes: dict[str, Any], sample: dict[str, np.ndarray], fo
     from app.export import _Positional
 
     names = list(axes)
-    fp32, int8 = Path(folder) / "m.onnx", Path(folder) / "m.int8.onnx"
+    fp32, int8_path = Path(folder) / "m.onnx", Path(folder) / "m.int8.onnx"
     buffer = io.BytesIO()
     torch.onnx.export(
         _Positional(module.eval(), names).eval(),
@@ -117,11 +129,13 @@ def int8_session(module, axes: dict[str, Any], sample: dict[str, np.ndarray], fo
         dynamo=False,
     )
     fp32.write_bytes(buffer.getvalue())
-    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+    if int8:
+        quantize_dynamic(str(fp32), str(int8_path), weight_type=QuantType.QInt8)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(int8), options, providers=["CPUExecutionProvider"])
+    model = str(int8_path if int8 else fp32)
+    return ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
 
 
 def requests_for(name: str, n: int, rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
@@ -159,8 +173,11 @@ def per_row_ms(session, batches: list[dict[str, np.ndarray]], repeats: int) -> f
     return median(times)
 
 
-def ceilings(smoke: bool) -> tuple[dict[str, Any], list[float]]:
-    """Part 1: ONNX Runtime alone, per model, ms/row at batch 1 and at batch 16."""
+def ceilings(
+    smoke: bool, int8: bool = True, providers: list[str] | None = None, quiet_s: float = 15
+) -> tuple[dict[str, Any], list[float]]:
+    """Part 1: ONNX Runtime alone, per model, ms/row at batch 1 and at batch 16 (also what
+    bench/gpu_check.py records on CUDA: fp32 there, int8 being a CPU format)."""
     rng = np.random.default_rng(0)
     n = 32 if smoke else 256
     repeats = 1 if smoke else 5
@@ -169,8 +186,9 @@ def ceilings(smoke: bool) -> tuple[dict[str, Any], list[float]]:
     for name, (module, axes) in models().items():
         requests = requests_for(name, n, rng)
         with tempfile.TemporaryDirectory() as folder:
-            session = int8_session(module, axes, batch_of(requests[:2], None), folder)
-            loads.append(wait_for_quiet(0 if smoke else 15))
+            sample = batch_of(requests[:2], None)
+            session = int8_session(module, axes, sample, folder, int8, providers)
+            loads.append(wait_for_quiet(0 if smoke else quiet_s))
             alone = [batch_of([r], None) for r in requests]  # each at its own length
             groups = [requests[i : i + BATCH] for i in range(0, n, BATCH)]
             row = {

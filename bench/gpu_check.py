@@ -5,6 +5,11 @@
 On CUDA: fp32, bf16 and fp16 + GradScaler; on CPU: fp32 and bf16. For each model family it
 prints the median step time, the speedup over fp32 and the loss after N steps against fp32's
 (same initial weights, same batches), and writes `<out>/gpu_check_<device>.json`.
+
+It also records the serving batching ceiling of issue 11 (bench.b5b_batching's reference models
+in ONNX Runtime alone, ms/row at batch 1 vs batch 16): on CUDA with the CUDA execution provider
+and fp32 models, where batching is expected to pay several-fold; on CPU with int8, as B5b.
+`--no-serving` skips it.
 """
 
 from __future__ import annotations
@@ -111,6 +116,29 @@ def run(
     }
 
 
+def serving_ceiling(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """ONNX Runtime ms/row at batch 1 vs 16 per reference model: CUDA provider and fp32 on a
+    GPU, CPU provider and int8 otherwise (falls back to CPU when CUDA's provider is missing)."""
+    import onnxruntime as ort
+
+    from bench.b5b_batching import ceilings
+
+    cuda = device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else None
+    models, _ = ceilings(smoke, int8=not cuda, providers=providers, quiet_s=0)
+    for name, row in models.items():
+        print(
+            f"serving {name:18s} {row['ms_per_row_batch_1']:.4f} -> "
+            f"{row['ms_per_row_batch_16']:.4f} ms/row (ceiling x{row['ceiling']:.2f})",
+            flush=True,
+        )
+    return {
+        "provider": "CUDAExecutionProvider" if cuda else "CPUExecutionProvider",
+        "variant": "fp32" if cuda else "int8",
+        "models": models,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--families", default="cnn,mlp,transformer")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--no-serving", action="store_true", help="skip the batching ceiling")
+    p.add_argument("--serving-smoke", action="store_true", help="a short batching ceiling")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scale = args.scale or (4 if device.type == "cuda" else 1)
@@ -143,16 +173,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"loss {r['final_loss']:.4f} (rel diff {r['loss_rel_diff_vs_fp32']:.3f})",
                 flush=True,
             )
+    serving = None if args.no_serving else serving_ceiling(device, args.serving_smoke)
     report = {
         "id": "gpu_check",
         "device": torch.cuda.get_device_name(0)
         if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        else platform.machine(),  # platform.processor() would run `uname -p`
         "torch": torch.__version__,
         "steps": args.steps,
         "batch": args.batch,
         "scale": scale,
         "results": results,
+        "serving_batching_ceiling": serving,
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu_check_{device.type}.json")

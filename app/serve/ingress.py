@@ -34,6 +34,7 @@ from app.serve.completions import (
     parse_generate,
     sse,
 )
+from app.serve.metric_buffer import MetricBuffer
 from app.serve.protocol import (
     BINARY_HEADER,
     RequestError,
@@ -275,6 +276,8 @@ def create_api(
     api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
     api.add_middleware(FullPaths)
     key = api_key(cfg, serve_host)
+    # One line per answered request, with serve.access_log (Serve's own line follows it too).
+    request_log_level = logging.INFO if cfg.access_log else logging.DEBUG
 
     def error(status: int, message: str, request_id: str = "") -> JSONResponse:
         headers = {"x-request-id": request_id} if request_id else None
@@ -458,7 +461,8 @@ def create_api(
         result = await router.call(name, "infer", payload)
         if "error" in result:
             raise RequestError(result["status"], result["error"])
-        log.info(
+        log.log(
+            request_log_level,
             "request %s: model %s v%s %d rows",
             request.state.request_id,
             name,
@@ -597,6 +601,8 @@ class IngressMetrics:
             tag_keys=("model",),
         )
 
+        self.buffer = MetricBuffer()
+
     def observe(self, model: str, code: int, latency_ms: float) -> None:
-        self.requests.inc(tags={"model": model, "code": str(code)})
-        self.latency.observe(latency_ms, tags={"model": model})
+        self.buffer.inc(self.requests, {"model": model, "code": str(code)})
+        self.buffer.observe(self.latency, latency_ms, {"model": model})

@@ -13,7 +13,7 @@ are dealt to the worker threads (serve.max_concurrent_batches of them) and run i
 by side: the event loop keeps parsing the next requests meanwhile. Whether requests share a call
 at all (serve.batch_calls) is measured at start (measure_batch_calls): on 2 CPU cores one call on
 16 rows of a width-256 Transformer costs more per row than 16 calls of one, so there every
-request gets its own call, and the batcher only spreads them over the threads.
+request goes straight to a worker thread, its own call, without the batcher.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 
 from app.artifact import Artifact, open_artifact, run_logits, softmax
 from app.config import ServeConfig
+from app.serve.metric_buffer import MetricBuffer
 from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
 
 log = logging.getLogger("ray.serve")
@@ -90,11 +91,12 @@ def spread(
 
 
 def measure_batch_calls(
-    session: Any, row: dict[str, np.ndarray], pool: ThreadPoolExecutor, rows: int = 8
+    session: Any, batch: dict[str, np.ndarray], pool: ThreadPoolExecutor, trim: bool
 ) -> dict[str, Any]:
-    """Whether one ONNX Runtime call on `rows` copies of `row` costs clearly less than `rows`
-    calls on one plus the thread hand-offs the extra calls take (medians of a few timed calls):
-    the replica's choice for serve.batch_calls=auto."""
+    """Whether one ONNX Runtime call on the rows of `batch` (text: cut to its longest row) costs
+    clearly less than a call per row (text: each cut to its own length) plus the thread
+    hand-offs the extra calls take; medians of a few timed rounds. The replica's choice for
+    serve.batch_calls=auto."""
 
     def median_s(fn: Any, repeats: int = 7) -> float:
         fn()  # warm-up
@@ -105,18 +107,24 @@ def measure_batch_calls(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    many = {k: np.repeat(v, rows, axis=0) for k, v in row.items()}
-    one_s = median_s(lambda: run_logits(session, row))
-    many_s = median_s(lambda: run_logits(session, many))
+    lengths = row_lengths(batch)
+    cut = trim and MASK in batch
+    singles = [
+        {k: v[i : i + 1, : lengths[i]] if cut else v[i : i + 1] for k, v in batch.items()}
+        for i in range(len(lengths))
+    ]
+    many = {k: v[:, : lengths.max()] if cut else v for k, v in batch.items()}
+    one_by_one_s = median_s(lambda: [run_logits(session, r) for r in singles])
+    shared_s = median_s(lambda: run_logits(session, many))
     handoff_s = median_s(lambda: pool.submit(int).result(), repeats=21)
-    separate_s = rows * one_s + (rows - 1) * handoff_s
+    separate_s = one_by_one_s + (len(singles) - 1) * handoff_s
     return {
-        # Shared calls must save a clear 10%: the rows measured here have equal lengths, while
-        # real batches pad to their longest, and a batch that shares calls uses fewer threads.
-        "share_calls": many_s <= SHARE_MARGIN * separate_s,
-        "rows": rows,
-        "ms_one_row": round(1000 * one_s, 4),
-        f"ms_{rows}_rows": round(1000 * many_s, 4),
+        # Shared calls must save a clear 10%: a batch that shares calls keeps fewer threads
+        # busy, and the timings are taken while the replica starts (noisy).
+        "share_calls": shared_s <= SHARE_MARGIN * separate_s,
+        "rows": len(singles),
+        "ms_one_call": round(1000 * shared_s, 4),
+        "ms_a_call_per_row": round(1000 * one_by_one_s, 4),
         "ms_thread_handoff": round(1000 * handoff_s, 4),
     }
 
@@ -162,7 +170,9 @@ class ModelServer:
         """Sets batch_calls (what was chosen, and measured) and call_rows (rows one ONNX
         Runtime call may take: a whole group, or one request's)."""
         if self.batch_setting == "auto":
-            measured = measure_batch_calls(self.session, self._calibration_row(), self.pool)
+            measured = measure_batch_calls(
+                self.session, self._calibration_batch(), self.pool, self.trim
+            )
             self.batch_calls = {"setting": "auto", **measured}
         else:
             self.batch_calls = {
@@ -171,19 +181,21 @@ class ModelServer:
             }
         self.call_rows = None if self.batch_calls["share_calls"] else 1
 
-    def _calibration_row(self) -> dict[str, np.ndarray]:
-        """One typical row: for text, a request of half the window (of the whole window when
-        the model takes a fixed length), every position a real token."""
+    def _calibration_batch(self, rows: int = 8) -> dict[str, np.ndarray]:
+        """Rows like a real batch's: for text (a model that takes any length), lengths spread
+        from 0.6x to 1x half the window, which pads a shared call by a quarter of its real
+        tokens, half what serve.max_padding_waste allows by default; every position a token."""
         row = self.artifact.preprocessor.features(self._sample())
         if MASK not in row:
-            return row
+            return {k: np.repeat(v, rows, axis=0) for k, v in row.items()}
         width = row[MASK].shape[1]
-        length = max(1, width // 2) if self.trim else width
-        ids = row["input_ids"][:, :1]
-        return {
-            k: (np.repeat(ids, length, axis=1) if k != MASK else np.ones((1, length), v.dtype))
-            for k, v in row.items()
-        }
+        top = max(1, width // 2) if self.trim else width
+        lengths = (
+            np.linspace(0.6 * top, top, rows).round().astype(int) if self.trim else [top] * rows
+        )
+        mask = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(row[MASK].dtype)
+        ids = np.where(mask > 0, row["input_ids"][0, 0], 0).astype(row["input_ids"].dtype)
+        return {k: (mask if k == MASK else ids) for k in row}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config: {variant: fp32|int8}` switches the ONNX model without a redeploy."""
@@ -231,7 +243,12 @@ class ModelServer:
     async def _batched(self, inputs: dict[str, np.ndarray]) -> Any:
         """Through the batcher; a request alone in the replica does not wait for batch mates
         that cannot come (a closed-loop client at low concurrency would pay the whole wait on
-        every request); with others in flight, the batch waits up to batch_wait_timeout_s."""
+        every request); with others in flight, the batch waits up to batch_wait_timeout_s.
+        When requests do not share calls there is nothing to wait for: straight to a thread."""
+        if self.call_rows == 1:
+            # A batch would only make each request wait for the window and for its slowest
+            # batch mate, and leave a thread idle while the next batch forms.
+            return (await self._run_batch([inputs]))[0]
         wait = self.batch_wait_timeout_s if self.in_flight else 0.0
         set_wait = getattr(self.infer_batch, "set_batch_wait_timeout_s", None)
         if set_wait is not None:
@@ -247,9 +264,7 @@ class ModelServer:
         lengths = [row_lengths(r) for r in requests]
         groups = padding_groups(lengths, self.max_padding_waste, self.call_rows)
         for group in groups:
-            self._metrics.batch_rows.observe(
-                sum(len(lengths[i]) for i in group), tags=self._metrics.tags
-            )
+            self._metrics.observe_call(sum(len(lengths[i]) for i in group))
         loop = asyncio.get_running_loop()
         shares = await asyncio.gather(
             *(
@@ -387,7 +402,7 @@ class _ReplicaMetrics:
         self.tags = {"model": model}
         self.batch_rows = Histogram(
             "raytorch_batch_size",
-            description="rows per ONNX Runtime batch",
+            description="rows per ONNX Runtime call",
             boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
             tag_keys=("model",),
         )
@@ -396,6 +411,10 @@ class _ReplicaMetrics:
             "raytorch_replicas", description="live model replicas", tag_keys=("model", "replica")
         )
         self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})
+        self.buffer = MetricBuffer()
+
+    def observe_call(self, rows: int) -> None:
+        self.buffer.observe(self.batch_rows, rows, self.tags)
 
 
 def artifact_metadata(

@@ -308,3 +308,31 @@ def test_completions_naming_a_classifier_on_another_application_is_a_400():
     with pytest.raises(Exception, match="does not generate text") as info:
         asyncio.run(router.stream("digits", {"prompt": "x"}))
     assert getattr(info.value, "status", None) == 400
+
+
+def test_request_metrics_are_summed_and_recorded_off_the_request_path():
+    from app.serve.metric_buffer import MetricBuffer
+
+    class Recorded:
+        def __init__(self):
+            self.calls: list[tuple] = []
+
+        def inc(self, value, tags):
+            self.calls.append((value, tags))
+
+        def observe(self, value, tags):
+            self.calls.append((value, tags))
+
+    counter, histogram = Recorded(), Recorded()
+    buffer = MetricBuffer(interval_s=3600)  # flushed by hand here
+    for code in (200, 200, 404, 200):
+        buffer.inc(counter, {"model": "m", "code": str(code)})
+        buffer.observe(histogram, 2.5, {"model": "m"})
+    assert counter.calls == [] and histogram.calls == []  # nothing recorded on the request path
+    buffer.flush()
+    assert sorted(counter.calls, key=str) == sorted(
+        [(3, {"model": "m", "code": "200"}), (1, {"model": "m", "code": "404"})], key=str
+    )
+    assert histogram.calls == [(2.5, {"model": "m"})] * 4
+    buffer.flush()
+    assert len(counter.calls) == 2  # flushed once

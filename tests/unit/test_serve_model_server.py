@@ -48,8 +48,8 @@ class FakeSession:
 
 
 class NoMetrics:
-    tags: dict[str, str] = {}
-    batch_rows = SimpleNamespace(observe=lambda *a, **k: None)
+    def observe_call(self, rows: int) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_one_call_per_request_when_calls_are_not_shared(text_pre):
     server = text_server(text_pre, session, workers=2, call_rows=1)
     answers = run(server, *(v2(["a cat"]) for _ in range(4)))
     assert all(len(a["labels"]) == 1 for a in answers)
-    assert session.runs == [1, 1, 1, 1] and server.infer_batch.sizes == [4]
+    assert session.runs == [1, 1, 1, 1] and server.infer_batch.sizes == []  # no batch wait
 
 
 class TimedSession:
@@ -290,8 +290,20 @@ class TimedSession:
     ],
 )
 def test_the_replica_measures_whether_requests_should_share_calls(cost, shares):
-    row = {"x": np.zeros((1, 4), np.float32)}
+    batch = {"x": np.zeros((8, 4), np.float32)}
     with ThreadPoolExecutor(1) as pool:
-        measured = measure_batch_calls(TimedSession(cost), row, pool)
-    assert measured["share_calls"] is shares
-    assert measured["ms_8_rows"] > 0 and measured["ms_thread_handoff"] >= 0
+        measured = measure_batch_calls(TimedSession(cost), batch, pool, trim=False)
+    assert measured["share_calls"] is shares and measured["rows"] == 8
+    assert measured["ms_one_call"] > 0 and measured["ms_thread_handoff"] >= 0
+
+
+def test_text_calibration_pads_the_shared_call_and_cuts_each_row_alone(text_pre):
+    session = FakeSession(any_length=True)
+    server = text_server(text_pre, session)
+    batch = server._calibration_batch()
+    lengths = batch["attention_mask"].sum(axis=1)
+    assert len(lengths) == 8 and lengths.max() == 4 and lengths.min() >= 2  # window 8: 0.6-1 x 4
+    with ThreadPoolExecutor(1) as pool:
+        measure_batch_calls(session, batch, pool, trim=True)
+    assert set(session.widths) == {int(n) for n in lengths}  # each single at its own length
+    assert 8 in session.runs  # and the shared call on all rows, cut to the longest
