@@ -31,7 +31,8 @@ class OneCallServer(ModelServer):
         loop = asyncio.get_running_loop()
         answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
         if isinstance(answer, Exception):
-            return RequestError(400, f"inputs: the model could not run this request ({answer})")
+            name = type(answer).__name__
+            return RequestError(400, f"inputs: the model could not run this request ({name})")
         return answer
 
 

@@ -44,20 +44,38 @@ class MetricBuffer:
         with self._lock:
             counts, self._counts = self._counts, defaultdict(float)
             values, self._values = self._values, []
+        failed = 0
         for (counter, pairs), n in counts.items():
-            counter.inc(n, tags=dict(pairs))
+            failed += not _recorded(counter.inc, n, dict(pairs))
         for histogram, value, tags in values:
-            histogram.observe(value, tags=tags)
+            failed += not _recorded(histogram.observe, value, tags)
+        if failed:
+            log.warning("%d buffered metric records failed (see the first error above)", failed)
 
     def _start(self) -> None:
-        if self._thread is None:  # first use: no thread for a process that never records
-            self._thread = threading.Thread(target=self._run, name="metric-flush", daemon=True)
-            self._thread.start()
+        if self._thread is not None:  # first use starts it: none for a process that never records
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metric-flush", daemon=True)
+                self._thread.start()
 
     def _run(self) -> None:
         while True:
             time.sleep(self.interval_s)
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - a metrics backend fault must not stop flushing
-                log.exception("recording buffered metrics failed")
+            self.flush()
+
+
+_warned: set[str] = set()
+
+
+def _recorded(record: Any, value: float, tags: dict[str, str]) -> bool:
+    """One record; a fault (a metrics backend down, a tag Ray refuses) costs that record only."""
+    try:
+        record(value, tags=tags)
+        return True
+    except Exception as e:  # noqa: BLE001 - must not stop the flush thread
+        if type(e).__name__ not in _warned:
+            _warned.add(type(e).__name__)
+            log.warning("recording a buffered metric failed: %s: %s", type(e).__name__, e)
+        return False

@@ -90,9 +90,7 @@ def spread(
     return shares
 
 
-def measure_batch_calls(
-    session: Any, batch: dict[str, np.ndarray], pool: ThreadPoolExecutor, trim: bool
-) -> dict[str, Any]:
+def measure_batch_calls(session: Any, batch: dict[str, np.ndarray], trim: bool) -> dict[str, Any]:
     """Whether one ONNX Runtime call on the rows of `batch` (text: cut to its longest row) costs
     clearly less than a call per row (text: each cut to its own length) plus the thread
     hand-offs the extra calls take; medians of a few timed rounds. The replica's choice for
@@ -116,7 +114,8 @@ def measure_batch_calls(
     many = {k: v[:, : lengths.max()] if cut else v for k, v in batch.items()}
     one_by_one_s = median_s(lambda: [run_logits(session, r) for r in singles])
     shared_s = median_s(lambda: run_logits(session, many))
-    handoff_s = median_s(lambda: pool.submit(int).result(), repeats=21)
+    with ThreadPoolExecutor(1) as pool:  # an idle thread of its own: the hand-off alone
+        handoff_s = median_s(lambda: pool.submit(int).result(), repeats=21)
     separate_s = one_by_one_s + (len(singles) - 1) * handoff_s
     return {
         # Shared calls must save a clear 10%: a batch that shares calls keeps fewer threads
@@ -168,17 +167,19 @@ class ModelServer:
 
     def _choose_batch_calls(self) -> None:
         """Sets batch_calls (what was chosen, and measured) and call_rows (rows one ONNX
-        Runtime call may take: a whole group, or one request's)."""
-        if self.batch_setting == "auto":
-            measured = measure_batch_calls(
-                self.session, self._calibration_batch(), self.pool, self.trim
-            )
-            self.batch_calls = {"setting": "auto", **measured}
+        Runtime call may take: a whole group, or one request's). Once, at start: a variant
+        switch keeps the choice (measuring then would stall the event loop mid-traffic)."""
+        self.batch_calls: dict[str, Any]
+        if self.batch_setting != "auto":
+            on = self.batch_setting == "on"
+            self.batch_calls = {"setting": self.batch_setting, "share_calls": on}
         else:
-            self.batch_calls = {
-                "setting": self.batch_setting,
-                "share_calls": self.batch_setting == "on",
-            }
+            try:
+                measured = measure_batch_calls(self.session, self._calibration_batch(), self.trim)
+            except Exception as e:  # noqa: BLE001 - a replica must start; requests fail alone
+                log.warning("could not measure batched calls (%s); they share calls", e)
+                measured = {"share_calls": True, "error": f"{type(e).__name__}: {e}"}
+            self.batch_calls = {"setting": "auto", **measured}
         self.call_rows = None if self.batch_calls["share_calls"] else 1
 
     def _calibration_batch(self, rows: int = 8) -> dict[str, np.ndarray]:
@@ -206,7 +207,6 @@ class ModelServer:
             self.session = self.artifact.session(variant, self.threads)
             self.trim = takes_any_length(self.session)
             self.variant = variant
-            self._choose_batch_calls()  # the other variant may batch differently
             log.info("model %s now serves the %s variant", self.artifact.name, variant)
 
     async def check_health(self) -> None:
@@ -248,7 +248,7 @@ class ModelServer:
         if self.call_rows == 1:
             # A batch would only make each request wait for the window and for its slowest
             # batch mate, and leave a thread idle while the next batch forms.
-            return (await self._run_batch([inputs]))[0]
+            return await self._alone(inputs)
         wait = self.batch_wait_timeout_s if self.in_flight else 0.0
         set_wait = getattr(self.infer_batch, "set_batch_wait_timeout_s", None)
         if set_wait is not None:
@@ -258,6 +258,19 @@ class ModelServer:
             return await self.infer_batch(inputs)
         finally:
             self.in_flight -= 1
+
+    async def _alone(self, inputs: dict[str, np.ndarray]) -> Any:
+        """One request, one call on a worker thread. A failure is this request's (400): with
+        no batch mates to compare with, a model that fails everything is left to check_health,
+        which fails too and has Serve replace the replica."""
+        self._metrics.observe_call(_rows_of(inputs))
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
+        if isinstance(answer, Exception):
+            return RequestError(
+                400, f"inputs: the model could not run this request ({type(answer).__name__})"
+            )
+        return answer
 
     async def _run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         """Per request: (labels, probabilities), or a RequestError that is that request's alone."""

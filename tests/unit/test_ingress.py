@@ -336,3 +336,23 @@ def test_request_metrics_are_summed_and_recorded_off_the_request_path():
     assert histogram.calls == [(2.5, {"model": "m"})] * 4
     buffer.flush()
     assert len(counter.calls) == 2  # flushed once
+
+
+def test_a_failing_metric_record_costs_that_record_only():
+    from app.serve.metric_buffer import MetricBuffer
+
+    class Refusing:
+        def __init__(self):
+            self.values: list[float] = []
+
+        def observe(self, value, tags):
+            if not tags["model"].isascii():
+                raise ValueError("tag values must be ASCII")
+            self.values.append(value)
+
+    histogram = Refusing()
+    buffer = MetricBuffer(interval_s=3600)
+    for model, value in (("m", 1.0), ("Æ", 2.0), ("m", 3.0)):
+        buffer.observe(histogram, value, {"model": model})
+    buffer.flush()
+    assert histogram.values == [1.0, 3.0]

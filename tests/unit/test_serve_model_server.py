@@ -7,7 +7,6 @@ import asyncio
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -291,8 +290,7 @@ class TimedSession:
 )
 def test_the_replica_measures_whether_requests_should_share_calls(cost, shares):
     batch = {"x": np.zeros((8, 4), np.float32)}
-    with ThreadPoolExecutor(1) as pool:
-        measured = measure_batch_calls(TimedSession(cost), batch, pool, trim=False)
+    measured = measure_batch_calls(TimedSession(cost), batch, trim=False)
     assert measured["share_calls"] is shares and measured["rows"] == 8
     assert measured["ms_one_call"] > 0 and measured["ms_thread_handoff"] >= 0
 
@@ -303,7 +301,32 @@ def test_text_calibration_pads_the_shared_call_and_cuts_each_row_alone(text_pre)
     batch = server._calibration_batch()
     lengths = batch["attention_mask"].sum(axis=1)
     assert len(lengths) == 8 and lengths.max() == 4 and lengths.min() >= 2  # window 8: 0.6-1 x 4
-    with ThreadPoolExecutor(1) as pool:
-        measure_batch_calls(session, batch, pool, trim=True)
+    measure_batch_calls(session, batch, trim=True)
     assert set(session.widths) == {int(n) for n in lengths}  # each single at its own length
     assert 8 in session.runs  # and the shared call on all rows, cut to the longest
+
+
+def test_without_shared_calls_a_failing_request_is_a_400_and_runs_once(text_pre):
+    poison = text_pre.features(["zzz"])["input_ids"][0]
+    session = FakeSession(poison=poison, any_length=True)
+    server = text_server(text_pre, session, workers=2, call_rows=1)
+    answers = run(server, v2(["a cat sat"]), v2(["zzz"]))
+    assert len(answers[0]["labels"]) == 1
+    assert answers[1] == {
+        "status": 400,
+        "error": "inputs: the model could not run this request (RuntimeError)",
+    }
+    assert session.runs == [1, 1]  # each request once, the failing one not run again
+
+
+class BrokenSession(FakeSession):
+    def run(self, names, inputs):
+        raise RuntimeError("no kernel for this shape")
+
+
+def test_a_replica_starts_when_the_calibration_fails(text_pre):
+    server = text_server(text_pre, BrokenSession(any_length=True))
+    server.batch_setting = "auto"
+    server._choose_batch_calls()
+    assert server.batch_calls["share_calls"] is True and server.call_rows is None
+    assert "RuntimeError" in server.batch_calls["error"]
