@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,45 @@ def wait_child_ready(proc: subprocess.Popen, timeout_s: float, log: Path) -> dic
     raise TimeoutError(f"serve child not ready after {timeout_s:.0f}s")
 
 
+@contextlib.contextmanager
+def serve_and_plain(
+    artifact: str,
+    cfg: dict[str, Any],
+    name: str,
+    bodies: list[bytes],
+    logs: Path,
+    label: str = "",
+    one_call: bool = False,
+) -> Iterator[tuple[dict[str, str], str, dict[str, Any]]]:
+    """Serve (HAProxy -> the model's replica, a Ray of its own) and the plain uvicorn server
+    (`one_call`: without batching) on the same artifact, both answering; yields ({"plain",
+    "serve"}: their v2 infer URLs, the wrk body file (one body a line), start-up times), and
+    stops both (by pid) on the way out."""
+    scratch = tempfile.mkdtemp(prefix="bench-haproxy-")
+    body_file = os.path.join(scratch, "bodies.jsonl")
+    Path(body_file).write_bytes(b"\n".join(bodies) + b"\n")
+    suffix = f"_{label}" if label else ""
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)  # runs last
+        serve_port, serve_log = free_port(), logs / f"serve_ht{suffix}.log"
+        child = start_ht_child(artifact, cfg, serve_port, scratch, serve_log, name)
+        stack.callback(_stop, child)
+        plain_port = free_port()
+        plain = start_plain(
+            artifact, cfg, plain_port, logs / f"plain_uvicorn{suffix}.log", one_call
+        )
+        stack.callback(_stop, plain, 15)
+        stack.callback(plain.terminate)
+        startup = {"plain_ready_wait_s": wait_ready(f"http://127.0.0.1:{plain_port}", 120)}
+        startup["serve"] = wait_child_ready(child, 300, serve_log)
+        path = f"/v2/models/{name}/infer"
+        urls = {
+            "plain": f"http://127.0.0.1:{plain_port}{path}",
+            "serve": f"http://127.0.0.1:{serve_port}{path}",
+        }
+        yield urls, body_file, startup
+
+
 def measure(
     urls: dict[str, str], body_file: str, smoke: bool, connections=CONNECTIONS
 ) -> tuple[dict[int, dict[str, list[dict[str, Any]]]], list[dict[str, float]]]:
@@ -226,30 +266,11 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
     # $B5_ARTIFACT: an already published digits artifact (skips preparing data and training).
     artifact = os.environ.get("B5_ARTIFACT") or ensure_artifact(work, "digits", smoke)["artifact"]
-    body = synthetic_body(artifact)
-    path = "/v2/models/digits/infer"
     cfg = serve_config(work)
     logs = work / "b5-logs"
     logs.mkdir(exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix="bench-haproxy-")
-    body_file = os.path.join(scratch, "body.json")
-    Path(body_file).write_bytes(body)
-    startup: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, scratch, ignore_errors=True)  # runs last
-        serve_port, serve_log = free_port(), logs / "serve_ht.log"
-        child = start_ht_child(artifact, cfg, serve_port, scratch, serve_log)
-        stack.callback(_stop, child)
-        plain_port = free_port()
-        plain = start_plain(artifact, cfg, plain_port, logs / "plain_uvicorn.log")
-        stack.callback(_stop, plain, 15)
-        stack.callback(plain.terminate)
-        startup["plain_ready_wait_s"] = wait_ready(f"http://127.0.0.1:{plain_port}", 120)
-        startup["serve"] = wait_child_ready(child, 300, serve_log)
-        urls = {
-            "plain": f"http://127.0.0.1:{plain_port}{path}",
-            "serve": f"http://127.0.0.1:{serve_port}{path}",
-        }
+    bodies = [synthetic_body(artifact)]
+    with serve_and_plain(artifact, cfg, "digits", bodies, logs) as (urls, body_file, startup):
         windows, quiet = measure(urls, body_file, smoke)
     sides = {c: {name: summarize_side(r) for name, r in by.items()} for c, by in windows.items()}
     ratios = {

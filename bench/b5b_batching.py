@@ -27,10 +27,7 @@ end-to-end ratio over the models.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +38,6 @@ import numpy as np
 from bench.common import (
     TEXT256,
     ensure_artifact,
-    free_port,
     main_wrapper,
     median,
     ratio,
@@ -208,18 +204,8 @@ def ceilings(
 
 def serve_vs_plain(work: Path, smoke: bool) -> dict[str, Any]:
     """Part 2: per served model, Serve (default batching) vs plain one call per request."""
-    from bench.b5_serve import (
-        _stop,
-        busy_note,
-        measure,
-        serve_config,
-        start_ht_child,
-        start_plain,
-        summarize_side,
-        wait_child_ready,
-    )
+    from bench.b5_serve import busy_note, measure, serve_and_plain, serve_config, summarize_side
     from bench.b5c_litserve import request_bodies
-    from bench.load import wait_ready
 
     cfg = serve_config(work)
     logs = work / "b5b-logs"
@@ -228,26 +214,14 @@ def serve_vs_plain(work: Path, smoke: bool) -> dict[str, Any]:
     for label, (workload, overrides, tag) in SERVED.items():
         artifact = ensure_artifact(work, workload, smoke, *overrides, tag=tag)["artifact"]
         name, bodies, tokens = request_bodies(artifact)
-        scratch = tempfile.mkdtemp(prefix="bench-haproxy-")
-        body_file = os.path.join(scratch, "bodies.jsonl")
-        Path(body_file).write_text("\n".join(bodies) + "\n")
-        with contextlib.ExitStack() as stack:
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
-            serve_port, serve_log = free_port(), logs / f"serve_{label}.log"
-            child = start_ht_child(artifact, cfg, serve_port, scratch, serve_log, name)
-            stack.callback(_stop, child)
-            plain_port = free_port()
-            plain = start_plain(artifact, cfg, plain_port, logs / f"plain_{label}.log", True)
-            stack.callback(_stop, plain, 15)
-            stack.callback(plain.terminate)
-            wait_ready(f"http://127.0.0.1:{plain_port}", 120)
-            wait_child_ready(child, 300, serve_log)
-            path = f"/v2/models/{name}/infer"
-            urls = {
-                "plain_one_call": f"http://127.0.0.1:{plain_port}{path}",
-                "serve_batched": f"http://127.0.0.1:{serve_port}{path}",
-            }
-            windows, quiet = measure(urls, body_file, smoke, (CONNECTIONS,))
+        encoded = [b.encode() for b in bodies]
+        with serve_and_plain(artifact, cfg, name, encoded, logs, label, one_call=True) as (
+            urls,
+            body_file,
+            _,
+        ):
+            sides_urls = {"plain_one_call": urls["plain"], "serve_batched": urls["serve"]}
+            windows, quiet = measure(sides_urls, body_file, smoke, (CONNECTIONS,))
         sides = {k: summarize_side(r) for k, r in windows[CONNECTIONS].items()}
         serve, plain_side = sides["serve_batched"], sides["plain_one_call"]
         out[label] = {

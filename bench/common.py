@@ -150,8 +150,6 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> list[float]:
 # full load raises it by ~0.25, back-to-back windows hold it near 2-3), so it is recorded, not
 # gated on.
 QUIET_BUSY_CORES = float(os.environ.get("BENCH_QUIET_BUSY_CORES", "0.5"))
-# Kept for the record and for callers that report it: the 1-minute load average.
-QUIET_LOAD = float(os.environ.get("BENCH_QUIET_LOAD", "0.6"))
 
 
 def busy_cores(interval_s: float = 1.0) -> float:

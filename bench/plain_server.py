@@ -9,31 +9,16 @@ model server (app.serve.app.ModelApp) behind Serve's proxy or HAProxy. Outside a
 `@serve.batch` works as a plain asyncio batcher except for one start-up check that asks for the
 replica context; that check (a warning about max_ongoing_requests) is skipped here.
 
-`--one-call` is B5b's hand-written baseline: no batcher at all, one ONNX Runtime call per request
-on the same worker threads (serve.max_concurrent_batches of them), same validation and answer.
+`--one-call` is B5b's hand-written baseline: serve.batch_calls=off, so no batcher at all, one ONNX
+Runtime call per request on the worker threads (serve.max_concurrent_batches of them), same
+validation and answer.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from typing import Any
-
-from app.serve.model_server import ModelServer
-from app.serve.protocol import RequestError
-
-
-class OneCallServer(ModelServer):
-    """Each request straight to ONNX Runtime on a worker thread: no batch, no wait."""
-
-    async def _batched(self, inputs):  # type: ignore[no-untyped-def]
-        loop = asyncio.get_running_loop()
-        answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
-        if isinstance(answer, Exception):
-            name = type(answer).__name__
-            return RequestError(400, f"inputs: the model could not run this request ({name})")
-        return answer
 
 
 def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = False):
@@ -42,10 +27,13 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
     from app.artifact import resolve
     from app.config import ServeConfig, resolve_uri
     from app.serve.ingress import IngressMetrics, LocalHandle, ModelRouter, create_api
+    from app.serve.model_server import ModelServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
-    cfg = ServeConfig.model_validate(serve_config)
-    server = (OneCallServer if one_call else ModelServer)(resolve(resolve_uri(artifact_uri)), cfg)
+    cfg = ServeConfig.model_validate(
+        {**serve_config, **({"batch_calls": "off"} if one_call else {})}
+    )
+    server = ModelServer(resolve(resolve_uri(artifact_uri)), cfg)
     router = ModelRouter({server.artifact.name: LocalHandle(server)}, cfg.request_timeout_s)
     return create_api(cfg, router, IngressMetrics())
 

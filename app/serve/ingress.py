@@ -34,7 +34,7 @@ from app.serve.completions import (
     parse_generate,
     sse,
 )
-from app.serve.metric_buffer import MetricBuffer
+from app.serve.metric_buffer import process_buffer
 from app.serve.protocol import (
     BINARY_HEADER,
     RequestError,
@@ -601,8 +601,6 @@ class IngressMetrics:
             tag_keys=("model",),
         )
 
-        self.buffer = MetricBuffer()
-
     def observe(self, model: str, code: int, latency_ms: float) -> None:
-        self.buffer.inc(self.requests, {"model": model, "code": str(code)})
-        self.buffer.observe(self.latency, latency_ms, {"model": model})
+        process_buffer().inc(self.requests, {"model": model, "code": str(code)})
+        process_buffer().observe(self.latency, latency_ms, {"model": model})

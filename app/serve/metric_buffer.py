@@ -12,6 +12,7 @@ as with Serve's own cached request metrics.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -64,6 +65,12 @@ class MetricBuffer:
         while True:
             time.sleep(self.interval_s)
             self.flush()
+
+
+@functools.cache
+def process_buffer() -> MetricBuffer:
+    """The one buffer (and flush thread) of this process, made on first use."""
+    return MetricBuffer()
 
 
 _warned: set[str] = set()

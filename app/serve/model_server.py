@@ -31,7 +31,7 @@ import numpy as np
 
 from app.artifact import Artifact, open_artifact, run_logits, softmax
 from app.config import ServeConfig
-from app.serve.metric_buffer import MetricBuffer
+from app.serve.metric_buffer import process_buffer
 from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
 
 log = logging.getLogger("ray.serve")
@@ -47,13 +47,10 @@ def row_lengths(inputs: dict[str, np.ndarray]) -> np.ndarray:
     return np.maximum(mask.sum(axis=1), 1)
 
 
-def padding_groups(
-    lengths: list[np.ndarray], max_waste: float, max_rows: int | None = None
-) -> list[list[int]]:
+def padding_groups(lengths: list[np.ndarray], max_waste: float) -> list[list[int]]:
     """Requests (by index) grouped so that each group, padded to its longest row, pads at most
-    `max_waste` x its real tokens and holds at most `max_rows` rows. Requests are taken shortest
-    first, so a group only grows while the longer newcomer keeps the padding bounded; a request
-    alone is always a valid group."""
+    `max_waste` x its real tokens. Requests are taken shortest first, so a group only grows while
+    the longer newcomer keeps the padding bounded; a request alone is always a valid group."""
     order = sorted(range(len(lengths)), key=lambda i: int(lengths[i].max()))
     groups: list[list[int]] = []
     longest = rows = real = 0
@@ -61,8 +58,7 @@ def padding_groups(
         n, total, top = len(lengths[i]), int(lengths[i].sum()), int(lengths[i].max())
         new_longest = max(longest, top)
         padded = new_longest * (rows + n) - (real + total)
-        fits = max_rows is None or rows + n <= max_rows
-        if groups and fits and padded <= max_waste * (real + total):
+        if groups and padded <= max_waste * (real + total):
             groups[-1].append(i)
             longest, rows, real = new_longest, rows + n, real + total
         else:
@@ -161,14 +157,14 @@ class ModelServer:
             self.artifact.name,
             self.artifact.version,
             self.artifact.uri,
-            "share ONNX Runtime calls" if self.call_rows is None else "get a call each",
+            "share ONNX Runtime calls" if self.share_calls else "get a call each",
             self.batch_calls,
         )
 
     def _choose_batch_calls(self) -> None:
-        """Sets batch_calls (what was chosen, and measured) and call_rows (rows one ONNX
-        Runtime call may take: a whole group, or one request's). Once, at start: a variant
-        switch keeps the choice (measuring then would stall the event loop mid-traffic)."""
+        """Sets batch_calls (what was chosen, and measured) and share_calls (whether batched
+        requests share ONNX Runtime calls, or each goes alone). Once, at start: a variant switch
+        keeps the choice (measuring then would stall the event loop mid-traffic)."""
         self.batch_calls: dict[str, Any]
         if self.batch_setting != "auto":
             on = self.batch_setting == "on"
@@ -180,7 +176,7 @@ class ModelServer:
                 log.warning("could not measure batched calls (%s); they share calls", e)
                 measured = {"share_calls": True, "error": f"{type(e).__name__}: {e}"}
             self.batch_calls = {"setting": "auto", **measured}
-        self.call_rows = None if self.batch_calls["share_calls"] else 1
+        self.share_calls = bool(self.batch_calls["share_calls"])
 
     def _calibration_batch(self, rows: int = 8) -> dict[str, np.ndarray]:
         """Rows like a real batch's: for text (a model that takes any length), lengths spread
@@ -245,7 +241,7 @@ class ModelServer:
         that cannot come (a closed-loop client at low concurrency would pay the whole wait on
         every request); with others in flight, the batch waits up to batch_wait_timeout_s.
         When requests do not share calls there is nothing to wait for: straight to a thread."""
-        if self.call_rows == 1:
+        if not self.share_calls:
             # A batch would only make each request wait for the window and for its slowest
             # batch mate, and leave a thread idle while the next batch forms.
             return await self._alone(inputs)
@@ -266,16 +262,12 @@ class ModelServer:
         self._metrics.observe_call(_rows_of(inputs))
         loop = asyncio.get_running_loop()
         answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
-        if isinstance(answer, Exception):
-            return RequestError(
-                400, f"inputs: the model could not run this request ({type(answer).__name__})"
-            )
-        return answer
+        return model_error(400, answer) if isinstance(answer, Exception) else answer
 
     async def _run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         """Per request: (labels, probabilities), or a RequestError that is that request's alone."""
         lengths = [row_lengths(r) for r in requests]
-        groups = padding_groups(lengths, self.max_padding_waste, self.call_rows)
+        groups = padding_groups(lengths, self.max_padding_waste)
         for group in groups:
             self._metrics.observe_call(sum(len(lengths[i]) for i in group))
         loop = asyncio.get_running_loop()
@@ -297,13 +289,7 @@ class ModelServer:
         )
         status = 500 if everything_failed else 400
         for i, a in alone.items():
-            answers[i] = (
-                RequestError(
-                    status, f"inputs: the model could not run this request ({type(a).__name__})"
-                )
-                if isinstance(a, Exception)
-                else a
-            )
+            answers[i] = model_error(status, a) if isinstance(a, Exception) else a
         return [answers[i] for i in range(len(requests))]
 
     def _answer(
@@ -404,6 +390,12 @@ def _batcher(handler: Any, cfg: ServeConfig) -> Any:
     )(handler)
 
 
+def model_error(status: int, e: Exception) -> RequestError:
+    return RequestError(
+        status, f"inputs: the model could not run this request ({type(e).__name__})"
+    )
+
+
 def _rows_of(inputs: dict[str, np.ndarray]) -> int:
     return len(next(iter(inputs.values())))
 
@@ -424,10 +416,9 @@ class _ReplicaMetrics:
             "raytorch_replicas", description="live model replicas", tag_keys=("model", "replica")
         )
         self.replicas.set(1, tags={"model": model, "replica": str(os.getpid())})
-        self.buffer = MetricBuffer()
 
     def observe_call(self, rows: int) -> None:
-        self.buffer.observe(self.batch_rows, rows, self.tags)
+        process_buffer().observe(self.batch_rows, rows, self.tags)
 
 
 def artifact_metadata(

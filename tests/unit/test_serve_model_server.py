@@ -66,7 +66,7 @@ def text_server(
     max_request_rows: int = 1024,
     max_padding_waste: float = 10.0,
     workers: int = 1,
-    call_rows: int | None = None,
+    share_calls: bool = True,
 ) -> ModelServer:
     """A ModelServer on a fake text artifact; its batch method runs every concurrent call as one
     batch, as @serve.batch would, and ONNX Runtime on a worker thread, as the replica does."""
@@ -85,7 +85,7 @@ def text_server(
     server.trim = takes_any_length(server.session)
     server.pool = ThreadPoolExecutor(workers)
     server.workers = workers
-    server.call_rows = call_rows
+    server.share_calls = share_calls
     server.max_request_rows = max_request_rows
     server.max_padding_waste = max_padding_waste
     server.batch_wait_timeout_s, server.in_flight = 0.005, 0
@@ -219,15 +219,6 @@ def test_a_request_alone_does_not_wait_for_batch_mates(text_pre):
     assert waits == [0.0, 0.0, 0.005, 0.005] and server.in_flight == 0
 
 
-def test_padding_groups_hold_at_most_max_rows():
-    lengths = [np.array([7])] * 5 + [np.array([7, 7, 7])]
-    groups = padding_groups(lengths, max_waste=0.0, max_rows=4)
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    assert all(sum(len(lengths[i]) for i in g) <= 4 for g in groups)
-    assert padding_groups([np.array([7] * 9)], max_waste=0.0, max_rows=1) == [[0]]  # alone is ok
-    assert len(padding_groups([np.array([7])] * 3, max_waste=0.0, max_rows=1)) == 3
-
-
 def test_spread_deals_groups_to_the_workers_by_padded_tokens():
     lengths = [np.array([100]), np.array([90]), np.array([10]), np.array([10])]
     shares = spread([[0], [1], [2], [3]], lengths, workers=2)
@@ -263,7 +254,7 @@ def test_the_groups_of_a_batch_run_side_by_side_on_the_worker_threads(text_pre):
 
 def test_one_call_per_request_when_calls_are_not_shared(text_pre):
     session = FakeSession(any_length=True)
-    server = text_server(text_pre, session, workers=2, call_rows=1)
+    server = text_server(text_pre, session, workers=2, share_calls=False)
     answers = run(server, *(v2(["a cat"]) for _ in range(4)))
     assert all(len(a["labels"]) == 1 for a in answers)
     assert session.runs == [1, 1, 1, 1] and server.infer_batch.sizes == []  # no batch wait
@@ -309,7 +300,7 @@ def test_text_calibration_pads_the_shared_call_and_cuts_each_row_alone(text_pre)
 def test_without_shared_calls_a_failing_request_is_a_400_and_runs_once(text_pre):
     poison = text_pre.features(["zzz"])["input_ids"][0]
     session = FakeSession(poison=poison, any_length=True)
-    server = text_server(text_pre, session, workers=2, call_rows=1)
+    server = text_server(text_pre, session, workers=2, share_calls=False)
     answers = run(server, v2(["a cat sat"]), v2(["zzz"]))
     assert len(answers[0]["labels"]) == 1
     assert answers[1] == {
@@ -328,5 +319,5 @@ def test_a_replica_starts_when_the_calibration_fails(text_pre):
     server = text_server(text_pre, BrokenSession(any_length=True))
     server.batch_setting = "auto"
     server._choose_batch_calls()
-    assert server.batch_calls["share_calls"] is True and server.call_rows is None
+    assert server.batch_calls["share_calls"] is True and server.share_calls is True
     assert "RuntimeError" in server.batch_calls["error"]
