@@ -53,7 +53,6 @@ PREPROCESSOR_FILE = "preprocessor.json"
 def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Run training; `callbacks` are Ray Train callbacks (jobs.tune passes Tune's reporter)."""
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from app.cli import connect_ray
     from app.data import fit_preprocessor, ingest_options, load_split, plan_data_path, split_shards
@@ -86,9 +85,8 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             shards[split] = None
             datasets[split] = load_split(config, split, preprocessor, manifest)
     t = config.train
-    # Propagated by Ray Train from this process to its controller (see TrainConfig).
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(t.controller_poll_s))
-    trainer = TorchTrainer(
+    set_controller_env(config)
+    trainer = trainer_class(datasets)(
         train_loop,
         train_loop_config={
             "config": dump(config),
@@ -134,6 +132,37 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
         raise
     tracking.finish_mlflow_run(mlflow_run, summary)
     return summary
+
+
+def set_controller_env(config: Config) -> None:
+    """Ray Train settings its controller reads from the environment (Ray Train propagates this
+    process's RAY_TRAIN_* variables to it); one the user exported wins."""
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(config.train.controller_poll_s))
+    # The preemption watcher is one more actor process per worker group, started as the workers
+    # start (~1 s of start-up on 2 cores: B9). It serves loops that call
+    # ray.train.get_preemption_info, which this one does not: a drained node's ranks fail and the
+    # run resumes from its last checkpoint, as for any other fault.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+
+def trainer_class(datasets: dict[str, Any]) -> type:
+    """TorchTrainer; when no split is streamed, without its Ray Datasets hook.
+
+    Ray Train 2.60 starts a DatasetManager actor for every run, datasets or none: on the memory
+    path that is a fresh process (~1.2 s of CPU) competing with the workers as they start (B9).
+    """
+    from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
+
+    if datasets:
+        return TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class MemoryPathTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return MemoryPathTrainer
 
 
 def open_mlflow_run(config: Config, run_name: str) -> str | None:

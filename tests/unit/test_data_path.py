@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -228,3 +229,34 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
     restarted = MemoryFeed(lambda: blocks)  # a new process, starting at epoch 2
     assert order(restarted, seed=2) == order(uninterrupted, seed=2)
     assert sorted(order(restarted, seed=2)) == list(range(513))
+
+
+def test_a_run_without_streamed_splits_starts_no_ray_datasets_machinery():
+    """The memory path skips Ray Train's DatasetManager actor (a process per run); a streamed
+    split keeps it, since its shards come through it."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    from app.train import trainer_class
+
+    def hooks(datasets: dict) -> list[type]:
+        trainer = trainer_class(datasets)(
+            lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1), datasets=datasets
+        )
+        return [type(c) for c in trainer._create_default_callbacks()]
+
+    assert trainer_class({"train": object()}) is TorchTrainer
+    assert DatasetsCallback not in hooks({})
+    assert len(hooks({})) >= 3  # the rest of Ray Train's own hooks are kept
+
+
+def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
+    from app.train import set_controller_env
+
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # so teardown restores it
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.5")
+    set_controller_env(config_factory())
+    assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.5"
