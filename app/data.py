@@ -5,8 +5,9 @@ The driver decides the data path once per run (`plan_data_path`, logged with its
   of the Parquet shards straight from storage and preprocesses it once (`read_rank_share`: no
   Ray Data execution to plan or start, so the first step comes seconds sooner), keeps it as
   tensors (app/feed.py) and reshuffles it every epoch: no per-epoch set-up at all.
-- `stream`: they do not fit. Every epoch streams `read_parquet` -> `map_batches` into the workers,
-  with several read tasks per worker so reading overlaps training, prefetching in the workers,
+- `stream`: they do not fit. Every epoch streams the shards' row ranges through Ray Data tasks
+  that read and preprocess them (`load_split`) into the workers, with several read tasks per
+  worker so reading overlaps training, prefetching in the workers,
   and Ray Data's CPUs bounded so it cannot starve the trainers (nor they it).
 The preprocessor is fitted on the train split one shard at a time on the driver.
 """
@@ -19,7 +20,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import numpy as np
 import pandas as pd
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import storage
@@ -116,9 +119,36 @@ def read_rank_share(
         a, b = max(lo, start) - start, min(hi, offset) - start
         if b <= a:
             continue
-        fs, path = storage.filesystem(uri)
-        part = pq.read_table(path, filesystem=fs).slice(a, b - a).to_pandas()
-        yield pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
+        yield transform_rows(pre, *storage.filesystem(uri), a, b)
+
+
+def transform_rows(
+    pre: Preprocessor, fs: pafs.FileSystem, path: str, start: int, stop: int
+) -> dict[str, Any]:
+    """Rows [start, stop) of one Parquet shard, preprocessed; only the row groups that hold them
+    are read."""
+    shard = pq.ParquetFile(path, filesystem=fs)
+    groups, first, offset = [], None, 0
+    for g in range(shard.num_row_groups):
+        rows = shard.metadata.row_group(g).num_rows
+        if offset < stop and offset + rows > start:
+            groups.append(g)
+            first = offset if first is None else first
+        offset += rows
+    part = shard.read_row_groups(groups).slice(start - (first or 0), stop - start).to_pandas()
+    return pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
+
+
+def shard_pieces(shards: list[tuple[str, int]], pieces: int) -> list[tuple[str, int, int]]:
+    """(uri, start, stop) row ranges covering every shard in order, each shard cut into equal
+    parts so that there are at least `pieces` in all (one Ray Data task reads each)."""
+    cuts_per_shard = max(1, -(-pieces // max(len(shards), 1)))
+    out = []
+    for uri, rows in shards:
+        cuts = max(1, min(cuts_per_shard, rows))
+        bounds = [rows * i // cuts for i in range(cuts + 1)]
+        out += [(uri, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return out
 
 
 def split_shards(config: Config, manifest: DatasetManifest, split: str) -> list[tuple[str, int]]:
@@ -151,8 +181,12 @@ def _preprocessor(state_json: str) -> Preprocessor:
     return Preprocessor.from_json(state_json)
 
 
-def _transform(batch: dict[str, Any], state_json: str) -> dict[str, Any]:
-    return _preprocessor(state_json).transform_batch(batch)
+def _read_pieces(
+    pieces: dict[str, np.ndarray], state_json: str, fs: pafs.FileSystem
+) -> Iterator[dict[str, Any]]:
+    pre = _preprocessor(state_json)
+    for path, start, stop in zip(pieces["path"], pieces["start"], pieces["stop"], strict=True):
+        yield transform_rows(pre, fs, str(path), int(start), int(stop))
 
 
 def load_split(
@@ -161,32 +195,34 @@ def load_split(
     preprocessor: Preprocessor,
     manifest: DatasetManifest | None = None,
 ):
-    """A lazy Ray Dataset of model-ready batches for one split, streamed (nothing is read until
-    consumed; a split that fits in memory is read by the workers themselves: read_rank_share)."""
+    """A lazy Ray Dataset of model-ready blocks for one split, streamed (nothing is read until
+    consumed; a split that fits in memory is read by the workers themselves: read_rank_share).
+
+    The input is the manifest's own list of shard row ranges, not `read_parquet`: Ray Data 2.60's
+    Parquet source lists the files and reads every footer again on each execution, in a pool of
+    actors started for it (two fresh processes, ~2.5 s of CPU, every epoch here), while the
+    manifest already holds each shard's path and row count. One task reads and preprocesses one
+    range: a piece of a shard when there are fewer shards than
+    `num_workers x data.stream_read_tasks_per_worker`, so that small blocks start flowing while the
+    rest is read.
+    """
     import ray.data
 
     quiet_progress()
-    output = config.data_output
-    manifest = manifest or read_manifest(output)
-    files = split_files(output, manifest, split)
-    fs, _ = storage.filesystem(files[0])
-    cpus = config.data.task_cpus
-    # One read task per shard file at least, several per worker: small blocks start flowing
-    # while the rest is read, instead of one bin-packed read unit the first batch waits for.
+    manifest = manifest or read_manifest(config.data_output)
+    shards = split_shards(config, manifest, split)
+    fs, _ = storage.filesystem(shards[0][0])  # one store for the whole dataset
     tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
-    ds = ray.data.read_parquet(
-        [storage.filesystem(f)[1] for f in files],
-        filesystem=fs,
-        num_cpus=cpus,
-        override_num_blocks=max(len(files), tasks),
-    )
-    return ds.map_batches(
-        _transform,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
-        fn_kwargs={"state_json": preprocessor.to_json()},
+    pieces = [
+        {"path": storage.filesystem(uri)[1], "start": a, "stop": b}
+        for uri, a, b in shard_pieces(shards, tasks)
+    ]
+    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+        _read_pieces,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
+        fn_kwargs={"state_json": preprocessor.to_json(), "fs": fs},
         batch_format="numpy",
-        batch_size=256,
-        zero_copy_batch=True,
-        num_cpus=cpus,
+        batch_size=1,
+        num_cpus=config.data.task_cpus,
     )
 
 

@@ -136,6 +136,11 @@ fi
 
 # --- 3. Environment the cluster's processes inherit. ----------------------------------------
 export RAYTORCH_ROOT="${RAYTORCH_ROOT:-$REPO_ROOT}"
+# Idle worker processes live 30 s instead of 1 s once a node runs more workers than it has CPUs
+# (a training run always does: controller, train workers, Ray Data's coordinator). Ray Data's
+# task processes then survive from one epoch to the next instead of starting afresh (importing
+# Ray, pyarrow and the preprocessor) every epoch. Read by the raylet at start.
+export RAY_idle_worker_killing_time_threshold_ms="${RAY_idle_worker_killing_time_threshold_ms:-30000}"
 if [[ "$SERVE_FAST" == "1" ]]; then
     export RAY_SERVE_THROUGHPUT_OPTIMIZED=1
     # HAProxy ingress. NOTE: it makes Serve's *default* HTTP host 0.0.0.0 (and ignores
@@ -233,10 +238,10 @@ else
         # Keep the GCS, raylet and object manager on loopback too: a laptop cluster.
         args+=(--node-ip-address 127.0.0.1)
     fi
-    # Logical CPUs are scheduling slots, not cores. Ray Data's file-listing task asks for a
-    # whole CPU (hard-coded in Ray 2.60), so on a 2-core laptop 2 slots cannot hold two train
-    # workers (0.5 each), a Serve replica and ingress (0.75) and that task at once: advertise at
-    # least 4 unless told otherwise.
+    # Logical CPUs are scheduling slots, not cores. Ray Data's file-listing task (batch
+    # prediction's `read_parquet`) asks for a whole CPU (hard-coded in Ray 2.60), so on a 2-core
+    # laptop 2 slots cannot hold two train workers (0.5 each), a Serve replica and ingress (0.75)
+    # and that task at once: advertise at least 4 unless told otherwise.
     if [[ -z "${RAYTORCH_NUM_CPUS:-}" ]]; then
         cores="$(nproc 2>/dev/null || echo 4)"
         RAYTORCH_NUM_CPUS=$((cores < 4 ? 4 : cores))

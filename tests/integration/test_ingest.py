@@ -1,4 +1,4 @@
-"""The ingest path on a real local Ray: shards -> read_parquet -> map_batches -> streaming_split."""
+"""The ingest path on a real local Ray: shard row ranges -> read + preprocess tasks -> streaming_split."""
 
 from __future__ import annotations
 

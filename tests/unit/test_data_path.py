@@ -205,6 +205,37 @@ def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_pa
     assert rows_of(0, 3) == [0, 1, 2, 3]
 
 
+def test_streamed_pieces_cover_every_shard_row_once_and_read_only_their_row_groups(tmp_path):
+    import pandas as pd
+    import pyarrow.fs as pafs
+
+    from app.data import shard_pieces, transform_rows
+
+    # 10 shards and 8 tasks wanted: one piece a shard. 2 shards and 8 tasks: 4 pieces each.
+    many = [(f"s{i}", 100) for i in range(10)]
+    assert shard_pieces(many, 8) == [(u, 0, 100) for u, _ in many]
+    pieces = shard_pieces([("a", 10), ("b", 3)], 8)
+    assert [p for p in pieces if p[0] == "a"] == [
+        ("a", 0, 2),
+        ("a", 2, 5),
+        ("a", 5, 7),
+        ("a", 7, 10),
+    ]
+    assert [p for p in pieces if p[0] == "b"] == [("b", 0, 1), ("b", 1, 2), ("b", 2, 3)]
+    assert shard_pieces([("empty", 0)], 4) == []
+
+    path = tmp_path / "part-0.parquet"  # 10 rows in row groups of 3
+    frame = pd.DataFrame({"f0": np.arange(10, dtype=np.float32), "label": ["a"] * 10})
+    frame.to_parquet(path, row_group_size=3)
+    fs, pre = pafs.LocalFileSystem(), tabular_pre(features=1)
+    got = [
+        transform_rows(pre, fs, str(path), a, b)["x"][:, 0]
+        for _, a, b in shard_pieces([("p", 10)], 3)
+    ]
+    assert [list(map(int, g)) for g in got] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert list(transform_rows(pre, fs, str(path), 4, 8)["x"][:, 0]) == [4, 5, 6, 7]
+
+
 def test_first_pass_batches_are_full_across_uneven_blocks():
     # Two ranks with 213 rows each, read as blocks of different sizes, must take as many steps.
     def feed_of(sizes):
