@@ -24,6 +24,20 @@ from app.errors import ConfigError, NoClusterError, UserError
 LOCAL_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 30_000}
 
 
+def init_private_ray(num_cpus: int = 2) -> None:
+    """A new Ray of this process's own, never a running one (tests and benchmarks): no
+    dashboard, workers' output kept out of this process's."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+    )
+
+
 def parser(stage: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m jobs.{stage}", description=description)
     p.add_argument("--config", required=True, help="workload YAML, e.g. configs/digits.yaml")

@@ -100,19 +100,13 @@ def ingest_pass(config) -> dict[str, Any]:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from app.cli import LOCAL_RAY_SYSTEM_CONFIG
+    from app.cli import init_private_ray
     from app.data import fit_preprocessor, ingest_options, load_split
     from app.prepare import read_manifest
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+    init_private_ray()
     try:
         with PeakMemory() as memory:
             start = time.perf_counter()

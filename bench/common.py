@@ -344,7 +344,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
     """
     import ray
 
-    from app.cli import LOCAL_RAY_SYSTEM_CONFIG
+    from app.cli import init_private_ray
 
     address = os.environ.get(RAY_ADDRESS_ENV)
     start = time.perf_counter()
@@ -355,13 +355,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
             "ray_init_s": float(os.environ.get(RAY_INIT_S_ENV, "nan")),
         }
     else:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
+        init_private_ray(num_cpus)
         info = {
             "ray_cluster": "private to this benchmark",
             "ray_init_s": time.perf_counter() - start,

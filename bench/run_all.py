@@ -111,16 +111,10 @@ def parse(argv=None) -> argparse.Namespace:
 def start_shared_ray() -> tuple[str, float]:
     import ray
 
-    from app.cli import LOCAL_RAY_SYSTEM_CONFIG
+    from app.cli import init_private_ray
 
     start = time.perf_counter()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+    init_private_ray()
     return ray.get_runtime_context().gcs_address, time.perf_counter() - start
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import LOCAL_RAY_SYSTEM_CONFIG
+from app.cli import init_private_ray
 from app.config import Config
 from app.prepare import prepare
 from tests.conftest import REPO, make_config
@@ -18,13 +18,7 @@ def ensure_local_ray() -> None:
 
     if not ray.is_initialized():
         # address="local": always a private cluster, never a developer's running one.
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
+        init_private_ray()
 
 
 @pytest.fixture
