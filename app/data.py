@@ -204,7 +204,8 @@ def load_split(
     manifest already holds each shard's path and row count. One task reads and preprocesses one
     range: a piece of a shard when there are fewer shards than
     `num_workers x data.stream_read_tasks_per_worker`, so that small blocks start flowing while the
-    rest is read.
+    rest is read; `num_workers x data.stream_reads_in_flight_per_worker` run at once (each
+    running task is a worker process Ray starts at the first epoch).
     """
     import ray.data
 
@@ -213,6 +214,7 @@ def load_split(
     shards = split_shards(config, manifest, split)
     fs, _ = storage.filesystem(shards[0][0])  # one store for the whole dataset
     tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
+    in_flight = config.train.num_workers * config.data.stream_reads_in_flight_per_worker
     pieces = [
         {"path": storage.filesystem(uri)[1], "start": a, "stop": b}
         for uri, a, b in shard_pieces(shards, tasks)
@@ -223,6 +225,7 @@ def load_split(
         batch_format="numpy",
         batch_size=1,
         num_cpus=config.data.task_cpus,
+        compute=ray.data.TaskPoolStrategy(size=in_flight),
     )
 
 

@@ -146,23 +146,34 @@ def set_controller_env(config: Config) -> None:
 
 
 def trainer_class(datasets: dict[str, Any]) -> type:
-    """TorchTrainer; when no split is streamed, without its Ray Datasets hook.
-
-    Ray Train 2.60 starts a DatasetManager actor for every run, datasets or none: on the memory
-    path that is a fresh process (~1.2 s of CPU) competing with the workers as they start (B9).
+    """TorchTrainer without the two actors this job does not need, each a fresh process (~1.5-2 s
+    of CPU on 2 cores) started just as the workers start (B9):
+    - the PlacementGroupCleaner, a detached actor that removes the worker group's placement group
+      if the controller dies while its driver lives on (it also polls the State API every
+      second of the run). This driver ends with the run, and Ray removes a job's placement
+      groups when the job ends. `RAY_TRAIN_PG_CLEANER=1` brings it back, for a driver that
+      outlives its runs.
+    - the DatasetManager, which Ray Train 2.60 starts for every run, datasets or none, when no
+      split is streamed (the memory path).
     """
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
     from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
 
-    if datasets:
-        return TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    dropped: tuple[type, ...] = ()
+    if os.environ.get("RAY_TRAIN_PG_CLEANER", "0") != "1":
+        dropped += (PlacementGroupCleanerCallback,)
+    if not datasets:
+        dropped += (DatasetsCallback,)
 
-    class MemoryPathTrainer(TorchTrainer):
+    class JobTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
             callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            return [c for c in callbacks if not isinstance(c, dropped)]
 
-    return MemoryPathTrainer
+    return JobTrainer
 
 
 def open_mlflow_run(config: Config, run_name: str) -> str | None:

@@ -50,6 +50,24 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def process_kind(pid: int) -> str:
+    """A process's role from its title (Ray workers retitle themselves `ray::<Actor or task>`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "gone"
+    title = argv[0].decode(errors="replace").split(" ")[0]
+    if title.startswith("ray::"):
+        return title
+    # Python entry points: the module or script after the interpreter, else the binary's name.
+    for arg in argv[1:3]:
+        arg_s = arg.decode(errors="replace")
+        if arg_s.endswith(".py") or ("." in arg_s and not arg_s.startswith("-")):
+            return Path(arg_s).name
+    return Path(title).name
+
+
 def pss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -62,17 +80,25 @@ def pss_bytes(pid: int) -> int:
 
 
 class PeakMemory:
-    """Samples the PSS of this process tree in a background thread; `peak` in bytes."""
+    """Samples the PSS of this process tree in a background thread; `peak` in bytes, and
+    `peak_by_kind`: where that peak sat, summed per process role (what to fix when it grows)."""
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peak, self.samples = interval, 0, 0
+        self.peak_by_kind: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = sum(pss_bytes(p) for p in descendants(os.getpid()))
-            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            by_kind: dict[str, int] = {}
+            for pid in descendants(os.getpid()):
+                kind = process_kind(pid)
+                by_kind[kind] = by_kind.get(kind, 0) + pss_bytes(pid)
+            total = sum(by_kind.values())
+            if total > self.peak:
+                self.peak, self.peak_by_kind = total, by_kind
+            self.samples += 1
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PeakMemory:
@@ -132,6 +158,10 @@ def ingest_pass(config) -> dict[str, Any]:
         "train_rows": manifest["rows"]["train"],
         "error": str(result.error) if result.error else None,
         "peak_pss_bytes": memory.peak,
+        "peak_pss_mib_by_process": {
+            k: round(v / 2**20, 1)
+            for k, v in sorted(memory.peak_by_kind.items(), key=lambda kv: -kv[1])
+        },
         "samples": memory.samples,
         "pass_s": elapsed,
     }

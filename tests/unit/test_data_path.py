@@ -262,12 +262,15 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
     assert sorted(order(restarted, seed=2)) == list(range(513))
 
 
-def test_a_run_without_streamed_splits_starts_no_ray_datasets_machinery():
+def test_a_run_starts_only_the_ray_train_actors_it_needs(monkeypatch):
     """The memory path skips Ray Train's DatasetManager actor (a process per run); a streamed
-    split keeps it, since its shards come through it."""
+    split keeps it, since its shards come through it. The PlacementGroupCleaner (a detached
+    process per run) is skipped unless RAY_TRAIN_PG_CLEANER=1 asks for it."""
     import ray.train
-    from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
 
     from app.train import trainer_class
 
@@ -277,9 +280,13 @@ def test_a_run_without_streamed_splits_starts_no_ray_datasets_machinery():
         )
         return [type(c) for c in trainer._create_default_callbacks()]
 
-    assert trainer_class({"train": object()}) is TorchTrainer
-    assert DatasetsCallback not in hooks({})
-    assert len(hooks({})) >= 3  # the rest of Ray Train's own hooks are kept
+    monkeypatch.delenv("RAY_TRAIN_PG_CLEANER", raising=False)
+    streamed, memory = hooks({"train": object()}), hooks({})
+    assert DatasetsCallback in streamed and DatasetsCallback not in memory
+    assert PlacementGroupCleanerCallback not in streamed + memory
+    assert len(memory) >= 2  # the rest of Ray Train's own hooks are kept
+    monkeypatch.setenv("RAY_TRAIN_PG_CLEANER", "1")
+    assert PlacementGroupCleanerCallback in hooks({})
 
 
 def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
