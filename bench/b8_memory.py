@@ -26,46 +26,10 @@ from bench.common import (
     wait_for_quiet,
     write_result,
 )
+from bench.load import process_tree
 
 ID = "B8"
 GOAL = "peak memory at 10x the data <= 1.2x"
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def process_kind(pid: int) -> str:
-    """A process's role from its title (Ray workers retitle themselves `ray::<Actor or task>`)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return "gone"
-    title = argv[0].decode(errors="replace").split(" ")[0]
-    if title.startswith("ray::"):
-        return title
-    # Python entry points: the module or script after the interpreter, else the binary's name.
-    for arg in argv[1:3]:
-        arg_s = arg.decode(errors="replace")
-        if arg_s.endswith(".py") or ("." in arg_s and not arg_s.startswith("-")):
-            return Path(arg_s).name
-    return Path(title).name
 
 
 def pss_bytes(pid: int) -> int:
@@ -92,8 +56,7 @@ class PeakMemory:
     def _run(self) -> None:
         while not self._stop.is_set():
             by_kind: dict[str, int] = {}
-            for pid in descendants(os.getpid()):
-                kind = process_kind(pid)
+            for pid, kind in process_tree(os.getpid()).items():
                 by_kind[kind] = by_kind.get(kind, 0) + pss_bytes(pid)
             total = sum(by_kind.values())
             if total > self.peak:
