@@ -213,12 +213,10 @@ def load_split(
     manifest = manifest or read_manifest(config.data_output)
     shards = split_shards(config, manifest, split)
     fs, _ = storage.filesystem(shards[0][0])  # one store for the whole dataset
+    paths = [(storage.filesystem(uri)[1], rows) for uri, rows in shards]  # once per shard
     tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
     in_flight = config.train.num_workers * config.data.stream_reads_in_flight_per_worker
-    pieces = [
-        {"path": storage.filesystem(uri)[1], "start": a, "stop": b}
-        for uri, a, b in shard_pieces(shards, tasks)
-    ]
+    pieces = [{"path": p, "start": a, "stop": b} for p, a, b in shard_pieces(paths, tasks)]
     return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
         _read_pieces,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"state_json": preprocessor.to_json(), "fs": fs},

@@ -151,7 +151,7 @@ def trainer_class(datasets: dict[str, Any]) -> type:
     - the PlacementGroupCleaner, a detached actor that removes the worker group's placement group
       if the controller dies while its driver lives on (it also polls the State API every
       second of the run). This driver ends with the run, and Ray removes a job's placement
-      groups when the job ends. `RAY_TRAIN_PG_CLEANER=1` brings it back, for a driver that
+      groups when the job ends. `RAYTORCH_PG_CLEANER=1` brings it back, for a driver that
       outlives its runs.
     - the DatasetManager, which Ray Train 2.60 starts for every run, datasets or none, when no
       split is streamed (the memory path).
@@ -163,7 +163,7 @@ def trainer_class(datasets: dict[str, Any]) -> type:
     from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
 
     dropped: tuple[type, ...] = ()
-    if os.environ.get("RAY_TRAIN_PG_CLEANER", "0") != "1":
+    if os.environ.get("RAYTORCH_PG_CLEANER", "0") != "1":
         dropped += (PlacementGroupCleanerCallback,)
     if not datasets:
         dropped += (DatasetsCallback,)

@@ -265,7 +265,7 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
 def test_a_run_starts_only_the_ray_train_actors_it_needs(monkeypatch):
     """The memory path skips Ray Train's DatasetManager actor (a process per run); a streamed
     split keeps it, since its shards come through it. The PlacementGroupCleaner (a detached
-    process per run) is skipped unless RAY_TRAIN_PG_CLEANER=1 asks for it."""
+    process per run) is skipped unless RAYTORCH_PG_CLEANER=1 asks for it."""
     import ray.train
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import (
@@ -280,12 +280,12 @@ def test_a_run_starts_only_the_ray_train_actors_it_needs(monkeypatch):
         )
         return [type(c) for c in trainer._create_default_callbacks()]
 
-    monkeypatch.delenv("RAY_TRAIN_PG_CLEANER", raising=False)
+    monkeypatch.delenv("RAYTORCH_PG_CLEANER", raising=False)
     streamed, memory = hooks({"train": object()}), hooks({})
     assert DatasetsCallback in streamed and DatasetsCallback not in memory
     assert PlacementGroupCleanerCallback not in streamed + memory
     assert len(memory) >= 2  # the rest of Ray Train's own hooks are kept
-    monkeypatch.setenv("RAY_TRAIN_PG_CLEANER", "1")
+    monkeypatch.setenv("RAYTORCH_PG_CLEANER", "1")
     assert PlacementGroupCleanerCallback in hooks({})
 
 
