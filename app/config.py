@@ -61,8 +61,9 @@ class DataConfig(_Section):
     # Default (null): a quarter of the cluster's object store memory.
     cache_budget_mb: float | None = Field(None, gt=0)
     # Streaming: Ray Data read tasks per train worker (parallel reads that overlap training),
-    # batches each worker prefetches, and the CPUs Ray Data may use at once (null: what the
-    # train workers leave free, at least one task's worth), so neither side starves the other.
+    # batches each worker prefetches, and the CPUs Ray Data may use at once, shared equally by
+    # the workers' streams (null: what the train workers leave free, at least one task's worth
+    # each), so neither side starves the other.
     stream_read_tasks_per_worker: int = Field(4, ge=1)
     # Read tasks running at once, per train worker. Each running task is a worker process Ray
     # must start at the first epoch (~2 s of CPU: on 2 cores that delays the first step, B9);
@@ -70,8 +71,8 @@ class DataConfig(_Section):
     stream_reads_in_flight_per_worker: int = Field(1, ge=1)
     stream_prefetch_batches: int = Field(4, ge=0)
     stream_max_cpus: float | None = Field(None, gt=0)
-    # Object store memory Ray Data may fill with blocks in flight while streaming (bench B8:
-    # peak memory of an ingest pass stays flat, x1.03 at 10x the rows).
+    # Object store memory Ray Data may fill with blocks in flight while streaming, shared
+    # equally by the workers' streams (bench B8: peak memory of an ingest pass stays flat).
     stream_object_store_mb: float = Field(256, gt=0)
     # Generators and image folders.
     num_rows: int = Field(4000, ge=10)

@@ -5,10 +5,10 @@ The driver decides the data path once per run (`plan_data_path`, logged with its
   of the Parquet shards straight from storage and preprocesses it once (`read_rank_share`: no
   Ray Data execution to plan or start, so the first step comes seconds sooner), keeps it as
   tensors (app/feed.py) and reshuffles it every epoch: no per-epoch set-up at all.
-- `stream`: they do not fit. Every epoch streams the shards' row ranges through Ray Data tasks
-  that read and preprocess them (`load_split`) into the workers, with several read tasks per
-  worker so reading overlaps training, prefetching in the workers,
-  and Ray Data's CPUs bounded so it cannot starve the trainers (nor they it).
+- `stream`: they do not fit. Every epoch each worker streams its own row range of the shards
+  through its own Ray Data execution, tasks that read and preprocess it (`stream_split`), with
+  several read tasks per worker so reading overlaps training, prefetching in the worker, and
+  Ray Data's CPUs bounded so it cannot starve the trainers (nor they it).
 The preprocessor is fitted on the train split one shard at a time on the driver.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -96,10 +97,23 @@ def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
 
 def rank_range(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rank's contiguous row range of a split: every rank the same count, the last `rows % world`
-    rows left out, as Ray Data's `streaming_split(equal=True)` does (DDP and FSDP need every rank
-    to run the same number of steps)."""
+    rows left out (DDP and FSDP need every rank to run the same number of steps; Ray Data's
+    `streaming_split(equal=True)` splits the same way)."""
     share = rows // world
     return rank * share, (rank + 1) * share
+
+
+def rank_ranges(shards: list[tuple[str, int]], rank: int, world: int) -> list[tuple[str, int, int]]:
+    """(uri, start, stop) row ranges of the shards that hold rank's share (`rank_range`), in
+    manifest order; shards outside it are left out."""
+    lo, hi = rank_range(sum(rows for _, rows in shards), rank, world)
+    out, offset = [], 0
+    for uri, rows in shards:
+        start, offset = offset, offset + rows
+        a, b = max(lo, start) - start, min(hi, offset) - start
+        if b > a:
+            out.append((uri, a, b))
+    return out
 
 
 def read_rank_share(
@@ -112,13 +126,7 @@ def read_rank_share(
     start before the first step (`shards` are (uri, rows) in manifest order, already verified
     against their sha256 on the driver).
     """
-    lo, hi = rank_range(sum(rows for _, rows in shards), rank, world)
-    offset = 0
-    for uri, rows in shards:
-        start, offset = offset, offset + rows
-        a, b = max(lo, start) - start, min(hi, offset) - start
-        if b <= a:
-            continue
+    for uri, a, b in rank_ranges(shards, rank, world):
         yield transform_rows(pre, *storage.filesystem(uri), a, b)
 
 
@@ -139,14 +147,14 @@ def transform_rows(
     return pre.transform_batch({c: part[c].to_numpy() for c in part.columns})
 
 
-def shard_pieces(shards: list[tuple[str, int]], pieces: int) -> list[tuple[str, int, int]]:
-    """(uri, start, stop) row ranges covering every shard in order, each shard cut into equal
-    parts so that there are at least `pieces` in all (one Ray Data task reads each)."""
-    cuts_per_shard = max(1, -(-pieces // max(len(shards), 1)))
+def shard_pieces(ranges: list[tuple[str, int, int]], pieces: int) -> list[tuple[str, int, int]]:
+    """The (uri, start, stop) row ranges cut into equal parts, in order, so that there are at
+    least `pieces` in all (one Ray Data task reads each)."""
+    cuts_per_range = max(1, -(-pieces // max(len(ranges), 1)))
     out = []
-    for uri, rows in shards:
-        cuts = max(1, min(cuts_per_shard, rows))
-        bounds = [rows * i // cuts for i in range(cuts + 1)]
+    for uri, lo, hi in ranges:
+        cuts = max(1, min(cuts_per_range, hi - lo))
+        bounds = [lo + (hi - lo) * i // cuts for i in range(cuts + 1)]
         out += [(uri, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     return out
 
@@ -189,72 +197,128 @@ def _read_pieces(
         yield transform_rows(pre, fs, str(path), int(start), int(stop))
 
 
-def load_split(
+def stream_split(
     config: Config,
-    split: str,
+    shards: list[tuple[str, int]],
     preprocessor: Preprocessor,
-    manifest: DatasetManifest | None = None,
+    rank: int = 0,
+    world: int = 1,
 ):
-    """A lazy Ray Dataset of model-ready blocks for one split, streamed (nothing is read until
-    consumed; a split that fits in memory is read by the workers themselves: read_rank_share).
+    """A lazy Ray Dataset of rank's share of a split (`rank_range`), model-ready blocks streamed
+    as they are read: each train worker streams its own share (a split that fits in memory is
+    read by the workers without Ray Data: read_rank_share).
 
-    The input is the manifest's own list of shard row ranges, not `read_parquet`: Ray Data 2.60's
-    Parquet source lists the files and reads every footer again on each execution, in a pool of
-    actors started for it (two fresh processes, ~2.5 s of CPU, every epoch here), while the
-    manifest already holds each shard's path and row count. One task reads and preprocesses one
-    range: a piece of a shard when there are fewer shards than
-    `num_workers x data.stream_read_tasks_per_worker`, so that small blocks start flowing while the
-    rest is read; `num_workers x data.stream_reads_in_flight_per_worker` run at once (each
-    running task is a worker process Ray starts at the first epoch).
+    Each worker runs its own execution, in its own process, rather than one execution split
+    across the workers (`streaming_split`): that needs a DatasetManager and a split coordinator,
+    two more actor processes (~2 s of CPU each on 2 cores) started just as training starts (B9),
+    and every batch then passes through the coordinator. The input is the manifest's shard row
+    ranges, not `read_parquet`: Ray Data 2.60's Parquet source lists the files and reads every
+    footer again on each execution, in a pool of actors started for it, while the manifest
+    already holds each shard's path and row count. One task reads and preprocesses one range,
+    the share cut into `data.stream_read_tasks_per_worker` pieces so that small blocks start
+    flowing while the rest is read; `data.stream_reads_in_flight_per_worker` run at once (each
+    running task is a worker process Ray starts at the first epoch and keeps while it is busy).
     """
     import ray.data
 
     quiet_progress()
-    manifest = manifest or read_manifest(config.data_output)
-    shards = split_shards(config, manifest, split)
+    d = config.data
     fs, _ = storage.filesystem(shards[0][0])  # one store for the whole dataset
-    paths = [(storage.filesystem(uri)[1], rows) for uri, rows in shards]  # once per shard
-    tasks = config.train.num_workers * config.data.stream_read_tasks_per_worker
-    in_flight = config.train.num_workers * config.data.stream_reads_in_flight_per_worker
-    pieces = [{"path": p, "start": a, "stop": b} for p, a, b in shard_pieces(paths, tasks)]
+    ranges = [(storage.filesystem(u)[1], a, b) for u, a, b in rank_ranges(shards, rank, world)]
+    pieces = [
+        {"path": p, "start": a, "stop": b}
+        for p, a, b in shard_pieces(ranges, d.stream_read_tasks_per_worker)
+    ]
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options = ingest_options(config)
+    if PacedScheduling not in ctx.custom_execution_callback_classes:
+        # Duck-typed: Ray Data only calls the callback's four methods.
+        ctx.custom_execution_callback_classes.append(PacedScheduling)  # type: ignore[arg-type]
     return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
         _read_pieces,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"state_json": preprocessor.to_json(), "fs": fs},
         batch_format="numpy",
         batch_size=1,
-        num_cpus=config.data.task_cpus,
-        compute=ray.data.TaskPoolStrategy(size=in_flight),
+        num_cpus=d.task_cpus,
+        compute=ray.data.TaskPoolStrategy(size=d.stream_reads_in_flight_per_worker),
     )
 
 
-def ingest_options(config: Config):
-    """Ray Data execution options for the streamed training datasets.
+class PacedScheduling:
+    """Keeps Ray Data's scheduling loop from spinning in the train worker's process.
 
-    They bound Data's CPUs to what the train workers leave free (at least one task's worth), so
-    a fast reader cannot take the trainers' cores and the trainers' reservation cannot leave
-    Data with nothing, and its object store use to `data.stream_object_store_mb`, so memory
-    stays flat however large the dataset.
+    Ray Data 2.60's loop blocks in `ray.wait` only while read tasks run; once they are done, or
+    held back because the worker has not taken the blocks already read, it loops without pause,
+    a thread that holds the GIL busy beside the training thread (steps took twice as long in
+    `configs/stream.yaml`). A loop step that comes within 5 ms of the previous one with no task
+    running pauses, 1 ms at first and twice as long at each such step in a row, up to 50 ms: a
+    consumer that takes blocks fast (B2) frees the loop within a few milliseconds, one that
+    trains between batches leaves it asleep nearly all the time.
+    """
+
+    MIN_STEP_S, FIRST_PAUSE_S, MAX_PAUSE_S = 0.005, 0.001, 0.05
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._pause = self.FIRST_PAUSE_S
+
+    def before_execution_starts(self, executor: Any) -> None: ...
+
+    def on_execution_step(self, executor: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.MIN_STEP_S and not self._tasks_running(executor):
+            time.sleep(self._pause)
+            self._pause = min(2 * self._pause, self.MAX_PAUSE_S)
+            now = time.monotonic()
+        else:
+            self._pause = self.FIRST_PAUSE_S
+        self._last = now
+
+    @staticmethod
+    def _tasks_running(executor: Any) -> bool:
+        # While a read task runs, the loop's next step blocks in ray.wait: no pause needed, and
+        # none wanted (a task that just finished frees its slot for the next one at once).
+        topology = getattr(executor, "_topology", None) or {}
+        return any(op.num_active_tasks() for op in topology)
+
+    def after_execution_succeeds(self, executor: Any) -> None: ...
+
+    def after_execution_fails(self, executor: Any, error: Exception) -> None: ...
+
+
+def ingest_options(config: Config):
+    """Ray Data execution options for one train worker's stream.
+
+    They bound Data's CPUs to this worker's part of what the train workers leave free (at least
+    one task's worth), so a fast reader cannot take the trainers' cores and the trainers'
+    reservation cannot leave Data with nothing, and its object store use to its part of
+    `data.stream_object_store_mb`, so memory stays flat however large the dataset.
     """
     import ray
     from ray.data import ExecutionOptions, ExecutionResources
 
+    workers = config.train.num_workers
     limit = config.data.stream_max_cpus
     if limit is None:
         total = ray.cluster_resources().get("CPU", 1.0)
-        reserved = config.train.num_workers * config.train.cpus_per_worker
-        limit = max(total - reserved, config.data.task_cpus)
-    store = config.data.stream_object_store_mb * MIB
+        limit = total - workers * config.train.cpus_per_worker
+    cpu = max(limit / workers, config.data.task_cpus)
+    store = config.data.stream_object_store_mb * MIB / workers
     return ExecutionOptions(
-        resource_limits=ExecutionResources.for_limits(cpu=limit, object_store_memory=store),
+        resource_limits=ExecutionResources.for_limits(cpu=cpu, object_store_memory=store),
         preserve_order=False,
     )
 
 
 def quiet_progress() -> None:
-    """Per-epoch progress bars of Ray Data drown the job log; the train loop logs progress itself."""
+    """Ray Data's per-execution output drowns the job log (each rank streams its own execution
+    every epoch); the train loop logs progress itself. Data's warnings still come through."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.enable_operator_progress_bars = False
     ctx.print_on_execution_start = False
+    # "Dataset ... execution finished in N seconds", and the notice that progress bars are off.
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)

@@ -100,10 +100,10 @@ class MemoryFeed:
 
 
 class StreamFeed:
-    """A Ray Data shard streamed every epoch.
+    """A Ray Data dataset (this worker's share) streamed every epoch.
 
-    Starting a pass costs Ray Data a new streaming execution (planning, read and map tasks,
-    the split coordinator): about a second before the first batch. `prefetch` starts the next
+    Starting a pass costs Ray Data a new streaming execution (planning, read and map tasks):
+    up to a second before the first batch. `prefetch` starts the next
     pass in the background as soon as a training epoch ends, so that cost overlaps validation
     and reporting instead of the next epoch's training loop.
     """

@@ -1,8 +1,8 @@
 """Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from Parquet shards.
 
 The driver fits the preprocessor, chooses the data path (app/data.py: each worker reads its rows
-into memory, or Ray Data streams them), builds the lazy datasets when streaming and launches the
-trainer; each worker runs `train_loop` top to bottom: build model -> maybe resume -> epochs of
+into memory, or streams them through its own Ray Data execution) and launches the trainer; each
+worker runs `train_loop` top to bottom: build model -> maybe resume -> epochs of
 (train, validate, report + checkpoint). The epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
 """
 
@@ -55,8 +55,9 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     import ray.train
 
     from app.cli import connect_ray
-    from app.data import fit_preprocessor, ingest_options, load_split, plan_data_path, split_shards
+    from app.data import fit_preprocessor, plan_data_path, split_shards
     from app.prepare import read_manifest, verify_shards
+    from app.process_group import ProcessGroupConfig
 
     check_precision(config)
     run_name = config.run_name()
@@ -75,18 +76,11 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     connect_ray()
     plan = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", plan.mode, plan.reason)
-    # A split in memory: each worker reads its own rows (no Ray Data); streamed: Ray Data feeds it.
-    shards: dict[str, list[tuple[str, int]] | None] = {}
-    datasets = {}
-    for split in ("train", "val"):
-        if plan.split_mode(split) == "memory":
-            shards[split] = split_shards(config, manifest, split)
-        else:
-            shards[split] = None
-            datasets[split] = load_split(config, split, preprocessor, manifest)
+    # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
+    shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     t = config.train
     set_controller_env(config)
-    trainer = trainer_class(datasets)(
+    trainer = trainer_class()(
         train_loop,
         train_loop_config={
             "config": dump(config),
@@ -94,6 +88,7 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             "run_dir": run_dir,
             "train_rows": manifest.rows["train"],
             "shards": shards,
+            "stream": {split: plan.split_mode(split) == "stream" for split in shards},
             "reference_metrics": reference_metrics(config, manifest, preprocessor),
             "mlflow": {"uri": tracking.mlflow_uri(), "run_id": mlflow_run} if mlflow_run else None,
         },
@@ -103,6 +98,8 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             resources_per_worker=worker_resources(config),
             placement_strategy=t.placement_strategy,
         ),
+        # Ray's own process-group set-up, without torch in the controller's process (B9).
+        torch_config=ProcessGroupConfig(backend="nccl" if t.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=config.storage_path,
@@ -113,11 +110,6 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
             ),
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             callbacks=callbacks or [],
-        ),
-        datasets=datasets,
-        # Validation is split too: each worker scores its share and the sums are all-reduced.
-        dataset_config=ray.train.DataConfig(
-            datasets_to_split="all", execution_options=ingest_options(config)
         ),
     )
     log.info("train: run %s -> %s (%d workers, %s)", run_name, run_dir, t.num_workers, t.precision)
@@ -145,16 +137,16 @@ def set_controller_env(config: Config) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
-def trainer_class(datasets: dict[str, Any]) -> type:
-    """TorchTrainer without the two actors this job does not need, each a fresh process (~1.5-2 s
+def trainer_class() -> type:
+    """TorchTrainer without the actors this job does not need, each a fresh process (~1.5-2 s
     of CPU on 2 cores) started just as the workers start (B9):
+    - the DatasetManager, which Ray Train 2.60 starts for every run to split its `datasets`:
+      this job passes none (each worker reads or streams its own share, `feed`);
     - the PlacementGroupCleaner, a detached actor that removes the worker group's placement group
       if the controller dies while its driver lives on (it also polls the State API every
       second of the run). This driver ends with the run, and Ray removes a job's placement
       groups when the job ends. `RAYTORCH_PG_CLEANER=1` brings it back, for a driver that
       outlives its runs.
-    - the DatasetManager, which Ray Train 2.60 starts for every run, datasets or none, when no
-      split is streamed (the memory path).
     """
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import (
@@ -162,11 +154,9 @@ def trainer_class(datasets: dict[str, Any]) -> type:
     )
     from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
 
-    dropped: tuple[type, ...] = ()
+    dropped: tuple[type, ...] = (DatasetsCallback,)
     if os.environ.get("RAYTORCH_PG_CLEANER", "0") != "1":
         dropped += (PlacementGroupCleanerCallback,)
-    if not datasets:
-        dropped += (DatasetsCallback,)
 
     class JobTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
@@ -337,7 +327,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
     shards = loop_config["shards"]
     train_feed, val_feed = (
-        feed(config, shards[s], s, preprocessor, rank, world) for s in ("train", "val")
+        feed(config, shards[s], loop_config["stream"][s], preprocessor, rank, world)
+        for s in ("train", "val")
     )
     resumed = ray.train.get_checkpoint()
     if not resumed:  # streamed: Ray Data starts its first pass while the model is built
@@ -426,25 +417,22 @@ def quiet_ray_train_logs() -> None:
 
 def feed(
     config: Config,
-    shards: list[tuple[str, int]] | None,
-    split: str,
+    shards: list[tuple[str, int]],
+    stream: bool,
     preprocessor: Preprocessor,
     rank: int,
     world: int,
 ):
-    """This worker's batches of one split: its row range read from `shards` and kept in memory
-    (the memory path), or its Ray Data shard streamed each epoch."""
-    import ray.train
-
+    """This worker's batches of one split: its row range of `shards` read once and kept in
+    memory (the memory path), or streamed by Ray Data each epoch."""
+    from app.data import read_rank_share, stream_split
     from app.feed import MemoryFeed, StreamFeed
 
-    if shards is not None:
-        from app.data import read_rank_share
-
+    if not stream:
         return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
-    shard = ray.train.get_dataset_shard(split)
     d = config.data
-    return StreamFeed(shard, d.stream_prefetch_batches, config.train.shuffle_buffer)
+    share = stream_split(config, shards, preprocessor, rank, world)
+    return StreamFeed(share, d.stream_prefetch_batches, config.train.shuffle_buffer)
 
 
 def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:

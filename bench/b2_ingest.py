@@ -1,7 +1,7 @@
 """B2 ingest: the project's two data paths vs a torch DataLoader over the same shards, same transform.
 
-- streamed: Ray Data `iter_torch_batches` over `app.data.load_split` (several read tasks, Ray
-  Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
+- streamed: Ray Data `iter_torch_batches` over `app.data.stream_split` (one rank's stream, as
+  each training worker runs it: several read tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
   Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
 - cached: the in-memory path training takes when the data fits (`app.feed.MemoryFeed` filled
   once by `app.data.read_rank_share` straight from the shards, then reshuffled per epoch) vs
@@ -64,10 +64,9 @@ def measure(make_iter, passes: int) -> dict[str, Any]:
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     from app.data import (
         fit_preprocessor,
-        ingest_options,
-        load_split,
         read_rank_share,
         split_shards,
+        stream_split,
     )
     from app.feed import MemoryFeed
     from bench.torch_data import TorchShard
@@ -86,15 +85,14 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     wait_for_quiet(quiet_s)
     loader = measure(lambda: shard.batches(BATCH), passes)
     with private_ray() as ray_info:
-        from ray.data import DataContext
-
-        DataContext.get_current().execution_options = ingest_options(config)
-        ds = load_split(config, "train", pre, manifest)
+        shards = split_shards(config, manifest, "train")
+        # The whole split as one rank (world 1), with that rank's Data budget: half of what two
+        # training workers leave free on the private 2-CPU Ray, as in training.
+        ds = stream_split(config, shards, pre)
         wait_for_quiet(quiet_s)
         streamed = measure(
             lambda: ds.iter_torch_batches(batch_size=BATCH, prefetch_batches=4), passes
         )
-        shards = split_shards(config, manifest, "train")
         feed = MemoryFeed(lambda: read_rank_share(shards, 0, 1, pre))
         wait_for_quiet(quiet_s)
         fill = measure(lambda: feed.batches(BATCH, seed=0), 1)  # the first epoch fills it

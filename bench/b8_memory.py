@@ -2,9 +2,9 @@
 
 configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
 stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files).
-Each size runs in a fresh private Ray: a TorchTrainer with 2 workers whose loop pulls one epoch
-of batches through the project's streaming feed (app.data.load_split + app.feed.StreamFeed, the
-execution options training uses) and updates no model. A sampler sums the proportional set
+Each size runs in a fresh private Ray: the training job's trainer (app.train.trainer_class) with
+2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.feed:
+each rank streams its share, app.data.stream_split + app.feed.StreamFeed) and updates no model. A sampler sums the proportional set
 size (PSS: shared pages, the object store's included, counted once) of this process and every
 process under it (GCS, raylet, object store, workers, Ray Data tasks) every 0.2 s.
 Goal: peak(10N) / peak(N) <= 1.2: streaming memory must not grow with the dataset.
@@ -76,22 +76,27 @@ class PeakMemory:
 def ingest_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
-    from app.feed import StreamFeed
+    from app.config import validate
+    from app.preprocess import Preprocessor
+    from app.train import feed
 
-    shard = ray.train.get_dataset_shard("train")
-    feed = StreamFeed(shard, loop_config["prefetch"], loop_config["shuffle_buffer"])
-    rows = sum(len(b["label"]) for b in feed.batches(loop_config["batch_size"], seed=0))
+    config = validate(loop_config["config"])
+    ctx = ray.train.get_context()
+    pre = Preprocessor.from_json(loop_config["preprocessor"])
+    train = feed(config, loop_config["shards"], True, pre, ctx.get_world_rank(), 2)
+    rows = sum(len(b["label"]) for b in train.batches(config.train.batch_size, seed=0))
     ray.train.report({"rows": rows})
 
 
 def ingest_pass(config) -> dict[str, Any]:
     import ray
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from app.cli import init_private_ray
-    from app.data import fit_preprocessor, ingest_options, load_split
+    from app.config import dump
+    from app.data import fit_preprocessor, split_shards
     from app.prepare import read_manifest
+    from app.train import trainer_class
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)
@@ -99,19 +104,17 @@ def ingest_pass(config) -> dict[str, Any]:
     try:
         with PeakMemory() as memory:
             start = time.perf_counter()
-            trainer = TorchTrainer(
+            trainer = trainer_class()(
                 ingest_loop,
                 train_loop_config={
-                    "batch_size": config.train.batch_size,
-                    "prefetch": config.data.stream_prefetch_batches,
-                    "shuffle_buffer": config.train.shuffle_buffer,
+                    "config": dump(config),
+                    "preprocessor": pre.to_json(),
+                    "shards": split_shards(config, manifest, "train"),
                 },
                 scaling_config=ray.train.ScalingConfig(
                     num_workers=2, resources_per_worker={"CPU": config.train.cpus_per_worker}
                 ),
                 run_config=ray.train.RunConfig(storage_path=config.storage_path),
-                datasets={"train": load_split(config, "train", pre, manifest)},
-                dataset_config=ray.train.DataConfig(execution_options=ingest_options(config)),
             )
             result = trainer.fit()
             elapsed = time.perf_counter() - start

@@ -20,7 +20,7 @@ from app import storage
 from app.data import rank_range
 from app.preprocess import Preprocessor
 
-READ_ROWS = 256  # rows per transform call, as app.data.load_split's map_batches(batch_size=256)
+READ_ROWS = 256  # rows per transform call (app.data.stream_split transforms a shard piece per call)
 
 Batch = dict[str, np.ndarray]
 
@@ -45,7 +45,7 @@ class ShardStream(IterableDataset):
     """Streams shards one record batch at a time: read -> transform -> (rank slice) -> batches.
 
     - `rank`/`world`: each rank takes an equal contiguous range of rows (the remainder is dropped,
-      as Ray's streaming_split(equal=True) does) and skips shards outside its range unread.
+      as the project's own data paths do: app.data.rank_range) and skips shards outside its range unread.
     - `shuffle_buffer`: a local shuffle buffer like Ray's `local_shuffle_buffer_size`: batches
       are drawn at random from a buffer holding at least that many rows.
     """

@@ -1,4 +1,5 @@
-"""The ingest path on a real local Ray: shard row ranges -> read + preprocess tasks -> streaming_split."""
+"""The streamed ingest path on a real local Ray: each rank's shard row ranges -> its own read +
+preprocess tasks -> its batches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from app.data import fit_preprocessor, iter_shards, load_split
+from app.data import fit_preprocessor, iter_shards, split_shards, stream_split
 from app.prepare import read_manifest, split_files
 
 pytestmark = pytest.mark.integration
@@ -18,8 +19,8 @@ def row_keys(x: np.ndarray, y: np.ndarray) -> list[bytes]:
     return [x[i].tobytes() + y[i].tobytes() for i in range(len(y))]
 
 
-def test_two_consumers_see_every_row_exactly_once(prepared, ray_local):
-    config = prepared("digits")  # 1438 train rows: an even split, as training uses (equal=True)
+def test_two_ranks_streams_see_every_row_exactly_once(prepared, ray_local):
+    config = prepared("digits")  # 1438 train rows: an even split (ranks take equal shares)
     pre = fit_preprocessor(config)
     manifest = read_manifest(config.data_output)
     expected: Counter = Counter()
@@ -27,11 +28,12 @@ def test_two_consumers_see_every_row_exactly_once(prepared, ray_local):
         batch = pre.transform_batch({c: frame[c].to_numpy() for c in frame.columns})
         expected.update(row_keys(batch["x"], batch["label"]))
 
-    splits = load_split(config, "train", pre, manifest).streaming_split(2, equal=True)
+    shards = split_shards(config, manifest, "train")
+    streams = [stream_split(config, shards, pre, rank, 2) for rank in range(2)]
     seen: list[Counter] = [Counter(), Counter()]
 
-    def consume(i: int) -> None:  # split iterators must be consumed concurrently
-        for batch in splits[i].iter_batches(batch_size=64, batch_format="numpy"):
+    def consume(i: int) -> None:  # the two ranks stream at once, as in training
+        for batch in streams[i].iter_batches(batch_size=64, batch_format="numpy"):
             seen[i].update(row_keys(batch["x"], batch["label"]))
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]

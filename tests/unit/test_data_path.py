@@ -197,6 +197,11 @@ def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_pa
         return [int(v) for b in blocks for v in b["x"][:, 0]]
 
     assert rows_of(0, 1) == list(range(12))
+    # The ranges the streamed path cuts into read tasks are the same shares.
+    from app.data import rank_ranges
+
+    names = [p for p, _ in shards]
+    assert rank_ranges(shards, 1, 2) == [(names[1], 1, 3), (names[2], 0, 4)]
     # 12 rows over 5 ranks: 2 each, the last 2 rows left out (every rank takes as many steps).
     shares = [rows_of(r, 5) for r in range(5)]
     assert shares == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
@@ -211,18 +216,18 @@ def test_streamed_pieces_cover_every_shard_row_once_and_read_only_their_row_grou
 
     from app.data import shard_pieces, transform_rows
 
-    # 10 shards and 8 tasks wanted: one piece a shard. 2 shards and 8 tasks: 4 pieces each.
-    many = [(f"s{i}", 100) for i in range(10)]
-    assert shard_pieces(many, 8) == [(u, 0, 100) for u, _ in many]
-    pieces = shard_pieces([("a", 10), ("b", 3)], 8)
+    # 10 ranges and 8 tasks wanted: one piece a range. 2 ranges and 8 tasks: 4 pieces each.
+    many = [(f"s{i}", 0, 100) for i in range(10)]
+    assert shard_pieces(many, 8) == many
+    pieces = shard_pieces([("a", 0, 10), ("b", 5, 8)], 8)
     assert [p for p in pieces if p[0] == "a"] == [
         ("a", 0, 2),
         ("a", 2, 5),
         ("a", 5, 7),
         ("a", 7, 10),
     ]
-    assert [p for p in pieces if p[0] == "b"] == [("b", 0, 1), ("b", 1, 2), ("b", 2, 3)]
-    assert shard_pieces([("empty", 0)], 4) == []
+    assert [p for p in pieces if p[0] == "b"] == [("b", 5, 6), ("b", 6, 7), ("b", 7, 8)]
+    assert shard_pieces([("empty", 0, 0)], 4) == []
 
     path = tmp_path / "part-0.parquet"  # 10 rows in row groups of 3
     frame = pd.DataFrame({"f0": np.arange(10, dtype=np.float32), "label": ["a"] * 10})
@@ -230,7 +235,7 @@ def test_streamed_pieces_cover_every_shard_row_once_and_read_only_their_row_grou
     fs, pre = pafs.LocalFileSystem(), tabular_pre(features=1)
     got = [
         transform_rows(pre, fs, str(path), a, b)["x"][:, 0]
-        for _, a, b in shard_pieces([("p", 10)], 3)
+        for _, a, b in shard_pieces([("p", 0, 10)], 3)
     ]
     assert [list(map(int, g)) for g in got] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
     assert list(transform_rows(pre, fs, str(path), 4, 8)["x"][:, 0]) == [4, 5, 6, 7]
@@ -263,9 +268,9 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
 
 
 def test_a_run_starts_only_the_ray_train_actors_it_needs(monkeypatch):
-    """The memory path skips Ray Train's DatasetManager actor (a process per run); a streamed
-    split keeps it, since its shards come through it. The PlacementGroupCleaner (a detached
-    process per run) is skipped unless RAYTORCH_PG_CLEANER=1 asks for it."""
+    """Ray Train's DatasetManager (a process per run) is never started: each worker reads or
+    streams its own share. The PlacementGroupCleaner (a detached process per run) is skipped
+    unless RAYTORCH_PG_CLEANER=1 asks for it."""
     import ray.train
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import (
@@ -274,19 +279,18 @@ def test_a_run_starts_only_the_ray_train_actors_it_needs(monkeypatch):
 
     from app.train import trainer_class
 
-    def hooks(datasets: dict) -> list[type]:
-        trainer = trainer_class(datasets)(
-            lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1), datasets=datasets
+    def hooks() -> list[type]:
+        trainer = trainer_class()(
+            lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1)
         )
         return [type(c) for c in trainer._create_default_callbacks()]
 
     monkeypatch.delenv("RAYTORCH_PG_CLEANER", raising=False)
-    streamed, memory = hooks({"train": object()}), hooks({})
-    assert DatasetsCallback in streamed and DatasetsCallback not in memory
-    assert PlacementGroupCleanerCallback not in streamed + memory
-    assert len(memory) >= 2  # the rest of Ray Train's own hooks are kept
+    default = hooks()
+    assert DatasetsCallback not in default and PlacementGroupCleanerCallback not in default
+    assert len(default) >= 2  # the rest of Ray Train's own hooks are kept
     monkeypatch.setenv("RAYTORCH_PG_CLEANER", "1")
-    assert PlacementGroupCleanerCallback in hooks({})
+    assert PlacementGroupCleanerCallback in hooks()
 
 
 def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
@@ -298,3 +302,40 @@ def test_controller_settings_default_but_an_exported_value_wins(config_factory, 
     set_controller_env(config_factory())
     assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
     assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.5"
+
+
+def test_ray_data_scheduling_loop_pauses_only_when_it_would_spin(monkeypatch):
+    from app.data import PacedScheduling
+
+    slept: list[float] = []
+    now = [100.0]
+    monkeypatch.setattr("app.data.time.sleep", slept.append)
+    monkeypatch.setattr("app.data.time.monotonic", lambda: now[0])
+
+    class Op:
+        def __init__(self, active: int):
+            self.active = active
+
+        def num_active_tasks(self) -> int:
+            return self.active
+
+    class Executor:
+        def __init__(self, active: int):
+            self._topology = {Op(active): None}
+
+    idle, busy, paced = Executor(0), Executor(1), PacedScheduling()
+    paced.on_execution_step(idle)  # the first step: nothing to compare with
+    now[0] += 0.1  # a step that waited for tasks in ray.wait
+    paced.on_execution_step(idle)
+    now[0] += 0.0001  # quick, but a task runs: ray.wait will block, no pause
+    paced.on_execution_step(busy)
+    assert slept == []
+    for _ in range(8):  # quick with nothing running: spinning; the pause doubles, capped
+        now[0] += 0.0001
+        paced.on_execution_step(idle)
+    assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05]
+    now[0] += 0.1  # a real wait resets it
+    paced.on_execution_step(idle)
+    now[0] += 0.0001
+    paced.on_execution_step(idle)
+    assert slept[-1] == PacedScheduling.FIRST_PAUSE_S
