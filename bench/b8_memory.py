@@ -83,7 +83,9 @@ def ingest_loop(loop_config: dict[str, Any]) -> None:
     config = validate(loop_config["config"])
     ctx = ray.train.get_context()
     pre = Preprocessor.from_json(loop_config["preprocessor"])
-    train = feed(config, loop_config["shards"], True, pre, ctx.get_world_rank(), 2)
+    train = feed(
+        config, loop_config["shards"], True, pre, ctx.get_world_rank(), ctx.get_world_size()
+    )
     rows = sum(len(b["label"]) for b in train.batches(config.train.batch_size, seed=0))
     ray.train.report({"rows": rows})
 
