@@ -151,6 +151,8 @@ class TrainConfig(_Section):
     profile_steps: int = Field(0, ge=0)
     seed: int = 0
     torch_threads: int = Field(1, ge=1)
+    # Streamed data: rows pooled and permuted before batches are cut (app/feed.py:rebatch);
+    # 0 keeps each block's order. The in-memory path permutes the whole shard every epoch.
     shuffle_buffer: int = Field(2000, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     # `async` uploads while the next epoch trains (worth it for large checkpoints to remote

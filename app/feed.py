@@ -15,6 +15,7 @@ Both yield dicts of CPU tensors. Nothing here imports Ray: a shard is any object
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,25 +66,17 @@ class MemoryFeed:
         return self._cached_pass(batch_size, seed)
 
     def _first_pass(self, batch_size: int) -> Iterator[Batch]:
-        """Yields the source's rows in stored order while it keeps them. Rows left over at a
-        block's end go into the next block's first batch: every batch but the last is full, so
-        ranks holding as many rows take as many steps whatever their block sizes (under FSDP
-        every validation forward is a collective too)."""
+        """Yields the source's rows in stored order while it keeps them (`rebatch`)."""
         parts: dict[str, list[torch.Tensor]] = {}
-        carry: Batch = {}
-        for raw in self._source():
-            block = {k: torch.from_numpy(np.asarray(v)) for k, v in raw.items()}
-            for key, value in block.items():
-                parts.setdefault(key, []).append(value)
-            if carry:
-                block = {k: torch.cat([carry[k], v]) for k, v in block.items()}
-            rows = len(next(iter(block.values())))
-            full = rows - rows % batch_size
-            for start in range(0, full, batch_size):
-                yield {k: v[start : start + batch_size] for k, v in block.items()}
-            carry = {k: v[full:] for k, v in block.items()} if full < rows else {}
-        if carry:
-            yield carry
+
+        def kept(blocks: Iterable[dict[str, np.ndarray]]) -> Iterator[Batch]:
+            for raw in blocks:
+                block = as_tensors(raw)
+                for key, value in block.items():
+                    parts.setdefault(key, []).append(value)
+                yield block
+
+        yield from rebatch(kept(self._source()), batch_size)
         self._tensors = {k: torch.cat(v) for k, v in parts.items()}
 
     def _cached_pass(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
@@ -106,6 +99,12 @@ class StreamFeed:
     up to a second before the first batch. `prefetch` starts the next
     pass in the background as soon as a training epoch ends, so that cost overlaps validation
     and reporting instead of the next epoch's training loop.
+
+    The pass takes Ray Data's blocks whole (a read task's piece, up to a shard) and cuts batches
+    from them here as tensor views (`rebatch`), shuffling through a seeded buffer of at least
+    `shuffle_buffer` rows: Ray Data's own `iter_torch_batches` slices, converts and shuffles
+    every batch in Python in the training process (`configs/stream.yaml`, same-conditions A/B:
+    steady epochs of 14.4-14.9 s with it, 13.1-13.5 s without; 12.5 s on the in-memory path).
     """
 
     def __init__(self, shard: Any, prefetch_batches: int, shuffle_buffer: int):
@@ -135,10 +134,73 @@ class StreamFeed:
         return batches if first is None else itertools.chain([first], batches)
 
     def _open(self, batch_size: int, seed: int | None) -> Iterator[Batch]:
-        shuffle = seed is not None and self.shuffle_buffer > 0
-        return self.shard.iter_torch_batches(
-            batch_size=batch_size,
+        blocks = self.shard.iter_batches(
+            batch_size=None,  # whole blocks, as read
+            batch_format="numpy",
             prefetch_batches=self.prefetch_batches,
-            local_shuffle_buffer_size=self.shuffle_buffer if shuffle else None,
-            local_shuffle_seed=seed if shuffle else None,
         )
+        tensors = (as_tensors(b) for b in blocks)
+        if seed is None or self.shuffle_buffer == 0:
+            return rebatch(tensors, batch_size)
+        generator = torch.Generator().manual_seed(seed)
+        return rebatch(tensors, batch_size, self.shuffle_buffer, generator)
+
+
+def as_tensors(block: dict[str, np.ndarray]) -> Batch:
+    """A block's columns as tensors sharing its memory. A block from Ray's object store is
+    marked read-only; the training loop only reads its inputs (models and losses make new
+    tensors), and each block is consumed once, so torch's warning about that is silenced rather
+    than paid for with a copy of every block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in block.items()}
+
+
+def rebatch(
+    blocks: Iterable[Batch],
+    batch_size: int,
+    shuffle_rows: int = 0,
+    generator: torch.Generator | None = None,
+) -> Iterator[Batch]:
+    """Batches of `batch_size` rows cut from blocks of any size.
+
+    Rows left over at a block's end go into the next block's first batch, so every batch but the
+    last is full and ranks holding as many rows take as many steps whatever their block sizes
+    (each step is a collective under DDP and FSDP). With `generator`, blocks are pooled until at
+    least `shuffle_rows` (and a batch) are held, and the pool is permuted before it is cut: a
+    local shuffle buffer that costs one gather per pool rather than Python work per row.
+    """
+    held: list[Batch] = []
+    rows = 0
+    for block in blocks:
+        held.append(block)
+        rows += _rows(block)
+        if rows < max(batch_size, shuffle_rows if generator is not None else 0):
+            continue
+        pool = _pooled(held, generator)
+        full = rows - rows % batch_size
+        yield from _cut(pool, full, batch_size)
+        held = [{k: v[full:] for k, v in pool.items()}] if full < rows else []
+        rows -= full
+    if rows:
+        yield from _cut(_pooled(held, generator), rows, batch_size)
+
+
+def _cut(pool: Batch, rows: int, batch_size: int) -> Iterator[Batch]:
+    """The pool's first `rows` rows as batches (views)."""
+    for start in range(0, rows, batch_size):
+        yield {k: v[start : min(start + batch_size, rows)] for k, v in pool.items()}
+
+
+def _rows(block: Batch) -> int:
+    return len(next(iter(block.values()), ()))
+
+
+def _pooled(blocks: list[Batch], generator: torch.Generator | None) -> Batch:
+    pool = (
+        blocks[0] if len(blocks) == 1 else {k: torch.cat([b[k] for b in blocks]) for k in blocks[0]}
+    )
+    if generator is None:
+        return pool
+    order = torch.randperm(_rows(pool), generator=generator)
+    return {k: v[order] for k, v in pool.items()}

@@ -1,7 +1,7 @@
 """B2 ingest: the project's two data paths vs a torch DataLoader over the same shards, same transform.
 
-- streamed: Ray Data `iter_torch_batches` over `app.data.stream_split` (one rank's stream, as
-  each training worker runs it: several read tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
+- streamed: `app.feed.StreamFeed` over `app.data.stream_split` (one rank's stream, as each
+  training worker runs it: several read tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
   Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
 - cached: the in-memory path training takes when the data fits (`app.feed.MemoryFeed` filled
   once by `app.data.read_rank_share` straight from the shards, then reshuffled per epoch) vs
@@ -68,7 +68,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         split_shards,
         stream_split,
     )
-    from app.feed import MemoryFeed
+    from app.feed import MemoryFeed, StreamFeed
     from bench.torch_data import TorchShard
 
     started = time.perf_counter()
@@ -90,9 +90,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         # training workers leave free on the private 2-CPU Ray, as in training.
         ds = stream_split(config, shards, pre)
         wait_for_quiet(quiet_s)
-        streamed = measure(
-            lambda: ds.iter_torch_batches(batch_size=BATCH, prefetch_batches=4), passes
-        )
+        stream = StreamFeed(ds, prefetch_batches=4, shuffle_buffer=0)  # training's consumer
+        streamed = measure(lambda: stream.batches(BATCH), passes)
         feed = MemoryFeed(lambda: read_rank_share(shards, 0, 1, pre))
         wait_for_quiet(quiet_s)
         fill = measure(lambda: feed.batches(BATCH, seed=0), 1)  # the first epoch fills it

@@ -149,16 +149,17 @@ def test_training_refuses_an_altered_shard_before_any_work(config_factory):
 
 
 class SlowShard:
-    """A stand-in for a Ray Data shard whose passes take `delay` seconds to their first batch."""
+    """A stand-in for a Ray Data shard whose passes take `delay` seconds to their first block."""
 
     def __init__(self, delay: float):
-        self.delay, self.opened = delay, []
+        self.delay, self.opened = delay, 0
 
-    def iter_torch_batches(self, batch_size, prefetch_batches, **shuffle):
-        self.opened.append(shuffle.get("local_shuffle_seed"))
+    def iter_batches(self, batch_size, batch_format, prefetch_batches):
+        assert batch_size is None and batch_format == "numpy"  # whole blocks
+        self.opened += 1
         time.sleep(self.delay)  # planning + first read task
-        for start in range(0, 6, batch_size):
-            yield {"label": torch.arange(start, min(start + batch_size, 6))}
+        yield {"label": np.arange(0, 5)}
+        yield {"label": np.arange(5, 6)}
 
 
 def test_stream_feed_starts_the_next_pass_ahead():
@@ -171,11 +172,32 @@ def test_stream_feed_starts_the_next_pass_ahead():
     start = time.perf_counter()
     labels = [int(v) for b in feed.batches(4, seed=7) for v in b["label"]]
     assert time.perf_counter() - start < 0.2  # the set-up was already paid
-    assert labels == list(range(6)) and shard.opened == [7]
+    assert sorted(labels) == list(range(6)) and shard.opened == 1
     # A pass asked for with other arguments is opened fresh, not taken from the prefetch.
     feed.prefetch(4, seed=8)
-    assert [int(v) for b in feed.batches(4, seed=9) for v in b["label"]] == list(range(6))
-    assert 9 in shard.opened
+    assert sorted(int(v) for b in feed.batches(4, seed=9) for v in b["label"]) == list(range(6))
+    assert shard.opened == 3
+    # Unshuffled (validation): stored order, batches cut across the blocks.
+    assert [b["label"].tolist() for b in feed.batches(4)] == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_rebatch_cuts_full_batches_across_blocks_and_shuffles_through_a_seeded_buffer():
+    from app.feed import rebatch
+
+    blocks = [{"x": torch.arange(a, b)} for a, b in [(0, 5), (5, 6), (6, 23), (23, 30)]]
+    plain = [b["x"].tolist() for b in rebatch(iter(blocks), 4)]
+    assert plain == [list(range(i, min(i + 4, 30))) for i in range(0, 30, 4)]
+
+    def shuffled(seed: int, buffer: int) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(seed)
+        return [b["x"].tolist() for b in rebatch(iter(blocks), 4, buffer, generator)]
+
+    for buffer in (0, 10, 100):  # a buffer smaller than, or larger than, the whole stream
+        batches = shuffled(0, buffer)
+        assert [len(b) for b in batches] == [4] * 7 + [2]  # every batch full but the last
+        assert sorted(v for b in batches for v in b) == list(range(30))  # each row once
+    assert shuffled(0, 10) == shuffled(0, 10) != shuffled(1, 10)  # seeded
+    assert shuffled(0, 10) != plain
 
 
 def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_path):
