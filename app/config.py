@@ -69,6 +69,8 @@ class DataConfig(_Section):
     # must start at the first epoch (~2 s of CPU: on 2 cores that delays the first step, B9);
     # one per train worker keeps up whenever reading a row costs less than training on it.
     stream_reads_in_flight_per_worker: int = Field(1, ge=1)
+    # Blocks (one read task's piece each, up to a shard) each worker fetches ahead of its
+    # training loop; batches are cut from them in the worker (app/feed.py:rebatch).
     stream_prefetch_batches: int = Field(4, ge=0)
     stream_max_cpus: float | None = Field(None, gt=0)
     # Object store memory Ray Data may fill with blocks in flight while streaming, shared

@@ -108,6 +108,7 @@ class StreamFeed:
     """
 
     def __init__(self, shard: Any, prefetch_batches: int, shuffle_buffer: int):
+        quiet_read_only_warning()
         self.shard, self.prefetch_batches, self.shuffle_buffer = (
             shard,
             prefetch_batches,
@@ -137,7 +138,7 @@ class StreamFeed:
         blocks = self.shard.iter_batches(
             batch_size=None,  # whole blocks, as read
             batch_format="numpy",
-            prefetch_batches=self.prefetch_batches,
+            prefetch_batches=self.prefetch_batches,  # counts blocks here
         )
         tensors = (as_tensors(b) for b in blocks)
         if seed is None or self.shuffle_buffer == 0:
@@ -147,13 +148,17 @@ class StreamFeed:
 
 
 def as_tensors(block: dict[str, np.ndarray]) -> Batch:
-    """A block's columns as tensors sharing its memory. A block from Ray's object store is
-    marked read-only; the training loop only reads its inputs (models and losses make new
-    tensors), and each block is consumed once, so torch's warning about that is silenced rather
-    than paid for with a copy of every block."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return {k: torch.from_numpy(np.asarray(v)) for k, v in block.items()}
+    """A block's columns as tensors sharing its memory (see `quiet_read_only_warning`)."""
+    return {k: torch.from_numpy(np.asarray(v)) for k, v in block.items()}
+
+
+def quiet_read_only_warning() -> None:
+    """A block from Ray's object store is marked read-only; the training loop only reads its
+    inputs (models and losses make new tensors) and each block is consumed once, so torch's
+    warning about that is silenced rather than paid for with a copy of every block. A
+    process-wide filter for that one message: `warnings.catch_warnings` around each conversion
+    is not thread-safe, and conversions run on the prefetch thread too."""
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
 
 
 def rebatch(
@@ -173,6 +178,8 @@ def rebatch(
     held: list[Batch] = []
     rows = 0
     for block in blocks:
+        if not _rows(block):  # nothing to cut, and no columns or dtypes to take from it
+            continue
         held.append(block)
         rows += _rows(block)
         if rows < max(batch_size, shuffle_rows if generator is not None else 0):

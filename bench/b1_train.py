@@ -61,6 +61,7 @@ def launch(cmd: list[str], summary: Path, env: dict[str, str]) -> dict[str, Any]
     try:
         return launch_once(cmd, summary, env)
     except (RuntimeError, subprocess.TimeoutExpired) as first:
+        wait_for_quiet(60)  # what the failed run left behind (a Ray job's actors) winds down
         out = launch_once(cmd, summary, env)
         out["retried_after"] = str(first)[-500:]
         return out
@@ -80,9 +81,9 @@ def launch_once(cmd: list[str], summary: Path, env: dict[str, str]) -> dict[str,
     )
     try:
         _, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # a hang, or the benchmark itself interrupted: stop the whole group
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.communicate(timeout=60)
         raise
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} exited {proc.returncode}: {stderr[-2000:]}")

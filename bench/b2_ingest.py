@@ -90,7 +90,9 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         # training workers leave free on the private 2-CPU Ray, as in training.
         ds = stream_split(config, shards, pre)
         wait_for_quiet(quiet_s)
-        stream = StreamFeed(ds, prefetch_batches=4, shuffle_buffer=0)  # training's consumer
+        # Training's consumer, unshuffled as the DataLoader side is (training adds a seeded pool
+        # shuffle: one concatenation and gather per 2,000 rows).
+        stream = StreamFeed(ds, prefetch_batches=4, shuffle_buffer=0)
         streamed = measure(lambda: stream.batches(BATCH), passes)
         feed = MemoryFeed(lambda: read_rank_share(shards, 0, 1, pre))
         wait_for_quiet(quiet_s)

@@ -185,7 +185,11 @@ def test_rebatch_cuts_full_batches_across_blocks_and_shuffles_through_a_seeded_b
     from app.feed import rebatch
 
     blocks = [{"x": torch.arange(a, b)} for a, b in [(0, 5), (5, 6), (6, 23), (23, 30)]]
+    # An empty block (a read piece with no rows) is skipped: it neither cuts a batch short nor
+    # promotes the pool to its dtype.
+    blocks.insert(2, {"x": torch.zeros(0, dtype=torch.float64)})
     plain = [b["x"].tolist() for b in rebatch(iter(blocks), 4)]
+    assert {b["x"].dtype for b in rebatch(iter(blocks), 4, 10, torch.Generator())} == {torch.int64}
     assert plain == [list(range(i, min(i + 4, 30))) for i in range(0, 30, 4)]
 
     def shuffled(seed: int, buffer: int) -> list[list[int]]:
