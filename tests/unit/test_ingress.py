@@ -53,6 +53,8 @@ class FakeModel:
     def _infer(self, payload):
         if self.fault == "hang":
             return asyncio.sleep(30)  # a replica that never answers in time
+        if self.fault == "crash":
+            raise RuntimeError("a bug, not a bad request")
         if self.fault == "died":
             from ray.exceptions import ActorDiedError
 
@@ -255,7 +257,8 @@ def test_serve_http_host_reads_the_controller_and_fails_closed(monkeypatch):
 def test_an_application_mounted_at_a_model_prefix_answers_the_full_routes(monkeypatch):
     # Serve mounts a model's application at /v2/models/<name>: root_path is that prefix and
     # path the full path, which the routes must still match (not the rest, `/infer`).
-    api = client(monkeypatch).app
+    metrics = RayLikeMetrics()
+    api = client(monkeypatch, metrics=metrics).app
     messages: list[dict] = []
 
     async def call(path: str) -> int:
@@ -292,6 +295,35 @@ def test_an_application_mounted_at_a_model_prefix_answers_the_full_routes(monkey
     assert asyncio.run(call("/v2/models/m/infer")) == 200
     messages.clear()
     assert asyncio.run(call("/v2/models/m/versions/1/infer")) == 200
+    # The model's name reaches the metrics through the prefix too (it once read "-" under Serve).
+    assert metrics.seen == [("m", 200), ("m", 200)]
+
+
+def test_every_answer_carries_one_request_id_and_is_counted(monkeypatch):
+    metrics = RayLikeMetrics()
+    c = client(monkeypatch, key="s3cret", metrics=metrics, max_body_bytes=1024)
+    auth = {"Authorization": "Bearer s3cret"}
+    answers = [
+        c.get("/v1/models"),  # 401, refused before the app
+        c.post("/v1/models/m:predict", content=b"x" * 2000, headers=auth),  # 413 from the length
+        c.post("/v2/models/m/infer", json=v2(), headers={**auth, "x-request-id": "abc"}),
+    ]
+    assert [r.status_code for r in answers] == [401, 413, 200]
+    for r in answers:
+        assert len(r.headers.get_list("x-request-id")) == 1, r.headers
+    assert answers[2].headers["x-request-id"] == "abc"
+    assert metrics.seen == [("-", 401), ("-", 413), ("m", 200)]
+
+
+def test_a_crash_in_the_app_is_a_json_500_with_its_request_id(monkeypatch):
+    metrics = RayLikeMetrics()
+    c = TestClient(
+        client(monkeypatch, fault="crash", metrics=metrics).app, raise_server_exceptions=False
+    )
+    r = c.post("/v2/models/m/infer", json=v2(), headers={"x-request-id": "r-1"})
+    assert r.status_code == 500 and "internal error" in r.json()["error"], r.text
+    assert r.headers.get_list("x-request-id") == ["r-1"]
+    assert metrics.seen == [("m", 500)]
 
 
 def test_completions_naming_a_classifier_on_another_application_is_a_400():
