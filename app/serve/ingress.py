@@ -551,8 +551,8 @@ class Guard:
     request metrics.
 
     Plain ASGI rather than Starlette's `BaseHTTPMiddleware`, which runs the rest of the app in a
-    task group of its own with memory streams for every request: measured (B5a), that was ~15%
-    of a replica's CPU per request.
+    task group of its own with memory streams for every request: measured (wrk, digits), that was
+    ~45% of the plain server's CPU per request (0.43 -> 0.24 ms) and 0.16 ms of the replica's.
 
     It also routes on the full request path, whatever prefix the application is mounted at: Serve
     hands an application mounted at `/v2/models/digits` the full path with that prefix as
@@ -574,14 +574,12 @@ class Guard:
         self.error, self.observe = error, observe
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("root_path"):
+            scope["root_path"] = ""
         if scope["type"] != "http":
-            if scope["type"] == "websocket" and scope.get("root_path"):
-                scope["root_path"] = ""
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        if scope.get("root_path"):
-            scope["root_path"] = ""
         headers = Headers(scope=scope)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
