@@ -94,7 +94,7 @@ class SelfServing:
         # RayService set it in http_options, not in these args): ask the controller.
         host = await serve_http_host()
         router = ModelRouter({self.artifact.name: LocalHandle(self)}, self.config.request_timeout_s)
-        return create_api(self.config, router, IngressMetrics(), serve_host=host)
+        return create_api(self.config, router, IngressMetrics(), serve_host=host, under_serve=True)
 
 
 @serve.ingress()
@@ -131,7 +131,9 @@ class Index:
 
     async def __serve_build_asgi_app__(self):
         host = await serve_http_host()
-        return create_api(self.config, self.router, IngressMetrics(), serve_host=host)
+        return create_api(
+            self.config, self.router, IngressMetrics(), serve_host=host, under_serve=True
+        )
 
 
 def model_deployment(spec: ModelSpec, cfg: ServeConfig):

@@ -273,8 +273,14 @@ def _cancel(response: Any) -> None:
 
 
 def create_api(
-    cfg: ServeConfig, router: ModelRouter, metrics: Any = None, serve_host: str | None = None
+    cfg: ServeConfig,
+    router: ModelRouter,
+    metrics: Any = None,
+    serve_host: str | None = None,
+    under_serve: bool = False,
 ) -> FastAPI:
+    """The HTTP API over `router`. `serve_host`: the host Serve listens on (the API key rule);
+    `under_serve`: the app runs in a Serve replica, whose own middleware echoes the request id."""
     api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
     key = api_key(cfg, serve_host)
     # One line per answered request, with serve.access_log (Serve's own line follows it too).
@@ -297,6 +303,7 @@ def create_api(
         max_body_bytes=cfg.max_body_bytes,
         error=error,
         observe=observe if metrics is not None else None,
+        echo_request_id=not under_serve,
     )
 
     @api.exception_handler(RequestError)
@@ -546,9 +553,9 @@ def create_api(
 
 
 class Guard:
-    """The outermost middleware of every application: request id, API key, body size, the last
+    """The middleware of ours around every application: request id, API key, body size, the last
     line of defence against a crash (a JSON 500, never Starlette's plain-text page), and the
-    request metrics.
+    request metrics (status, and latency to the start of the answer: a stream's first byte).
 
     Plain ASGI rather than Starlette's `BaseHTTPMiddleware`, which runs the rest of the app in a
     task group of its own with memory streams for every request: measured (wrk, digits), that was
@@ -569,9 +576,13 @@ class Guard:
         max_body_bytes: int,
         error: Callable[..., JSONResponse],
         observe: Callable[[dict[str, Any], int, float], None] | None,
+        echo_request_id: bool = True,
     ):
         self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
         self.error, self.observe = error, observe
+        # Under Serve, its RequestIdMiddleware already adds X-Request-ID to every answer (the
+        # same id: it put it in the request headers first); a second copy reads "id, id".
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("root_path"):
@@ -583,14 +594,14 @@ class Guard:
         headers = Headers(scope=scope)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
-        status, started = 500, False
-        tag = [(b"x-request-id", request_id.encode("latin-1"))]
+        tag = [(b"x-request-id", request_id.encode("latin-1"))] if self.echo_request_id else []
+        answer: dict[str, Any] = {}  # status and latency, once the answer starts
 
         async def send_tagged(message: MutableMapping[str, Any]) -> None:
-            nonlocal status, started
             if message["type"] == "http.response.start":
-                status, started = message["status"], True
-                message = {**message, "headers": [*message.get("headers", ()), *tag]}
+                answer.update(status=message["status"], ms=1000 * (time.perf_counter() - start))
+                if tag:
+                    message = {**message, "headers": [*message.get("headers", ()), *tag]}
             await send(message)
 
         refusal = self.refuse(scope["path"], headers)
@@ -601,15 +612,17 @@ class Guard:
             try:
                 await self.app(scope, receive, send_tagged)
             except Exception:
-                log.exception("request %s failed", request_id)
-                if started:  # the answer has begun: nothing else can be sent
+                if answer:  # the answer has begun: nothing else can be sent (the server logs it)
                     raise
+                log.exception("request %s failed", request_id)
                 await self.error(500, "internal error; see the replica log")(
                     scope, receive, send_tagged
                 )
         finally:
-            if self.observe is not None:
-                self.observe(scope, status, 1000 * (time.perf_counter() - start))
+            # A request cancelled before it was answered (the client went away) is not counted:
+            # it has no status of ours, and Serve counts it (499) itself.
+            if self.observe is not None and answer:
+                self.observe(scope, answer["status"], answer["ms"])
 
     def refuse(self, path: str, headers: Headers) -> JSONResponse | None:
         """The answer to a request that must not reach the app (key, size), else None."""

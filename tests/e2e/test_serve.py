@@ -223,6 +223,8 @@ def test_size_and_row_limits_and_unknown_model(served):
 def answering_pid(x: np.ndarray) -> int:
     r = infer(x)
     assert r.status_code == 200, r.text
+    # One request id, Serve's: a second copy from the app would read "id, id" here.
+    assert r.headers["x-request-id"] and "," not in r.headers["x-request-id"], r.headers
     return int(r.headers["x-model-replica"])
 
 

@@ -8,10 +8,18 @@ import time
 
 import numpy as np
 import pytest
+from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from app.config import ServeConfig
-from app.serve.ingress import UNKNOWN_HOST, ModelRouter, api_key, create_api, serve_http_host
+from app.serve.ingress import (
+    UNKNOWN_HOST,
+    Guard,
+    ModelRouter,
+    api_key,
+    create_api,
+    serve_http_host,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -388,3 +396,93 @@ def test_a_failing_metric_record_costs_that_record_only():
         buffer.observe(histogram, value, {"model": model})
     buffer.flush()
     assert histogram.values == [1.0, 3.0]
+
+
+def http_scope(path: str = "/x") -> dict:
+    return {"type": "http", "method": "GET", "path": path, "headers": [], "root_path": ""}
+
+
+def guarded(app, seen: list) -> Guard:
+    return Guard(
+        app,
+        key=None,
+        max_body_bytes=1024,
+        error=lambda status, message: JSONResponse({"error": message}, status_code=status),
+        observe=lambda scope, status, ms: seen.append((status, ms)),
+    )
+
+
+async def no_body():
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def test_a_stream_is_timed_to_its_first_byte_and_counted_once():
+    async def stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(3):
+            await asyncio.sleep(0.1)
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    seen: list = []
+    sent: list = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(guarded(stream, seen)(http_scope(), no_body, send))
+    assert [m["type"] for m in sent].count("http.response.start") == 1
+    assert len(seen) == 1 and seen[0][0] == 200 and seen[0][1] < 100  # not the 300 ms stream
+
+
+def test_a_crash_after_the_answer_began_is_raised_not_answered_twice():
+    async def half(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("mid-stream")
+
+    seen: list = []
+    sent: list = []
+
+    async def send(message):
+        sent.append(message)
+
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        asyncio.run(guarded(half, seen)(http_scope(), no_body, send))
+    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert [status for status, _ in seen] == [200]
+
+
+def test_a_request_cancelled_before_its_answer_is_not_counted_as_an_error(monkeypatch):
+    """Serve cancels the request when the client goes away; that is no 500 of ours."""
+    metrics = RayLikeMetrics()
+    api = client(monkeypatch, fault="hang", metrics=metrics).app
+    scope = {
+        **http_scope("/v1/models/m:predict"),
+        "method": "POST",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"instances": [[1, 2]]}', "more_body": False}
+
+    async def send(message):
+        raise AssertionError(f"nothing should be sent: {message}")
+
+    async def cancelled():
+        task = asyncio.ensure_future(api(scope, receive, send))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert metrics.seen == []
+
+
+def test_under_serve_the_request_id_is_left_to_serves_own_middleware(monkeypatch):
+    monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
+    router = ModelRouter({"m": FakeModel()}, 30)
+    api = create_api(ServeConfig(), router, under_serve=True)
+    r = TestClient(api).post("/v2/models/m/infer", json=v2(), headers={"x-request-id": "abc"})
+    assert r.status_code == 200 and "x-request-id" not in r.headers
