@@ -486,3 +486,34 @@ def test_under_serve_the_request_id_is_left_to_serves_own_middleware(monkeypatch
     api = create_api(ServeConfig(), router, under_serve=True)
     r = TestClient(api).post("/v2/models/m/infer", json=v2(), headers={"x-request-id": "abc"})
     assert r.status_code == 200 and "x-request-id" not in r.headers
+
+
+def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(monkeypatch):
+    seen: list = []
+    inner: list = []
+
+    async def app(scope, receive, send):
+        inner.append((scope["type"], scope.get("root_path")))
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = Guard(
+        app,
+        key="s3cret",
+        max_body_bytes=1024,
+        error=lambda status, message: JSONResponse({"error": message}, status_code=status),
+        observe=lambda scope, status, ms: seen.append(status),
+    )
+    sent: list = []
+
+    async def send(message):
+        sent.append(message)
+
+    prefixed = {**http_scope("/v2/models/m/infer"), "root_path": "/v2/models/m"}
+    asyncio.run(guard(dict(prefixed), no_body, send))
+    bearer = [(b"authorization", b"Bearer s3cret")]
+    asyncio.run(guard({**prefixed, "headers": bearer}, no_body, send))
+    asyncio.run(guard({"type": "lifespan", "root_path": "/v2/models/m"}, no_body, send))
+    assert seen == [401, 200]  # the refused request never reached the app
+    assert inner == [("http", ""), ("lifespan", "")]
