@@ -272,6 +272,11 @@ def _cancel(response: Any) -> None:
         cancel()
 
 
+def error(status: int, message: str) -> JSONResponse:
+    """Every error answer: a JSON body naming the problem."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
 def create_api(
     cfg: ServeConfig,
     router: ModelRouter,
@@ -286,9 +291,6 @@ def create_api(
     # One line per answered request, with serve.access_log (Serve's own line follows it too).
     request_log_level = logging.INFO if cfg.access_log else logging.DEBUG
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
-
     def observe(scope: dict[str, Any], status: int, latency_ms: float) -> None:
         # Routing put the matched route's path parameters into this same scope (Guard).
         name = scope.get("path_params", {}).get("name")
@@ -301,7 +303,6 @@ def create_api(
         Guard,
         key=key,
         max_body_bytes=cfg.max_body_bytes,
-        error=error,
         observe=observe if metrics is not None else None,
         echo_request_id=not under_serve,
     )
@@ -574,12 +575,11 @@ class Guard:
         app: Any,
         key: str | None,
         max_body_bytes: int,
-        error: Callable[..., JSONResponse],
         observe: Callable[[dict[str, Any], int, float], None] | None,
         echo_request_id: bool = True,
     ):
         self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
-        self.error, self.observe = error, observe
+        self.observe = observe
         # Under Serve, its RequestIdMiddleware already adds X-Request-ID to every answer (the
         # same id: it put it in the request headers first); a second copy reads "id, id".
         self.echo_request_id = echo_request_id
@@ -615,9 +615,7 @@ class Guard:
                 if answer:  # the answer has begun: nothing else can be sent (the server logs it)
                     raise
                 log.exception("request %s failed", request_id)
-                await self.error(500, "internal error; see the replica log")(
-                    scope, receive, send_tagged
-                )
+                await error(500, "internal error; see the replica log")(scope, receive, send_tagged)
         finally:
             # A request cancelled before it was answered (the client went away) is not counted:
             # it has no status of ours, and Serve counts it (499) itself.
@@ -629,15 +627,15 @@ class Guard:
         if self.key and path not in PUBLIC_PATHS:
             auth = headers.get("authorization", "")
             if not auth:
-                return self.error(401, "missing Authorization: Bearer <api key>")
+                return error(401, "missing Authorization: Bearer <api key>")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 token.strip().encode(), self.key.encode()
             ):
-                return self.error(403, "invalid API key")
+                return error(403, "invalid API key")
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
-            return self.error(
+            return error(
                 413,
                 f"body of {length} bytes exceeds serve.max_body_bytes={self.max_body_bytes}",
             )

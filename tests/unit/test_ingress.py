@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from app.config import ServeConfig
@@ -407,7 +406,6 @@ def guarded(app, seen: list) -> Guard:
         app,
         key=None,
         max_body_bytes=1024,
-        error=lambda status, message: JSONResponse({"error": message}, status_code=status),
         observe=lambda scope, status, ms: seen.append((status, ms)),
     )
 
@@ -502,7 +500,6 @@ def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(mo
         app,
         key="s3cret",
         max_body_bytes=1024,
-        error=lambda status, message: JSONResponse({"error": message}, status_code=status),
         observe=lambda scope, status, ms: seen.append(status),
     )
     sent: list = []
