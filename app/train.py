@@ -50,8 +50,13 @@ PREPROCESSOR_FILE = "preprocessor.json"
 # --------------------------------------------------------------------------------------------
 
 
-def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
-    """Run training; `callbacks` are Ray Train callbacks (jobs.tune passes Tune's reporter)."""
+def train(
+    config: Config, callbacks: list[Any] | None = None, *, job_outlives_run: bool = False
+) -> dict[str, Any]:
+    """Run training; `callbacks` are Ray Train callbacks (jobs.tune passes Tune's reporter).
+
+    `job_outlives_run`: this process can be killed while its job goes on (a Tune trial that
+    ASHA stops), so the run's placement group needs Ray Train's cleaner to be released."""
     import ray.train
 
     from app.cli import connect_ray
@@ -80,7 +85,7 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     t = config.train
     set_controller_env(config)
-    trainer = trainer_class()(
+    trainer = trainer_class(pg_cleaner=job_outlives_run)(
         train_loop,
         train_loop_config={
             "config": dump(config),
@@ -108,7 +113,9 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
                 checkpoint_score_attribute=t.checkpoint_metric,
                 checkpoint_score_order=t.checkpoint_mode,
             ),
-            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
+            failure_config=ray.train.FailureConfig(
+                max_failures=t.max_failures, controller_failure_limit=STARTUP_RETRIES
+            ),
             callbacks=callbacks or [],
         ),
     )
@@ -118,7 +125,8 @@ def train(config: Config, callbacks: list[Any] | None = None) -> dict[str, Any]:
         summary = summarize(config, run_name, result, plan.to_dict())
     except ray.train.TrainingFailedError as e:
         tracking.finish_mlflow_run(mlflow_run, None)
-        raise UserError(f"training run {run_name} failed: {first_cause(e)}") from None
+        cause = startup_failure(config, e) or first_cause(e)
+        raise UserError(f"training run {run_name} failed: {cause}") from None
     except BaseException:
         tracking.finish_mlflow_run(mlflow_run, None)
         raise
@@ -137,16 +145,15 @@ def set_controller_env(config: Config) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
-def trainer_class() -> type:
-    """TorchTrainer without the actors this job does not need, each a fresh process (~1.5-2 s
-    of CPU on 2 cores) started just as the workers start (B9):
-    - the DatasetManager, which Ray Train 2.60 starts for every run to split its `datasets`:
-      this job passes none (each worker reads or streams its own share, `feed`);
-    - the PlacementGroupCleaner, a detached actor that removes the worker group's placement group
-      if the controller dies while its driver lives on (it also polls the State API every
-      second of the run). This driver ends with the run, and Ray removes a job's placement
-      groups when the job ends. `RAYTORCH_PG_CLEANER=1` brings it back, for a driver that
-      outlives its runs.
+def trainer_class(pg_cleaner: bool = False) -> type:
+    """TorchTrainer without the actors a run does not need, each a fresh process started just
+    as the workers start:
+    - the DatasetManager, which Ray Train starts for every run to split its `datasets`: this
+      job passes none (each worker reads or streams its own share, `feed`);
+    - unless `pg_cleaner`, the PlacementGroupCleaner, a detached actor that removes the worker
+      group's placement group if the controller dies while the job lives on. A job's own driver
+      ends with its run and Ray then removes the job's placement groups; a Tune trial stopped
+      early is killed while the search goes on, so Tune runs keep the cleaner.
     """
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import (
@@ -155,7 +162,7 @@ def trainer_class() -> type:
     from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
 
     dropped: tuple[type, ...] = (DatasetsCallback,)
-    if os.environ.get("RAYTORCH_PG_CLEANER", "0") != "1":
+    if not pg_cleaner:
         dropped += (PlacementGroupCleanerCallback,)
 
     class JobTrainer(TorchTrainer):
@@ -171,6 +178,31 @@ def open_mlflow_run(config: Config, run_name: str) -> str | None:
         return tracking.start_mlflow_run(config, run_name)
     except Exception as e:  # noqa: BLE001 - MLflow raises its own kinds; one line either way
         raise UserError(f"MLflow tracking ({tracking.URI_ENV}): {tracking.first_line(e)}") from None
+
+
+# Worker-group start-ups that time out (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S each, 60 s by
+# default) are retried this many times, then the run fails: Ray's default retries forever.
+STARTUP_RETRIES = 2
+
+
+def startup_failure(config: Config, error: BaseException) -> str | None:
+    """One line for a run whose workers never got their resources, naming what was missing."""
+    failure = getattr(error, "controller_failure", None)
+    if type(failure).__name__ != "WorkerGroupStartupTimeoutError":
+        return None
+    import ray
+
+    t = config.train
+    need = {k: v * t.num_workers for k, v in worker_resources(config).items()}
+    free = ray.available_resources()
+    total = ray.cluster_resources()
+    have = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in sorted(need))
+    wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
+    return (
+        f"its {t.num_workers} workers did not start in {STARTUP_RETRIES + 1} tries: they need "
+        f"{wanted} together and the cluster has {have}; stop what holds them, add nodes, or "
+        "lower train.num_workers / train.cpus_per_worker"
+    )
 
 
 def first_cause(error: BaseException) -> str:

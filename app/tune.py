@@ -181,7 +181,7 @@ def run_trial(params: dict[str, Any], base: dict[str, Any], search: str) -> None
     from app.train import train
 
     config = trial_config(base, params, f"{search}-{ray.tune.get_context().get_trial_id()}")
-    train(config, callbacks=[TuneReportCallback()])
+    train(config, callbacks=[TuneReportCallback()], job_outlives_run=True)
 
 
 def summarize(config: Config, spec: TuneSection, name: str, grid) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -146,3 +147,24 @@ def test_the_train_controller_can_load_the_backend_config_without_torch():
         [sys.executable, "-c", probe], input=blob, capture_output=True, check=True
     ).stdout
     assert out.strip() == b"False"
+
+
+def test_workers_that_never_fit_fail_after_bounded_tries_naming_the_resources(
+    prepared, workspace, ray_local_module, monkeypatch
+):
+    """Eight workers at 0.5 CPU on a 2-CPU Ray never start: the run gives up after a bounded
+    number of start-up timeouts (Ray's default retries forever) with one line saying what
+    it needed and what the cluster had."""
+    from app.errors import UserError
+
+    prepared("digits")
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "2")
+    config = workload_config(
+        workspace, "digits", *FAST, "train.num_workers=8", "train.run_name=digits-too-wide"
+    )
+    with pytest.raises(UserError) as failed:
+        train(config)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert "8 workers did not start in 3 tries" in message
+    assert "CPU 4 together" in message and re.search(r"CPU [\d.]+ free of 2\b", message)

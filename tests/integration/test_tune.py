@@ -12,24 +12,40 @@ from tests.s3_server import free_port
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def ray_with_dashboard():
+def start_ray_with_dashboard(num_cpus: int) -> None:
     """A private Ray with its dashboard (on a free port), as every real cluster has: a trial that
     ASHA stops is killed with its Train run, whose placement group Ray Train's cleaner then
-    removes, and the cleaner asks the dashboard's state API whether the run's controller died.
-    The suite's usual private Ray has no dashboard; there the next trial would wait forever."""
+    removes, and the cleaner asks the dashboard's state API whether the run's controller died."""
     import ray
 
     ray.shutdown()
     ray.init(
         address="local",
-        num_cpus=2,
+        num_cpus=num_cpus,
         include_dashboard=True,
         dashboard_port=free_port(),
         log_to_driver=False,
     )
+
+
+@pytest.fixture
+def ray_with_dashboard():
+    start_ray_with_dashboard(num_cpus=2)
     yield
+    import ray
+
     ray.shutdown()  # later tests start the usual one again
+
+
+@pytest.fixture
+def ray_one_trial_wide():
+    """Room for exactly one trial: its two workers at 0.5 CPU each. A placement group left behind
+    by a stopped trial leaves the next one nothing."""
+    start_ray_with_dashboard(num_cpus=1)
+    yield
+    import ray
+
+    ray.shutdown()
 
 
 def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace, ray_with_dashboard):
@@ -59,3 +75,30 @@ def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace, ray_
     assert best["run_name"].startswith("digits-search-")
     assert storage.exists(storage.join(best["checkpoint"], "model.safetensors"))
     assert meta.metrics["val_accuracy"] == pytest.approx(best["value"])
+
+
+@pytest.mark.timeout(600)
+def test_early_stopped_trials_release_their_workers_on_a_cluster_one_trial_wide(
+    prepared, workspace, ray_one_trial_wide
+):
+    """The digits tune section (4 trials, ASHA) on a cluster that fits one trial: every trial
+    ASHA stops must give its workers' CPUs back, or the next trial never starts."""
+    from app.tune import tune
+
+    prepared("digits")
+    config = workload_config(
+        workspace,
+        "digits",
+        "train.epochs=4",
+        "train.log_every_steps=1000",
+        "train.run_name=digits-narrow",
+        "tune.grace_period=1",
+    )
+    summary = tune(config)
+
+    trials = summary["trials"]
+    assert len(trials) == 4
+    assert [t["error"] for t in trials] == [None] * 4
+    assert all(t["best_value"] is not None for t in trials)
+    # The case this guards: at least one trial was stopped early and later ones still ran.
+    assert any(t["stopped_early"] for t in trials[:-1]), [t["epochs"] for t in trials]
