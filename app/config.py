@@ -53,7 +53,7 @@ class DataConfig(_Section):
     # CPUs each Ray Data read/preprocess task asks for. Fractional, so ingest still schedules on
     # a 2-core machine beside train workers and Serve replicas (Ray Data's default is 1 CPU).
     task_cpus: float = Field(0.25, gt=0)
-    # How training gets its batches (app/data.py:plan_data_path decides, and the job log says
+    # How training gets its batches (app/data/ingest.py:plan_data_path decides, and the job log says
     # why): `memory` preprocesses each worker's shard once and keeps it in the worker for every
     # epoch; `stream` reads and preprocesses with Ray Data every epoch; `auto` picks memory when
     # the preprocessed train + val splits fit `cache_budget_mb`.
@@ -70,7 +70,7 @@ class DataConfig(_Section):
     # one per train worker keeps up whenever reading a row costs less than training on it.
     stream_reads_in_flight_per_worker: int = Field(1, ge=1)
     # Blocks (one read task's piece each, up to a shard) each worker fetches ahead of its
-    # training loop; batches are cut from them in the worker (app/feed.py:rebatch).
+    # training loop; batches are cut from them in the worker (app/data/feed.py:rebatch).
     stream_prefetch_batches: int = Field(4, ge=0)
     stream_max_cpus: float | None = Field(None, gt=0)
     # Object store memory Ray Data may fill with blocks in flight while streaming, shared
@@ -143,7 +143,7 @@ class TrainConfig(_Section):
     # epoch on a large corpus: each epoch then trains on a fresh seeded sample of the split.
     max_steps_per_epoch: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # How ranks share the model (app/parallel.py): `ddp` replicates it; `fsdp` shards parameters,
+    # How ranks share the model (app/train/parallel.py): `ddp` replicates it; `fsdp` shards parameters,
     # gradients and optimizer state per block (FSDP2), with sharded checkpoints.
     strategy: Literal["ddp", "fsdp"] = "ddp"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
@@ -153,7 +153,7 @@ class TrainConfig(_Section):
     profile_steps: int = Field(0, ge=0)
     seed: int = 0
     torch_threads: int = Field(1, ge=1)
-    # Streamed data: rows pooled and permuted before batches are cut (app/feed.py:rebatch);
+    # Streamed data: rows pooled and permuted before batches are cut (app/data/feed.py:rebatch);
     # 0 keeps each block's order. The in-memory path permutes the whole shard every epoch.
     shuffle_buffer: int = Field(2000, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
@@ -170,7 +170,7 @@ class TrainConfig(_Section):
     checkpoint_mode: Literal["max", "min"] = "max"
     # Stop once `early_stopping_metric` has not improved (by more than `early_stopping_min_delta`)
     # for this many epochs; null trains all `epochs`. Decided on the all-reduced metric, so every
-    # rank stops after the same epoch (app/loop.py:should_stop_early).
+    # rank stops after the same epoch (app/train/loop.py:should_stop_early).
     early_stopping_patience: int | None = Field(None, ge=1)
     early_stopping_metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
     early_stopping_mode: Literal["min", "max"] = "min"
@@ -199,11 +199,11 @@ class ExportConfig(_Section):
     parity_tolerance: float = Field(1e-3, gt=0)
     parity_rows: int = Field(256, ge=1)
     latency_repeats: int = Field(30, ge=3)
-    # Language models (task lm, app/export_lm.py): int8 perplexity may exceed fp32's by this
+    # Language models (task lm, app/export/lm.py): int8 perplexity may exceed fp32's by this
     # fraction on `perplexity_rows` val sequences, and along fp32's greedy continuation of
     # `greedy_prompts` val prompts (`greedy_prompt_tokens` each, `greedy_tokens` tokens) int8
     # must pick fp32's token at this share of positions at least (teacher-forced: each position
-    # is one decision, app/export_lm.py:greedy_agreement).
+    # is one decision, app/export/lm.py:greedy_agreement).
     max_perplexity_increase: float = Field(0.02, ge=0)
     perplexity_rows: int = Field(64, ge=1)
     min_greedy_agreement: float = Field(0.9, ge=0, le=1)

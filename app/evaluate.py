@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from app import storage
-from app.checkpoint import META, CheckpointMeta, load_checkpoint
 from app.config import Config
-from app.data import iter_shards
-from app.prepare import DatasetManifest, read_manifest, split_files, verify_shards
-from app.preprocess import Preprocessor
+from app.data.ingest import iter_shards
+from app.data.prepare import DatasetManifest, read_manifest, split_files, verify_shards
+from app.data.preprocess import Preprocessor
+from app.train.checkpoint import META, CheckpointMeta, load_checkpoint
 
 log = logging.getLogger(__name__)
 Predict = Callable[[dict[str, np.ndarray]], np.ndarray]  # model inputs -> logits
@@ -51,8 +51,8 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
 def evaluate_language_model(
     config: Config, checkpoint_uri: str, loaded: Any, split: str
 ) -> dict[str, Any]:
-    """Task `lm`: next-token loss and perplexity beside the unigram baseline's (app/lm.py)."""
-    from app.lm import evaluate_lm
+    """Task `lm`: next-token loss and perplexity beside the unigram baseline's (app/tasks/lm.py)."""
+    from app.tasks.lm import evaluate_lm
 
     metrics = evaluate_lm(config, loaded, split)
     storage.write_json(storage.join(checkpoint_uri, EVALUATION_FILE), metrics)

@@ -15,19 +15,19 @@ import requests
 
 from app.cli import connect_ray
 from app.config import Config
-from app.data import iter_shards
+from app.data.ingest import iter_shards
+from app.data.prepare import read_manifest, split_files
 from app.errors import UserError
-from app.prepare import read_manifest, split_files
 
 log = logging.getLogger(__name__)
 
 
 def pipeline(config: Config) -> dict[str, Any]:
-    from app.deploy import deploy
+    from app.data.prepare import prepare
     from app.evaluate import evaluate
-    from app.export import export
-    from app.prepare import prepare
-    from app.train import train
+    from app.export.exporter import export
+    from app.serve.deploy import deploy
+    from app.train.trainer import train
 
     connect_ray(require_cluster=True)  # deploy needs a cluster: find out before any work
     stages: dict[str, Any] = {}

@@ -41,10 +41,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from app import storage
-from app.artifact import open_artifact, run_logits, softmax
 from app.config import Config, PredictConfig
+from app.data.prepare import Shard, sha256_file
 from app.errors import UserError
-from app.prepare import Shard, sha256_file
+from app.export.artifact import open_artifact, run_logits, softmax
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -795,7 +795,7 @@ def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: s
     import ray
     import ray.data
 
-    from app.data import quiet_progress
+    from app.data.ingest import quiet_progress
 
     cfg = config.predict
     quiet_progress()

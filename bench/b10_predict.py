@@ -46,8 +46,8 @@ def scoring_input(work: Path, config, rows: int) -> tuple[str, list[str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from app.data import iter_shards
-    from app.prepare import read_manifest, split_files
+    from app.data.ingest import iter_shards
+    from app.data.prepare import read_manifest, split_files
 
     manifest = read_manifest(config.data_output)
     columns = list(manifest.feature_columns)

@@ -3,9 +3,9 @@
 The same Transformer encoder (app.models.transformer, a few million parameters; the text
 workload's size with --smoke) trained for a few AdamW steps by 2 ranks of plain
 `torch.distributed` (gloo, `torch.multiprocessing.spawn`), wrapped by the project's own
-app.parallel.parallelize with `train.strategy` ddp and then fsdp. Each rank counts its local
+app.train.parallel.parallelize with `train.strategy` ddp and then fsdp. Each rank counts its local
 bytes (DTensor shards under FSDP) of parameters, gradients and optimizer state right after an
-optimizer step (app.parallel.MemoryMeter, what the training log reports); the largest rank
+optimizer step (app.train.parallel.MemoryMeter, what the training log reports); the largest rank
 counts. Steady step times are recorded beside (gloo on CPU: FSDP's all-gathers and
 reduce-scatters cost more than DDP's one all-reduce; the point of FSDP is the memory).
 Goal: FSDP's bytes per rank <= 0.55x DDP's with 2 ranks (ideal 0.5x; shards are padded).
@@ -51,7 +51,7 @@ def _worker(rank: int, port: int, strategy: str, size: dict[str, int], out: str)
     import torch.nn.functional as F
 
     from app.config import TrainConfig
-    from app.parallel import MemoryMeter, parallelize
+    from app.train.parallel import MemoryMeter, parallelize
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

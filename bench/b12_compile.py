@@ -2,7 +2,7 @@
 
 The text workload's Transformer encoder (app.models.transformer at configs/text.yaml's size,
 its dropout 0.1; and the same model without dropout) in one process with 1 torch thread, on a
-fixed batch of 32 rows, wrapped by the project's own app.parallel.parallelize with
+fixed batch of 32 rows, wrapped by the project's own app.train.parallel.parallelize with
 `train.compile` false and true (each block compiled in place, Inductor's C++ backend). One
 step = forward, cross entropy, backward, AdamW step. The compiled model's first step carries
 the compilation (Dynamo tracing, AOTAutograd, code generation; Inductor's on-disk cache makes
@@ -31,7 +31,7 @@ def make_model(compile: bool, dropout: float) -> tuple[Any, Any]:
 
     from app.config import TrainConfig
     from app.models.transformer import TransformerClassifier
-    from app.parallel import parallelize
+    from app.train.parallel import parallelize
 
     torch.manual_seed(0)
     plain = TransformerClassifier(

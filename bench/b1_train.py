@@ -4,7 +4,7 @@ Both sides are run as a user runs them, as separate processes, side by side in o
 - Ray: `python -m jobs.train --config configs/<workload>.yaml` joining the benchmarks' private
   Ray cluster (the real job: Ray Data, the cache-or-stream decision, TorchTrainer, checkpoints);
 - plain DDP: `python -m bench.ddp_train` (2 gloo processes, a DataLoader with its own worker per
-  rank) running the very same epoch function, app.loop.train_epoch.
+  rank) running the very same epoch function, app.train.loop.train_epoch.
 Cases: `digits` (its data path is the in-memory cache) and `stream` (configs/stream.yaml, over its
 cache budget: streamed). Each case is repeated (ABAB order), each repeat waits for a quiet window
 (1-minute load average), and the median of the repeats is reported.
@@ -170,7 +170,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     method = (
         "Ray side: python -m jobs.train against a running private Ray (cluster start excluded, as "
         "for a user submitting to a running cluster); plain side: python -m bench.ddp_train. Both "
-        "call app.loop.train_epoch; epoch time = its loop time (first batch request to last "
+        "call app.train.loop.train_epoch; epoch time = its loop time (first batch request to last "
         "optimizer step, slowest rank), validation and checkpointing excluded. First step = "
         "wall clock of rank 0's first optimizer step minus the process launch. Each side waits "
         "for a 1-minute load average under the quiet threshold before it starts."

@@ -1,10 +1,10 @@
 """B2 ingest: the project's two data paths vs a torch DataLoader over the same shards, same transform.
 
-- streamed: `app.feed.StreamFeed` over `app.data.stream_split` (one rank's stream, as each
+- streamed: `app.data.feed.StreamFeed` over `app.data.ingest.stream_split` (one rank's stream, as each
   training worker runs it: several read tasks, Ray Data bounded as in training) vs a DataLoader with one worker process; every pass reads the
-  Parquet shards and applies the fitted preprocessor (app.preprocess) on both sides.
-- cached: the in-memory path training takes when the data fits (`app.feed.MemoryFeed` filled
-  once by `app.data.read_rank_share` straight from the shards, then reshuffled per epoch) vs
+  Parquet shards and applies the fitted preprocessor (app.data.preprocess) on both sides.
+- cached: the in-memory path training takes when the data fits (`app.data.feed.MemoryFeed` filled
+  once by `app.data.ingest.read_rank_share` straight from the shards, then reshuffled per epoch) vs
   the DataLoader, which reads and transforms every epoch. Both the steady epochs and the
   filling pass (the same read + transform work as one DataLoader pass) are reported; `value`
   is the worse of the steady ratios.
@@ -62,13 +62,13 @@ def measure(make_iter, passes: int) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    from app.data import (
+    from app.data.feed import MemoryFeed, StreamFeed
+    from app.data.ingest import (
         fit_preprocessor,
         read_rank_share,
         split_shards,
         stream_split,
     )
-    from app.feed import MemoryFeed, StreamFeed
     from bench.torch_data import TorchShard
 
     started = time.perf_counter()
@@ -106,7 +106,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     worst = min(ratios["streamed"], ratios["cached"])
     details = {
         "dataset": f"synthetic_image 24x24, {manifest['rows']['train']} train rows in "
-        f"{len(files)} Parquet shards (prepared by app.prepare)",
+        f"{len(files)} Parquet shards (prepared by app.data.prepare)",
         "batch_size": BATCH,
         "passes": passes,
         "torch_dataloader_1_worker": loader,

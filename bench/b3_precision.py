@@ -1,7 +1,7 @@
 """B3 precision: bf16 (torch.autocast) vs fp32 training-step throughput and final accuracy on CPU.
 
-Throughput: one process, 1 torch thread, the project's step code (app.loop.autocast, the
-TrainState optimizer and app.loop.optimizer_step) on a fixed real batch of each reference
+Throughput: one process, 1 torch thread, the project's step code (app.train.loop.autocast, the
+TrainState optimizer and app.train.loop.optimizer_step) on a fixed real batch of each reference
 workload (digits CNN, tabular MLP, text Transformer); fp32 and bf16 rounds alternate so that load
 from other processes hits both alike; median of rounds. Accuracy: digits trained in-process with
 each precision, same seed and epochs (bench.common.train_inprocess), validation accuracy at the end.
@@ -49,11 +49,11 @@ def fixed_batch(config, pre, batch_size: int) -> tuple[dict[str, Any], Any]:
 
 
 def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> float:
-    """Training steps per second of app.train's step code for one precision."""
+    """Training steps per second of app.train.trainer's step code for one precision."""
     import torch
     import torch.nn.functional as F
 
-    from app.loop import autocast, optimizer_step
+    from app.train.loop import autocast, optimizer_step
 
     config.train.precision = precision
     state = inprocess_state(config, pre, rows)
@@ -79,7 +79,7 @@ def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     import torch
 
-    from app.data import fit_preprocessor
+    from app.data.ingest import fit_preprocessor
 
     started = time.perf_counter()
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "accuracy": accuracy,
         "accuracy_drop_points": drop,
         "method": (
-            "steps/s of forward+backward+AdamW step (app.train code) on a fixed real batch; "
+            "steps/s of forward+backward+AdamW step (app.train.trainer code) on a fixed real batch; "
             f"{rounds} alternating rounds of >= {seconds}s per precision, median. bf16 = "
             "torch.autocast(cpu, bfloat16): matmuls/convs in bf16, weights and optimizer in fp32. "
             "Small models at batch 32 are bound by per-op overhead and the casts autocast adds, "

@@ -1,7 +1,7 @@
 """B4 quantization: ONNX int8 vs ONNX fp32 vs torch fp32 eager for each reference model.
 
 Each workload (digits CNN, tabular MLP, text Transformer) is trained briefly in-process and
-exported with app.export.export (static QDQ int8 for the conv net, dynamic int8 for the
+exported with app.export.exporter.export (static QDQ int8 for the conv net, dynamic int8 for the
 Linear-heavy ones, as configured). Sizes are the artifact's model files; accuracies are the export
 report's, on the validation split; latencies are measured here: p50 of single calls at batch 1
 and 32, one thread each (ONNX Runtime intra_op=1, torch.set_num_threads(1)), on real rows.
@@ -43,9 +43,9 @@ def p50_ms(fn, repeats: int) -> dict[str, float]:
 def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     import torch
 
-    from app.artifact import create_session, open_artifact, run_logits
-    from app.checkpoint import load_checkpoint
     from app.evaluate import labeled_batches, torch_predict
+    from app.export.artifact import create_session, open_artifact, run_logits
+    from app.train.checkpoint import load_checkpoint
 
     info = ensure_artifact(work, workload, smoke)
     artifact = open_artifact(info["artifact"])
@@ -111,7 +111,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "worst_linear_heavy": {"int8_speedup_batch32": worst_speedup, "size_ratio": worst_size},
         "worst_accuracy_drop_points": worst_drop,
         "method": (
-            "Artifacts come from app.export.export on a briefly trained checkpoint, with the "
+            "Artifacts come from app.export.exporter.export on a briefly trained checkpoint, with the "
             "export gate opened (max_accuracy_drop=100) so a drop is reported, not refused. "
             "Latency = p50 of single synchronous calls on the same rows (np.resize of real val "
             "rows to the batch), one thread; accuracy = export report on the val split. Sizes "

@@ -52,8 +52,8 @@ HT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1
 
 
 def request_body(config) -> bytes:
-    from app.data import iter_shards
-    from app.prepare import read_manifest, split_files
+    from app.data.ingest import iter_shards
+    from app.data.prepare import read_manifest, split_files
 
     frame = next(
         iter_shards(split_files(config.data_output, read_manifest(config.data_output), "val"))
@@ -68,8 +68,8 @@ def synthetic_body(artifact: str) -> bytes:
     cost of serving does not depend on which row it is."""
     import numpy as np
 
-    from app.artifact import open_artifact
     from app.config import resolve_uri
+    from app.export.artifact import open_artifact
 
     spec = open_artifact(resolve_uri(artifact)).schema["inputs"][0]
     width = int(spec["shape"][-1])
@@ -281,7 +281,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     headline = ratios[16]
     met = bool(headline >= 0.9 and p50_gap <= 0.5)
     details = {
-        "model": "digits int8 artifact (app.export), one row per request, v2 JSON infer",
+        "model": "digits int8 artifact (app.export.exporter), one row per request, v2 JSON infer",
         "client": "wrk -t1 -cN, keep-alive, closed loop, 127.0.0.1; Lua script posts the body",
         "by_connections": sides,
         "ratios_rps": ratios,

@@ -76,7 +76,7 @@ WORDS = [
 
 def request_bodies(artifact_uri: str, n: int = 64) -> tuple[str, list[str], list[int]]:
     """(model name, v2 JSON bodies one per line, tokens per body)."""
-    from app.artifact import open_artifact
+    from app.export.artifact import open_artifact
 
     artifact = open_artifact(artifact_uri)
     spec, pre = artifact.schema["inputs"][0], artifact.preprocessor

@@ -2,9 +2,9 @@
 
 configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
 stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files).
-Each size runs in a fresh private Ray: the training job's trainer (app.train.trainer_class) with
-2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.feed:
-each rank streams its share, app.data.stream_split + app.feed.StreamFeed) and updates no model. A sampler sums the proportional set
+Each size runs in a fresh private Ray: the training job's trainer (app.train.trainer.trainer_class) with
+2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.trainer.feed:
+each rank streams its share, app.data.ingest.stream_split + app.data.feed.StreamFeed) and updates no model. A sampler sums the proportional set
 size (PSS: shared pages, the object store's included, counted once) of this process and every
 process under it (GCS, raylet, object store, workers, Ray Data tasks) every 0.2 s.
 Goal: peak(10N) / peak(N) <= 1.2: streaming memory must not grow with the dataset.
@@ -77,8 +77,8 @@ def ingest_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from app.config import validate
-    from app.preprocess import Preprocessor
-    from app.train import feed
+    from app.data.preprocess import Preprocessor
+    from app.train.trainer import feed
 
     config = validate(loop_config["config"])
     ctx = ray.train.get_context()
@@ -96,9 +96,9 @@ def ingest_pass(config) -> dict[str, Any]:
 
     from app.cli import init_private_ray
     from app.config import dump
-    from app.data import fit_preprocessor, split_shards
-    from app.prepare import read_manifest
-    from app.train import trainer_class
+    from app.data.ingest import fit_preprocessor, split_shards
+    from app.data.prepare import read_manifest
+    from app.train.trainer import trainer_class
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)

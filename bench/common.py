@@ -323,7 +323,7 @@ def bench_config(
 def ensure_prepared(config) -> dict[str, Any]:
     """Prepare the dataset once per workspace; returns its manifest."""
     from app import storage
-    from app.prepare import MANIFEST, prepare, read_manifest
+    from app.data.prepare import MANIFEST, prepare, read_manifest
 
     if not storage.exists(storage.join(config.data_output, MANIFEST)):
         prepare(config)
@@ -369,7 +369,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
 
 
 def train_files(config, manifest: dict[str, Any], split: str) -> list[str]:
-    from app.prepare import split_files
+    from app.data.prepare import split_files
 
     return split_files(config.data_output, manifest, split)
 
@@ -378,14 +378,14 @@ def train_files(config, manifest: dict[str, Any], split: str) -> list[str]:
 
 
 def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
-    """Model + app.loop.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
+    """Model + app.train.loop.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
     import torch
 
-    from app.loop import TrainState, steps_per_epoch
     from app.models import build_model
+    from app.train.loop import TrainState, steps_per_epoch
 
     t = config.train
-    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.train_loop
+    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.trainer.train_loop
     model = build_model(config.model, preprocessor)
     return TrainState.create(model, config, steps_per_epoch(train_rows, world, config) * t.epochs)
 
@@ -393,15 +393,15 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
 def train_inprocess(
     config, *, precision: str | None = None, checkpoint_dir: str | None = None
 ) -> dict[str, Any]:
-    """Single-process training with app.loop.train_epoch/validate_epoch (no Ray, no DDP).
+    """Single-process training with app.train.loop.train_epoch/validate_epoch (no Ray, no DDP).
 
     Data streams from the prepared Parquet shards through the fitted preprocessor
     (bench.torch_data), so the step code, optimizer, schedule and autocast are the project's own.
     """
     import torch
 
-    from app.data import fit_preprocessor
-    from app.loop import train_epoch, validate_epoch
+    from app.data.ingest import fit_preprocessor
+    from app.train.loop import train_epoch, validate_epoch
     from bench.torch_data import TorchShard
 
     if precision:
@@ -430,11 +430,11 @@ def train_inprocess(
 
 
 def save_checkpoint(folder: str, state, preprocessor, config, metrics: dict[str, Any]) -> None:
-    """The same folder layout app.train's rank 0 reports (model.safetensors, train_state.pt, meta.json)."""
+    """The same folder layout app.train.trainer's rank 0 reports (model.safetensors, train_state.pt, meta.json)."""
     import torch
 
-    from app import checkpoint
     from app.config import dump
+    from app.train import checkpoint
 
     meta = {
         "config": dump(config),
@@ -474,14 +474,14 @@ def ensure_artifact(
     *overrides: str,
     tag: str | None = None,
 ) -> dict[str, Any]:
-    """Train `workload` briefly in-process and export it with app.export.export (once per workspace,
+    """Train `workload` briefly in-process and export it with app.export.exporter.export (once per workspace,
     under `<work>/<tag or workload>`; `overrides` go after the benchmark's own).
 
     The export gate is opened (max_accuracy_drop=100) so that the benchmark can report an
     accuracy drop instead of failing on it; B4 judges the drop itself.
     """
     from app import storage
-    from app.export import export
+    from app.export.exporter import export
 
     epochs = (SMOKE_ARTIFACT_EPOCHS if smoke else ARTIFACT_EPOCHS)[workload]
     config = bench_config(

@@ -3,10 +3,10 @@
     python -m bench.ddp_train --config configs/digits.yaml [overrides] --summary-file F
         [--loader-workers 1]
 
-What a user without Ray would write: fit the preprocessor on the driver (as app.train does),
+What a user without Ray would write: fit the preprocessor on the driver (as app.train.trainer does),
 `torch.multiprocessing.spawn` one gloo process per `train.num_workers`, each reading its equal
 share of the prepared shards through a torch DataLoader with its own worker process(es)
-(bench.torch_data), and running the project's own Ray-free epoch (app.loop.train_epoch /
+(bench.torch_data), and running the project's own Ray-free epoch (app.train.loop.train_epoch /
 validate_epoch), so only the data path and Ray differ from `python -m jobs.train`. No
 checkpoints (the Ray side uploads them asynchronously, outside the timed loop). The summary has
 the train summary's timing keys: `epoch_seconds` (steady median), `epoch_seconds_history`,
@@ -29,8 +29,8 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from app.config import validate
-    from app.loop import order_seed, train_epoch, validate_epoch
-    from app.preprocess import Preprocessor
+    from app.data.preprocess import Preprocessor
+    from app.train.loop import order_seed, train_epoch, validate_epoch
     from bench.common import inprocess_state
     from bench.torch_data import TorchShard
 
@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     val = TorchShard(spec["val_files"], pre, rank, world, loaders)
     epochs = []
     for epoch in range(1, t.epochs + 1):
-        seed = order_seed(t.seed, epoch, rank)  # as app.train.train_loop
+        seed = order_seed(t.seed, epoch, rank)  # as app.train.trainer.train_loop
         stats = train_epoch(state, train.batches(t.batch_size, seed=seed), device)
         stats.update(validate_epoch(state.model, val.batches(t.batch_size * 4), device, "fp32"))
         epochs.append(stats)
@@ -62,9 +62,9 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     from app.config import dump
-    from app.data import fit_preprocessor
-    from app.loop import steady_median
-    from app.prepare import read_manifest
+    from app.data.ingest import fit_preprocessor
+    from app.data.prepare import read_manifest
+    from app.train.loop import steady_median
 
     manifest = read_manifest(config.data_output)
     spec = {

@@ -2,8 +2,8 @@
 
     python -m bench.gate_seeds [--workloads digits,tabular,text] [--seeds 0,1,2,3,4] [--work DIR]
 
-For each workload and `train.seed`, trains the default config (the real `app.train.train` on a
-private local Ray) and exports it (the real `app.export.export`, gate included), then checks the
+For each workload and `train.seed`, trains the default config (the real `app.train.trainer.train` on a
+private local Ray) and exports it (the real `app.export.exporter.export`, gate included), then checks the
 issue's bar: int8 accuracy >= fp32 accuracy - max(0.5 points, one validation sample), and for the
 Linear-heavy models (tabular, text) int8 <= 0.3x the fp32 size. Trained runs are kept in the work
 folder, so a second call re-exports the same checkpoints (to compare quantization settings).
@@ -42,7 +42,7 @@ def run_config(work: Path, workload: str, seed: int):
 
 def trained(work: Path, workload: str, seed: int) -> dict[str, Any]:
     """The train summary of this run, training it only if no earlier call did."""
-    from app.train import train
+    from app.train.trainer import train
 
     cached = work / "summaries" / f"{workload}-seed{seed}.json"
     if cached.exists():
@@ -55,7 +55,7 @@ def trained(work: Path, workload: str, seed: int) -> dict[str, Any]:
 
 def exported(work: Path, workload: str, seed: int, checkpoint: str) -> dict[str, Any]:
     from app.errors import GateError
-    from app.export import export
+    from app.export.exporter import export
 
     try:
         report, published = export(run_config(work, workload, seed), checkpoint)["report"], True
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     setup_logging()
     import ray
 
-    from app.prepare import prepare
+    from app.data.prepare import prepare
 
     work = Path(args.work)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -22,7 +22,7 @@ class ArtifactAPI(ls.LitAPI):
         self.artifact_uri = artifact_uri
 
     def setup(self, device: str) -> None:
-        from app.artifact import open_artifact
+        from app.export.artifact import open_artifact
 
         self.artifact = open_artifact(self.artifact_uri)
         self.session = self.artifact.session("int8", 1)
@@ -44,7 +44,7 @@ class ArtifactAPI(ls.LitAPI):
         return inputs  # predict concatenates (rows per request may differ)
 
     def predict(self, inputs: list[dict[str, np.ndarray]]) -> list[tuple[list[str], Any]]:
-        from app.artifact import run_logits
+        from app.export.artifact import run_logits
         from app.serve.model_server import softmax
 
         batch = {k: np.concatenate([r[k] for r in inputs]) for k in inputs[0]}

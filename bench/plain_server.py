@@ -24,8 +24,8 @@ from typing import Any
 def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = False):
     from ray.serve import batching
 
-    from app.artifact import resolve
     from app.config import ServeConfig, resolve_uri
+    from app.export.artifact import resolve
     from app.serve.ingress import IngressMetrics, LocalHandle, ModelRouter, create_api
     from app.serve.model_server import ModelServer
 

@@ -1,8 +1,8 @@
 """The plain-PyTorch baseline of the ingest path: a torch DataLoader over the same Parquet shards,
-transformed by the same fitted preprocessor (app.preprocess), no Ray.
+transformed by the same fitted preprocessor (app.data.preprocess), no Ray.
 
-`TorchShard.batches(batch_size, seed)` is the feed interface of app.feed (a seed shuffles, None
-keeps the stored order), so the baseline runs app.loop.train_epoch / validate_epoch unchanged:
+`TorchShard.batches(batch_size, seed)` is the feed interface of app.data.feed (a seed shuffles, None
+keeps the stored order), so the baseline runs app.train.loop.train_epoch / validate_epoch unchanged:
 only the data feeding differs.
 """
 
@@ -17,10 +17,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from app import storage
-from app.data import rank_range
-from app.preprocess import Preprocessor
+from app.data.ingest import rank_range
+from app.data.preprocess import Preprocessor
 
-READ_ROWS = 256  # rows per transform call (app.data.stream_split transforms a shard piece per call)
+READ_ROWS = (
+    256  # rows per transform call (app.data.ingest.stream_split transforms a shard piece per call)
+)
 
 Batch = dict[str, np.ndarray]
 
@@ -45,7 +47,7 @@ class ShardStream(IterableDataset):
     """Streams shards one record batch at a time: read -> transform -> (rank slice) -> batches.
 
     - `rank`/`world`: each rank takes an equal contiguous range of rows (the remainder is dropped,
-      as the project's own data paths do: app.data.rank_range) and skips shards outside its range unread.
+      as the project's own data paths do: app.data.ingest.rank_range) and skips shards outside its range unread.
     - `shuffle_buffer`: a local shuffle buffer like Ray's `local_shuffle_buffer_size`: batches
       are drawn at random from a buffer holding at least that many rows.
     """
@@ -115,7 +117,7 @@ class ShardStream(IterableDataset):
 
 
 class TorchShard:
-    """A feed (app.feed's `batches` interface) backed by a torch DataLoader over the shards."""
+    """A feed (app.data.feed's `batches` interface) backed by a torch DataLoader over the shards."""
 
     def __init__(
         self,

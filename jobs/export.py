@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpoint", required=True, help="checkpoint URI (the train summary's 'checkpoint')"
     )
     args = p.parse_args(argv)
-    from app.export import export
+    from app.export.exporter import export
 
     run_job(args, lambda config: export(config, args.checkpoint))
 
@@ -29,7 +29,7 @@ def verify_only(argv: list[str]) -> None:
     p.add_argument("--summary-file")
     args = p.parse_args(argv)
     setup_logging()
-    from app.artifact import verify
+    from app.export.artifact import verify
 
     with one_line_failures():  # an altered or missing file: one line naming it, exit 1
         emit(verify(args.verify), args.summary_file)

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from torch import nn
 
 from app.config import ConfigError, ModelConfig
+from app.data.preprocess import Preprocessor
 from app.models.cnn import ResNetCNN
 from app.models.gpt import GPT
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
-from app.preprocess import Preprocessor
 
 Builder = Callable[[ModelConfig, Preprocessor], nn.Module]
 

@@ -28,8 +28,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
-from app.artifact import Artifact, resolve
 from app.config import ServeConfig, resolve_uri
+from app.export.artifact import Artifact, resolve
 from app.serve.ingress import (
     AppHandle,
     IngressMetrics,

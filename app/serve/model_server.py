@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from app.artifact import Artifact, open_artifact, run_logits, softmax
 from app.config import ServeConfig
+from app.export.artifact import Artifact, open_artifact, run_logits, softmax
 from app.serve.metric_buffer import process_buffer
 from app.serve.protocol import RequestError, numeric_rows, text_rows, v1_rows
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.cli import init_private_ray
 from app.config import Config
-from app.prepare import prepare
+from app.data.prepare import prepare
 from tests.conftest import REPO, make_config
 
 
@@ -78,7 +78,7 @@ def trained(prepared, workspace):
 
     Every run writes TensorBoard events; digits also logs to MLflow (tests/integration/
     test_tracking.py reads both back)."""
-    from app.train import train
+    from app.train.trainer import train
 
     done: dict[str, tuple[Config, dict]] = {}
 

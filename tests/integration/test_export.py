@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from app.artifact import open_artifact
 from app.errors import GateError
-from app.export import export
+from app.export.artifact import open_artifact
+from app.export.exporter import export
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.train import train
+from app.train.trainer import train
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray, workload_config
 

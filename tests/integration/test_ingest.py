@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from app.data import fit_preprocessor, iter_shards, split_shards, stream_split
-from app.prepare import read_manifest, split_files
+from app.data.ingest import fit_preprocessor, iter_shards, split_shards, stream_split
+from app.data.prepare import read_manifest, split_files
 
 pytestmark = pytest.mark.integration
 

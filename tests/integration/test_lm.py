@@ -9,10 +9,10 @@ import os
 
 import pytest
 
+from app.data.prepare import prepare
 from app.evaluate import evaluate
-from app.export import export
-from app.prepare import prepare
-from app.train import train
+from app.export.exporter import export
+from app.train.trainer import train
 from tests.conftest import REPO, make_config
 from tests.integration.test_train import run_metrics
 

@@ -14,14 +14,14 @@ import pytest
 import requests
 import torch
 
-from app import artifact as art
-from app.checkpoint import save
 from app.config import dump
-from app.data import fit_preprocessor
+from app.data.ingest import fit_preprocessor
+from app.data.prepare import prepare
 from app.errors import GateError
-from app.export import export
+from app.export import artifact as art
+from app.export.exporter import export
 from app.models import build_model
-from app.prepare import prepare
+from app.train.checkpoint import save
 from tests.conftest import REPO, make_config
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.artifact import open_artifact, run_logits, softmax
 from app.errors import UserError
+from app.export.artifact import open_artifact, run_logits, softmax
 from app.predict import predict, verify_output
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ ROWS_PER_FILE = 1500  # two files: 3000 rows
 
 @pytest.fixture(scope="module")
 def artifact(trained):
-    from app.export import export
+    from app.export.exporter import export
 
     config, summary = trained("tabular")
     return config, export(config, summary["checkpoint"])["artifact"]

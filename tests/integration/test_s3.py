@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from app import storage
-from app.artifact import LATEST, open_artifact
 from app.config import Config, load_config
-from app.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
+from app.data.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
+from app.export.artifact import LATEST, open_artifact
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray
 from tests.s3_server import moto_s3
@@ -121,8 +121,8 @@ def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(s3
 
 def test_pipeline_on_s3(s3_root, ray_with_s3_env):
     from app.evaluate import evaluate
-    from app.export import export
-    from app.train import train
+    from app.export.exporter import export
+    from app.train.trainer import train
 
     config = s3_config(
         s3_root,

@@ -8,7 +8,7 @@ import os
 import pytest
 from PIL import Image
 
-from app.tracking import ARTIFACT_TAG, CHECKPOINT_TAG, SCALARS
+from app.train.tracking import ARTIFACT_TAG, CHECKPOINT_TAG, SCALARS
 from tests.integration.conftest import mlflow_uri
 
 pytestmark = pytest.mark.integration
@@ -88,8 +88,8 @@ def test_evaluate_draws_the_confusion_matrix_and_the_run_curves(digits):
 def test_export_draws_fp32_vs_int8_and_tags_the_mlflow_run(digits, workspace, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from app.artifact import open_artifact
-    from app.export import export
+    from app.export.artifact import open_artifact
+    from app.export.exporter import export
 
     config, summary = digits
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri(workspace))

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from app.errors import ConfigError
-from app.train import check_precision, train
+from app.train.trainer import check_precision, train
 from tests.integration.conftest import workload_config
 
 pytestmark = pytest.mark.integration
@@ -134,7 +134,7 @@ def test_the_train_controller_can_load_the_backend_config_without_torch():
     import subprocess
     import sys
 
-    from app.process_group import ProcessGroupConfig
+    from app.train.process_group import ProcessGroupConfig
 
     blob = __import__("pickle").dumps(ProcessGroupConfig(backend="gloo", timeout_s=60))
     probe = (

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app import checkpoint, storage
+from app import storage
+from app.train import checkpoint
 from tests.integration.conftest import workload_config
 from tests.s3_server import free_port
 
@@ -49,7 +50,7 @@ def ray_one_trial_wide():
 
 
 def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace, ray_with_dashboard):
-    from app.tune import tune
+    from app.train.tune import tune
 
     prepared("digits")
     config = workload_config(
@@ -83,7 +84,7 @@ def test_early_stopped_trials_release_their_workers_on_a_cluster_one_trial_wide(
 ):
     """The digits tune section (4 trials, ASHA) on a cluster that fits one trial: every trial
     ASHA stops must give its workers' CPUs back, or the next trial never starts."""
-    from app.tune import tune
+    from app.train.tune import tune
 
     prepared("digits")
     config = workload_config(

@@ -1,4 +1,4 @@
-"""app/export.py + app/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
+"""app/export/exporter.py + app/export/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from app import checkpoint
-from app.artifact import (
+from app.config import dump
+from app.data.ingest import fit_preprocessor
+from app.data.prepare import prepare
+from app.errors import ArtifactError, GateError
+from app.evaluate import labeled_batches, torch_predict
+from app.export.artifact import (
     LATEST,
     MANIFEST,
     check_no_external_data,
@@ -21,13 +25,9 @@ from app.artifact import (
     resolve,
     verify,
 )
-from app.config import dump
-from app.data import fit_preprocessor
-from app.errors import ArtifactError, GateError
-from app.evaluate import labeled_batches, torch_predict
-from app.export import export, gate, next_version, publish
+from app.export.exporter import export, gate, next_version, publish
 from app.models import build_model
-from app.prepare import prepare
+from app.train import checkpoint
 from jobs import export as export_job
 from tests.unit.unit_helpers import run_main, sha256_of, snapshot, staging_leftovers
 

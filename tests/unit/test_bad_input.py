@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from app.cli import UserError
-from app.prepare import prepare
+from app.data.prepare import prepare
 from tests.unit.unit_helpers import staging_leftovers
 
 pytestmark = pytest.mark.unit

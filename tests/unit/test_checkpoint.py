@@ -1,4 +1,4 @@
-"""app/checkpoint.py: weights round trip, weights_only train state, RNG restore, loading for export."""
+"""app/train/checkpoint.py: weights round trip, weights_only train state, RNG restore, loading for export."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_model
 
-from app import checkpoint
 from app.config import dump, load_config
+from app.data.preprocess import Preprocessor
 from app.errors import UserError
-from app.loop import TrainState
 from app.models import build_model
-from app.preprocess import Preprocessor
+from app.train import checkpoint
+from app.train.loop import TrainState
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from app.data.prepare import MANIFEST, DatasetManifest, prepare, read_manifest
 from app.errors import UserError, validation_line
-from app.prepare import MANIFEST, DatasetManifest, prepare, read_manifest
 
 pytestmark = pytest.mark.unit
 

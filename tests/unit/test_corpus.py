@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.corpus import EOS, TOKENIZER_FILE, encode_documents, pack, train_tokenizer
-from app.data import fit_preprocessor
+from app.data.corpus import EOS, TOKENIZER_FILE, encode_documents, pack, train_tokenizer
+from app.data.ingest import fit_preprocessor
+from app.data.prepare import prepare, read_dataset_file, read_manifest, split_files
+from app.data.sources import expand_path, load_source
 from app.errors import ConfigError, UserError
-from app.lm import target_counts, token_rows, unigram_perplexity
-from app.prepare import prepare, read_dataset_file, read_manifest, split_files
-from app.sources import expand_path, load_source
-from app.tasks import check_metric, task_for
+from app.tasks.lm import target_counts, token_rows, unigram_perplexity
+from app.tasks.registry import check_metric, task_for
 from tests.unit.unit_helpers import REPO
 
 pytestmark = pytest.mark.unit

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from app.data import plan_data_path
-from app.feed import MemoryFeed
-from app.loop import TrainState, steady_median, train_epoch, validate_epoch
+from app.data.feed import MemoryFeed
+from app.data.ingest import plan_data_path
+from app.data.preprocess import Preprocessor
 from app.models.mlp import MLP
-from app.preprocess import Preprocessor
+from app.train.loop import TrainState, steady_median, train_epoch, validate_epoch
 from tests.unit.unit_helpers import manifest_with_rows
 
 pytestmark = pytest.mark.unit
@@ -131,9 +131,9 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
 
 
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):
+    from app.data.prepare import prepare, read_manifest
     from app.errors import UserError
-    from app.prepare import prepare, read_manifest
-    from app.train import train
+    from app.train.trainer import train
 
     config = config_factory("train.run_name=altered")
     prepare(config)
@@ -163,7 +163,7 @@ class SlowShard:
 
 
 def test_stream_feed_starts_the_next_pass_ahead():
-    from app.feed import StreamFeed
+    from app.data.feed import StreamFeed
 
     shard = SlowShard(delay=0.3)
     feed = StreamFeed(shard, prefetch_batches=2, shuffle_buffer=10)
@@ -182,7 +182,7 @@ def test_stream_feed_starts_the_next_pass_ahead():
 
 
 def test_rebatch_cuts_full_batches_across_blocks_and_shuffles_through_a_seeded_buffer():
-    from app.feed import rebatch
+    from app.data.feed import rebatch
 
     blocks = [{"x": torch.arange(a, b)} for a, b in [(0, 5), (5, 6), (6, 23), (23, 30)]]
     # An empty block (a read piece with no rows) is skipped: it neither cuts a batch short nor
@@ -207,7 +207,7 @@ def test_rebatch_cuts_full_batches_across_blocks_and_shuffles_through_a_seeded_b
 def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_path):
     import pandas as pd
 
-    from app.data import read_rank_share
+    from app.data.ingest import read_rank_share
 
     pre = tabular_pre(features=1)
     shards, start = [], 0
@@ -224,7 +224,7 @@ def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_pa
 
     assert rows_of(0, 1) == list(range(12))
     # The ranges the streamed path cuts into read tasks are the same shares.
-    from app.data import rank_ranges
+    from app.data.ingest import rank_ranges
 
     names = [p for p, _ in shards]
     assert rank_ranges(shards, 1, 2) == [(names[1], 1, 3), (names[2], 0, 4)]
@@ -240,7 +240,7 @@ def test_streamed_pieces_cover_every_shard_row_once_and_read_only_their_row_grou
     import pandas as pd
     import pyarrow.fs as pafs
 
-    from app.data import shard_pieces, transform_rows
+    from app.data.ingest import shard_pieces, transform_rows
 
     # 10 ranges and 8 tasks wanted: one piece a range. 2 ranges and 8 tasks: 4 pieces each.
     many = [(f"s{i}", 0, 100) for i in range(10)]
@@ -303,7 +303,7 @@ def test_a_run_starts_only_the_ray_train_actors_it_needs():
         PlacementGroupCleanerCallback,
     )
 
-    from app.train import trainer_class
+    from app.train.trainer import trainer_class
 
     def hooks(pg_cleaner: bool = False) -> list[type]:
         trainer = trainer_class(pg_cleaner)(
@@ -318,7 +318,7 @@ def test_a_run_starts_only_the_ray_train_actors_it_needs():
 
 
 def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
-    from app.train import set_controller_env
+    from app.train.trainer import set_controller_env
 
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # so teardown restores it
     monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
@@ -329,12 +329,12 @@ def test_controller_settings_default_but_an_exported_value_wins(config_factory, 
 
 
 def test_ray_data_scheduling_loop_pauses_only_when_it_would_spin(monkeypatch):
-    from app.data import PacedScheduling
+    from app.data.ingest import PacedScheduling
 
     slept: list[float] = []
     now = [100.0]
-    monkeypatch.setattr("app.data.time.sleep", slept.append)
-    monkeypatch.setattr("app.data.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("app.data.ingest.time.sleep", slept.append)
+    monkeypatch.setattr("app.data.ingest.time.monotonic", lambda: now[0])
 
     class Op:
         def __init__(self, active: int):

@@ -1,4 +1,4 @@
-"""Early stopping's decision (app/loop.py): a pure function of the reported per-epoch metrics."""
+"""Early stopping's decision (app/train/loop.py): a pure function of the reported per-epoch metrics."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from app.loop import best_index, should_stop_early
+from app.train.loop import best_index, should_stop_early
 
 pytestmark = pytest.mark.unit
 

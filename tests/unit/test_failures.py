@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from app.cli import run_job
+from app.data.prepare import MANIFEST
 from app.errors import ConfigError, GateError, NoClusterError, UserError
-from app.prepare import MANIFEST
 from jobs import prepare as prepare_job
 from jobs import train as train_job
 from tests.unit.unit_helpers import DIGITS_YAML

@@ -1,5 +1,5 @@
-"""app/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
-exported KV-cache graph (app/export_lm.py) of a tiny random GPT against torch."""
+"""app/serve/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
+exported KV-cache graph (app/export/lm.py) of a tiny random GPT against torch."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from app import artifact as art
-from app.corpus import train_tokenizer
-from app.export_lm import (
+from app.data.corpus import train_tokenizer
+from app.export import artifact as art
+from app.export.lm import (
     decode_parity,
     export_kv_onnx,
     greedy_agreement,
     perplexity,
     quantize_weights,
 )
-from app.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
 from app.models.gpt import GPT
+from app.serve.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
 
 pytestmark = pytest.mark.unit
 

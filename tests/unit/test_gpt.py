@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.corpus import train_tokenizer
+from app.data.corpus import train_tokenizer
+from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
 from app.models import build_model
 from app.models.gpt import GPT
-from app.preprocess import Preprocessor
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Registry listing and pruning (app.lifecycle) on a local registry; no cluster involved."""
+"""Registry listing and pruning (app.serve.lifecycle) on a local registry; no cluster involved."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from app import lifecycle
-from app.artifact import LATEST, MANIFEST
 from app.config import Config
 from app.errors import ConfigError, UserError
+from app.export.artifact import LATEST, MANIFEST
+from app.serve import lifecycle
 
 pytestmark = pytest.mark.unit
 

@@ -9,12 +9,12 @@ from torch import nn
 
 import app.cli
 from app.config import ModelConfig
+from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
 from app.models import REGISTRY, build_model, is_conv_net, resolve
 from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
-from app.preprocess import Preprocessor
 from tests.unit.unit_helpers import REPO
 
 pytestmark = pytest.mark.unit
@@ -178,8 +178,8 @@ def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatc
     # A bad model/data pairing is a bad config value: exit 2 before any Ray work (the design
     # brief: "an unknown key or a bad value is a one-line error naming the key, exit code 2,
     # before any work starts"). Today it surfaces as a ValueError inside a Ray Train worker.
-    from app.prepare import prepare
-    from app.train import train
+    from app.data.prepare import prepare
+    from app.train.trainer import train
 
     config = config_factory("data.source=wine", "model.name=cnn", "train.run_name=mismatch")
     prepare(config)

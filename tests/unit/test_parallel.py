@@ -1,4 +1,4 @@
-"""app/parallel.py and sharded checkpoints without Ray: the config, which modules are blocks,
+"""app/train/parallel.py and sharded checkpoints without Ray: the config, which modules are blocks,
 activation checkpointing, and FSDP2 on a one-rank gloo group in this process (sharding, memory
 accounting, sharded save and resume, the consolidated copy)."""
 
@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app import checkpoint, parallel
 from app.config import ConfigError, dump, load_config
-from app.loop import TrainState
 from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
+from app.train import checkpoint, parallel
+from app.train.loop import TrainState
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from app import plots
-from app.checkpoint import META
 from app.evaluate import CONFUSION_PNG, CURVES_PNG, run_history, write_plots
+from app.train.checkpoint import META
 
 pytestmark = pytest.mark.unit
 
@@ -91,7 +91,7 @@ def write_meta(folder: Path, history: list[dict]) -> None:
 
 def test_curves_take_the_whole_run_from_the_newest_checkpoint(tmp_path):
     """The evaluated (best) checkpoint knows epochs 1-2; its run's newest one knows 1-4."""
-    from app.checkpoint import CheckpointMeta
+    from app.train.checkpoint import CheckpointMeta
 
     run = tmp_path / "run"
     write_meta(run / "checkpoint_a", epochs(2))
@@ -118,7 +118,7 @@ def test_curves_take_the_whole_run_from_the_newest_checkpoint(tmp_path):
 
 
 def test_a_checkpoint_without_history_gets_no_curves(tmp_path):
-    from app.checkpoint import CheckpointMeta
+    from app.train.checkpoint import CheckpointMeta
 
     folder = tmp_path / "run" / "checkpoint_old"
     write_meta(folder, epochs(1))

@@ -1,4 +1,4 @@
-"""app/sources.py + app/prepare.py on tiny data: shards, manifest, raw values, determinism, atomicity."""
+"""app/data/sources.py + app/data/prepare.py on tiny data: shards, manifest, raw values, determinism, atomicity."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 from PIL import Image
 from sklearn import datasets
 
-import app.prepare
-from app.errors import UserError
-from app.prepare import (
+import app.data.prepare
+from app.data.prepare import (
     MANIFEST,
     DatasetManifest,
     prepare,
@@ -24,6 +23,7 @@ from app.prepare import (
     split_rows,
     verify_shards,
 )
+from app.errors import UserError
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit
@@ -345,7 +345,7 @@ def test_failure_writing_manifest_leaves_nothing(config_factory, monkeypatch, tm
     def broken(*args, **kwargs):
         raise RuntimeError("manifest failed")
 
-    monkeypatch.setattr(app.prepare, "build_manifest", broken)
+    monkeypatch.setattr(app.data.prepare, "build_manifest", broken)
     with pytest.raises(RuntimeError):
         prepare(config)
     assert not os.path.exists(config.data_output)

@@ -1,4 +1,4 @@
-"""app/preprocess.py: fit from chunks (train only), transform, JSON round trip, labels, text lengths."""
+"""app/data/preprocess.py: fit from chunks (train only), transform, JSON round trip, labels, text lengths."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app.data import fit_preprocessor, iter_shards
+from app.data.ingest import fit_preprocessor, iter_shards
+from app.data.prepare import prepare, read_manifest, split_files, split_rows
+from app.data.preprocess import LABEL_KEY, PAD, Preprocessor
 from app.errors import UserError
-from app.prepare import prepare, read_manifest, split_files, split_rows
-from app.preprocess import LABEL_KEY, PAD, Preprocessor
 from tests.unit.unit_helpers import read_split
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""app/deploy.py and app/serve/deploy_lock.py without Ray: concurrent deploys under the lock keep
+"""app/serve/deploy.py and app/serve/deploy_lock.py without Ray: concurrent deploys under the lock keep
 every model, a version that does not come up is rolled back, the API key follows Serve's host."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from app import deploy as deploy_mod
 from app.cli import UserError
 from app.config import ServeConfig
+from app.serve import deploy as deploy_mod
 from app.serve.app import applications
 from app.serve.deploy_lock import DeployLease, hold
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 
 class FakeServe:
-    """The Serve REST API as app.deploy uses it: one whole-config store. A submit takes effect
+    """The Serve REST API as app.serve.deploy uses it: one whole-config store. A submit takes effect
     after `write_delay`, long enough for unlocked read-modify-writes to interleave. Models whose
     artifact is in `failing` never start (their deployment is DEPLOY_FAILED); those in `silent`
     start but never answer over HTTP."""

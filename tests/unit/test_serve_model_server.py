@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app.preprocess import Preprocessor
+from app.data.preprocess import Preprocessor
 from app.serve.model_server import ModelServer, measure_batch_calls, padding_groups, spread
 
 pytestmark = pytest.mark.unit

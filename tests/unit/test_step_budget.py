@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.feed import MemoryFeed
-from app.loop import epoch_batches, steps_per_epoch
+from app.data.feed import MemoryFeed
+from app.train.loop import epoch_batches, steps_per_epoch
 
 pytestmark = pytest.mark.unit
 

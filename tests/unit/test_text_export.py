@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.artifact import create_session
-from app.export import export_onnx
+from app.export.artifact import create_session
+from app.export.exporter import export_onnx
 from app.models.transformer import TransformerClassifier
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from app import storage
-from app.prepare import DatasetManifest, Split
+from app.data.prepare import DatasetManifest, Split
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = REPO / "configs" / "digits.yaml"

@@ -1,6 +1,6 @@
 """Language modelling (task `lm`): next-token loss, validation, the unigram baseline, evaluation.
 
-Rows of a token dataset hold `block_size + 1` ids (app/corpus.py): the model reads the first
+Rows of a token dataset hold `block_size + 1` ids (app/data/corpus.py): the model reads the first
 `block_size` and is scored on predicting each next one. Losses are mean cross entropy per target
 token in nats; perplexity is its exponential.
 
@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.loop import all_reduce, autocast
+from app.train.loop import all_reduce, autocast
 
 if TYPE_CHECKING:  # driver-side types; workers import this module too
-    from app.checkpoint import LoadedCheckpoint
     from app.config import Config
-    from app.prepare import DatasetManifest
+    from app.data.prepare import DatasetManifest
+    from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
 TOKENS_KEY = "input_ids"
@@ -112,7 +112,7 @@ def baseline_perplexity(
     config: Config, manifest: DatasetManifest, vocab_size: int, split: str = "val"
 ) -> float:
     """The unigram baseline on `split`: train-split target frequencies, add-one smoothed."""
-    from app.prepare import split_files
+    from app.data.prepare import split_files
 
     output = config.data_output
     train = target_counts(token_rows(split_files(output, manifest, "train")), vocab_size)
@@ -127,7 +127,7 @@ def evaluate_lm(
     config: Config, loaded: LoadedCheckpoint, split: str, batch_rows: int = 32
 ) -> dict[str, Any]:
     """Loss, perplexity and the unigram baseline of a checkpoint on the held-out split."""
-    from app.prepare import read_manifest, split_files
+    from app.data.prepare import read_manifest, split_files
 
     manifest = read_manifest(config.data_output)
     vocab = loaded.preprocessor.vocab_size

@@ -19,8 +19,8 @@ from itertools import islice
 import numpy as np
 
 from app.config import Config
+from app.data.preprocess import Preprocessor
 from app.evaluate import labeled_batches
-from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 QUANTIZABLE_OPS = ("Conv", "MatMul", "Gemm")
@@ -84,7 +84,7 @@ def quantize(
 def calibration_inputs(config: Config, pre: Preprocessor) -> list[Inputs]:
     """`export.calibration_batches` batches of train rows spread evenly over the whole split,
     streamed shard by shard (every region of the split is represented, none is held whole)."""
-    from app.prepare import read_manifest
+    from app.data.prepare import read_manifest
 
     take = config.export.calibration_batches * CALIBRATION_ROWS_PER_BATCH
     total = read_manifest(config.data_output)["rows"]["train"]

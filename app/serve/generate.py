@@ -1,7 +1,7 @@
 """Text generation with an exported causal language model: ONNX Runtime, numpy and `tokenizers`
 only (no torch, no Ray), so a Serve replica and the export gate run the same loop.
 
-The exported graph (app/export_lm.py) takes `input_ids` [batch, tokens] after a KV cache
+The exported graph (app/export/lm.py) takes `input_ids` [batch, tokens] after a KV cache
 (`past_key_<i>` / `past_value_<i>` per block, [batch, heads, cached, head_dim], possibly 0
 cached) and returns `logits` and the extended cache (`present_*`). A generation feeds the prompt
 once, then one token per step: the prefix is never recomputed.
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-EOS = "<|endoftext|>"  # app/corpus.py's document separator: the model's end of text
+EOS = "<|endoftext|>"  # app/data/corpus.py's document separator: the model's end of text
 REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
 
 

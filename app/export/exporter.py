@@ -23,15 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from app import artifact as art
-from app import quantize as q
 from app import storage
-from app.checkpoint import LoadedCheckpoint, load_checkpoint
 from app.config import Config
+from app.data.preprocess import Preprocessor
 from app.errors import GateError, UserError
 from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
+from app.export import artifact as art
+from app.export import quantize as q
 from app.models import is_conv_net
-from app.preprocess import Preprocessor
+from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     loaded = load_checkpoint(checkpoint_uri)
     if loaded.preprocessor.kind == "tokens":  # task lm: its own graph (KV cache) and gate
-        from app.export_lm import export_lm
+        from app.export.lm import export_lm
 
         return export_lm(config, loaded, checkpoint_uri)
     verify_dataset(config, ("train", "val"))  # calibration and the gate read both
@@ -58,7 +58,7 @@ def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
         write_metadata(work, config, loaded, report, checkpoint_uri)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
-    from app.tracking import tag_artifact
+    from app.train.tracking import tag_artifact
 
     tag_artifact(loaded.meta.mlflow_run_id, uri, report)
     plots = {"quantization": storage.join(uri, art.QUANTIZATION_PNG)}

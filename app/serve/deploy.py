@@ -25,9 +25,9 @@ from typing import Any
 
 import requests
 
-from app.artifact import open_artifact
 from app.cli import UserError, connect_ray
 from app.config import Config, ServeConfig, resolve_uri
+from app.export.artifact import open_artifact
 from app.serve.app import MODEL_IMPORT_PATH, applications, model_app_name
 from app.serve.deploy_lock import cluster_lock
 from app.serve.ingress import api_key

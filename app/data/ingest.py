@@ -4,7 +4,7 @@ The driver decides the data path once per run (`plan_data_path`, logged with its
 - `memory`: the preprocessed splits fit the cache budget. Each worker reads its own row range
   of the Parquet shards straight from storage and preprocesses it once (`read_rank_share`: no
   Ray Data execution to plan or start, so the first step comes seconds sooner), keeps it as
-  tensors (app/feed.py) and reshuffles it every epoch: no per-epoch set-up at all.
+  tensors (app/data/feed.py) and reshuffles it every epoch: no per-epoch set-up at all.
 - `stream`: they do not fit. Every epoch each worker streams its own row range of the shards
   through its own Ray Data execution, tasks that read and preprocess it (`stream_split`), with
   several read tasks per worker so reading overlaps training, prefetching in the worker, and
@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import Config
-from app.prepare import DatasetManifest, read_manifest, split_files
-from app.preprocess import Preprocessor
+from app.data.prepare import DatasetManifest, read_manifest, split_files
+from app.data.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -169,8 +169,8 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     output = config.data_output
     manifest = manifest or read_manifest(output)
     if manifest.kind == "tokens":  # tokenized at prepare: adopt the dataset's own tokenizer
-        from app.corpus import TOKENIZER_FILE
-        from app.prepare import read_dataset_file
+        from app.data.corpus import TOKENIZER_FILE
+        from app.data.prepare import read_dataset_file
 
         tokenizer = read_dataset_file(output, manifest, TOKENIZER_FILE).decode()
         return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer)

@@ -1,8 +1,8 @@
 """The training loop without Ray: state, one training epoch, one validation pass.
 
-Ray Train workers (app/train.py) and the plain-PyTorch DDP baseline of the benchmarks call these
+Ray Train workers (app/train/trainer.py) and the plain-PyTorch DDP baseline of the benchmarks call these
 same functions, so a benchmark ratio measures the data path and Ray, never two different loops.
-Batches come from any iterable of dicts of tensors (app/feed.py); ranks agree through
+Batches come from any iterable of dicts of tensors (app/data/feed.py); ranks agree through
 `torch.distributed` when a process group exists.
 """
 
@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app import checkpoint, parallel
 from app.config import Config
+from app.data.preprocess import LABEL_KEY
 from app.errors import CheckpointError
-from app.preprocess import LABEL_KEY
+from app.train import checkpoint, parallel
 
 log = logging.getLogger(__name__)
 # (model, batch, device) -> (mean loss, rows in the batch)
@@ -159,7 +159,7 @@ def train_epoch(
     """One pass over `batches`, timing the loop alone (first batch request to last step).
 
     `log_every` > 0 logs progress every that many batches (long streamed epochs). `loss_fn` is
-    the task's (app/tasks.py): (model, batch, device) -> (mean loss, rows).
+    the task's (app/tasks/registry.py): (model, batch, device) -> (mean loss, rows).
     """
     t = state.config.train
     model = state.model

@@ -16,9 +16,9 @@ import logging
 import time
 from typing import Any
 
-from app import artifact as art
 from app import storage
 from app.config import Config
+from app.export import artifact as art
 
 log = logging.getLogger(__name__)
 UNKNOWN = "unknown"
@@ -114,8 +114,8 @@ def live_versions(config: Config) -> dict[str, str] | None:
     runs (nothing can be known to be live)."""
     from app.cli import connect_ray
     from app.config import resolve_uri
-    from app.deploy import current_apps, serve_client, served_models, serving_address
     from app.errors import NoClusterError
+    from app.serve.deploy import current_apps, serve_client, served_models, serving_address
 
     try:
         connect_ray(require_cluster=True)
@@ -134,7 +134,7 @@ def served_version(uri: str, url: str, name: str, api_key_env: str) -> str:
     """The version a model's replicas run: the folder its application names, or, when that is a
     `latest` pointer (cluster/serve.yaml), what the model answers over HTTP (its replicas pinned
     whatever `latest` was when they started, which need not be what it is now)."""
-    from app.deploy import serving_version
+    from app.serve.deploy import serving_version
 
     if uri.rstrip("/").rsplit("/", 1)[-1] != art.LATEST:
         return uri.rstrip("/").rsplit("/", 1)[-1]
@@ -145,7 +145,8 @@ def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, A
     """Take `name`'s Serve application away; the other models' applications do not change, so
     Serve leaves their replicas alone (the index is updated to list the rest)."""
     from app.cli import UserError, connect_ray
-    from app.deploy import (
+    from app.serve.app import model_app_name
+    from app.serve.deploy import (
         ROLLBACK_TIMEOUT_S,
         current_apps,
         serve_client,
@@ -154,7 +155,6 @@ def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, A
         wait_for_app,
         without_model,
     )
-    from app.serve.app import model_app_name
     from app.serve.deploy_lock import cluster_lock
 
     connect_ray(require_cluster=True)

@@ -30,8 +30,8 @@ from pydantic import Field, model_validator
 
 from app import storage
 from app.config import Config
+from app.data.sources import IMAGE_COLUMN, Kind, SourceData, load_source
 from app.errors import UserError
-from app.sources import IMAGE_COLUMN, Kind, SourceData, load_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -94,7 +94,7 @@ def prepare(config: Config) -> dict[str, Any]:
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
     files: dict[str, bytes] = {}
     if data.kind == "documents":  # a corpus: tokenizer + packed token rows, split by document
-        from app.corpus import tokenize_corpus
+        from app.data.corpus import tokenize_corpus
 
         data, splits, files = tokenize_corpus(data, splits, config.model)
     if storage.is_local(output):

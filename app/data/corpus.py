@@ -1,6 +1,6 @@
 """A text corpus -> a token dataset for language modelling (the `prepare` stage of task `lm`).
 
-Documents (app/sources.py `text_files`) are split by document, so no file straddles train and
+Documents (app/data/sources.py `text_files`) are split by document, so no file straddles train and
 val. A byte-level BPE tokenizer is trained on the train documents only, every split is encoded
 (each document followed by an end-of-text token) and packed into rows of `model.max_length + 1`
 tokens: a row holds a sequence and, shifted by one, its next-token targets. Consecutive rows
@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 
 from app.config import ModelConfig
+from app.data.sources import TEXT_COLUMN, SourceData
 from app.errors import UserError
-from app.sources import TEXT_COLUMN, SourceData
 
 log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"  # separates documents; the only special token

@@ -27,8 +27,8 @@ import numpy as np
 from pydantic import ConfigDict, Field
 
 from app import storage
+from app.data.preprocess import Preprocessor
 from app.errors import ArtifactError
-from app.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -39,7 +39,7 @@ LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest goo
 
 
 # --- the artifact manifest: written by export (write_metadata, publish), read by serving -------
-# It lives here, not in app/export.py, so that serving reads it without importing torch.
+# It lives here, not in app/export/exporter.py, so that serving reads it without importing torch.
 
 
 class ArtifactFile(storage.Contract):

@@ -17,15 +17,15 @@ from torch import nn
 
 from app.config import Config
 from app.errors import ConfigError
-from app.lm import next_token_loss, validate_lm
-from app.loop import LossFn, classification_loss, validate_epoch
+from app.tasks.lm import next_token_loss, validate_lm
+from app.train.loop import LossFn, classification_loss, validate_epoch
 
 if TYPE_CHECKING:
-    from app.prepare import DatasetManifest
-    from app.preprocess import Preprocessor
+    from app.data.prepare import DatasetManifest
+    from app.data.preprocess import Preprocessor
 
 Validate = Callable[[nn.Module, Iterable[dict[str, torch.Tensor]], torch.device, str], dict]
-# Reported by every task's training epoch (app/loop.py train_epoch) besides its own metrics.
+# Reported by every task's training epoch (app/train/loop.py train_epoch) besides its own metrics.
 TRAIN_METRICS = ("train_loss", "samples_per_second", "epoch_seconds", "learning_rate")
 
 
@@ -80,6 +80,6 @@ def reference_metrics(
     baseline's validation perplexity."""
     if manifest.kind != "tokens":
         return {}
-    from app.lm import baseline_perplexity
+    from app.tasks.lm import baseline_perplexity
 
     return {"baseline_perplexity": baseline_perplexity(config, manifest, preprocessor.vocab_size)}

@@ -3,7 +3,7 @@
 One graph serves both phases of generation: `input_ids` [batch, tokens] after a cache of
 `past_key_<i>` / `past_value_<i>` per block ([batch, heads, cached, head_dim]; 0 cached for a
 prompt) -> `logits` [batch, tokens, vocab] and `present_key_<i>` / `present_value_<i>`, the cache
-extended by those tokens. The prompt is fed once and every later token alone (app/generate.py).
+extended by those tokens. The prompt is fed once and every later token alone (app/serve/generate.py).
 
 int8 is onnxruntime's dynamic quantization of the weight matrices only (MatMul/Gemm with a
 constant weight; attention's activation x activation products stay fp32). The gate compares the
@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import artifact as art
-from app.checkpoint import LoadedCheckpoint
 from app.config import Config
 from app.errors import GateError, UserError
-from app.export import gate_parity_and_size
-from app.generate import KVDecoder, greedy, past_name, present_name
+from app.export import artifact as art
+from app.export.exporter import gate_parity_and_size
 from app.models.gpt import GPT, Block, CausalSelfAttention
+from app.serve.generate import KVDecoder, greedy, past_name, present_name
+from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.json"  # the artifact's copy, usable by any `tokenizers` client
@@ -46,7 +46,7 @@ LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexi
 def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
     """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
     from app.evaluate import verify_dataset
-    from app.export import publish, write_metadata
+    from app.export.exporter import publish, write_metadata
 
     model = loaded.model
     if not isinstance(model, GPT):
@@ -173,7 +173,7 @@ def quantize_weights(fp32: str, int8: str, work: str) -> None:
     activations, costs accuracy and saves no bytes."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from app.quantize import prepare_for_quantization
+    from app.export.quantize import prepare_for_quantization
 
     prepared = os.path.join(work, "prepared.onnx")
     prepare_for_quantization(fp32, prepared)
@@ -193,8 +193,8 @@ def quantize_weights(fp32: str, int8: str, work: str) -> None:
 
 def validation_rows(config: Config, loaded: LoadedCheckpoint, limit: int) -> np.ndarray:
     """Up to `limit` packed validation rows [n, block + 1], spread evenly over the split."""
-    from app.lm import token_rows
-    from app.prepare import read_manifest, split_files
+    from app.data.prepare import read_manifest, split_files
+    from app.tasks.lm import token_rows
 
     manifest = read_manifest(config.data_output)
     rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))

@@ -1,9 +1,9 @@
 """Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from Parquet shards.
 
-The driver fits the preprocessor, chooses the data path (app/data.py: each worker reads its rows
+The driver fits the preprocessor, chooses the data path (app/data/ingest.py: each worker reads its rows
 into memory, or streams them through its own Ray Data execution) and launches the trainer; each
 worker runs `train_loop` top to bottom: build model -> maybe resume -> epochs of
-(train, validate, report + checkpoint). The epoch itself is Ray-free (app/loop.py). Re-running with the same run name and storage path resumes.
+(train, validate, report + checkpoint). The epoch itself is Ray-free (app/train/loop.py). Re-running with the same run name and storage path resumes.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app import checkpoint, parallel, storage, tracking
+from app import storage
 from app.config import Config, dump, validate
+from app.data.preprocess import Preprocessor
 from app.errors import ConfigError, UserError
-from app.loop import (
+from app.tasks.registry import Task, check_metric, reference_metrics, task_for
+from app.train import checkpoint, parallel, tracking
+from app.train.loop import (
     TrainState,
     all_reduce,
     best_index,
@@ -33,12 +36,10 @@ from app.loop import (
     steps_per_epoch,
     train_epoch,
 )
-from app.preprocess import Preprocessor
-from app.profiling import PROFILE_DIR, RunProbes
-from app.tasks import Task, check_metric, reference_metrics, task_for
+from app.train.profiling import PROFILE_DIR, RunProbes
 
-if TYPE_CHECKING:  # app.prepare (pandas, pyarrow) is imported on the driver only
-    from app.prepare import DatasetManifest
+if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the driver only
+    from app.data.prepare import DatasetManifest
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RAYTORCH_FAIL_AT"  # "rank:epoch", test-only, same as train.fail_at
@@ -60,9 +61,9 @@ def train(
     import ray.train
 
     from app.cli import connect_ray
-    from app.data import fit_preprocessor, plan_data_path, split_shards
-    from app.prepare import read_manifest, verify_shards
-    from app.process_group import ProcessGroupConfig
+    from app.data.ingest import fit_preprocessor, plan_data_path, split_shards
+    from app.data.prepare import read_manifest, verify_shards
+    from app.train.process_group import ProcessGroupConfig
 
     check_precision(config)
     run_name = config.run_name()
@@ -366,7 +367,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if not resumed:  # streamed: Ray Data starts its first pass while the model is built
         train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
     build = functools.partial(build_model, config.model, preprocessor)
-    # DDP or FSDP, activation checkpointing, torch.compile (app/parallel.py); the optimizer is
+    # DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the optimizer is
     # built over what that leaves (under FSDP, this rank's shards).
     model = parallel.parallelize(build(), t, device)
     total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
@@ -457,8 +458,8 @@ def feed(
 ):
     """This worker's batches of one split: its row range of `shards` read once and kept in
     memory (the memory path), or streamed by Ray Data each epoch."""
-    from app.data import read_rank_share, stream_split
-    from app.feed import MemoryFeed, StreamFeed
+    from app.data.feed import MemoryFeed, StreamFeed
+    from app.data.ingest import read_rank_share, stream_split
 
     if not stream:
         return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))

@@ -1,7 +1,7 @@
 """Per-step measurements of a training run: step times (compilation vs steady state) and a
 `torch.profiler` trace per rank.
 
-Both hang off the optimizer as step post-hooks, so the Ray-free epoch (app/loop.py) knows
+Both hang off the optimizer as step post-hooks, so the Ray-free epoch (app/train/loop.py) knows
 nothing of them and every optimizer step is seen, whatever the task's loss or the feed. A hook
 that is done turns into a no-op rather than removing itself: the optimizer is iterating over its
 hooks while it runs one.
@@ -112,11 +112,11 @@ class StepProfiler:
 
 class RunProbes:
     """What a worker measures besides the epoch's own metrics: peak parameter + gradient +
-    optimizer bytes per rank (app/parallel.py:MemoryMeter), the first vs steady step time of
+    optimizer bytes per rank (app/train/parallel.py:MemoryMeter), the first vs steady step time of
     the attempt's first epoch, and the optional profiler trace (`train.profile_steps`)."""
 
     def __init__(self, state: Any, config: Any, run_dir: str, rank: int, device: torch.device):
-        from app.parallel import MemoryMeter
+        from app.train.parallel import MemoryMeter
 
         t = config.train
         self.config, self.rank, self.device = config, rank, device
@@ -135,7 +135,7 @@ class RunProbes:
 
     def after_epoch(self) -> dict[str, Any]:
         """Collective (every rank calls it after each epoch): the fields for `meta.json`."""
-        from app.loop import all_reduce
+        from app.train.loop import all_reduce
 
         self.epochs += 1
         self.timer.stop()

@@ -94,7 +94,7 @@ class Preprocessor:
 
     @classmethod
     def for_tokens(cls, manifest: dict[str, Any], tokenizer: str) -> Preprocessor:
-        """A token dataset (app/corpus.py) is already tokenized and packed: its preprocessor only
+        """A token dataset (app/data/corpus.py) is already tokenized and packed: its preprocessor only
         carries the dataset's tokenizer (for generation) and its sequence length."""
         return cls(
             {

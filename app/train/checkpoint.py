@@ -3,7 +3,7 @@
 FSDP runs add a `sharded/` folder (torch.distributed.checkpoint, below) and keep the rest.
 `train_state.pt` holds only tensors and plain containers (optimizer, scheduler, scaler, step, RNG
 state) and is loaded with `weights_only=True`; weights are safetensors; nothing is unpickled.
-This is the training-time format; the final, serving format is the artifact (app/export.py).
+This is the training-time format; the final, serving format is the artifact (app/export/exporter.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch import nn
 
 from app import storage
 from app.config import Config, validate
+from app.data.preprocess import Preprocessor
 from app.errors import CheckpointError
-from app.preprocess import Preprocessor
 
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 
@@ -34,8 +34,8 @@ WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 class CheckpointMeta(storage.Contract):
     """`meta.json`: what a checkpoint was trained with and how far its run got.
 
-    Written by rank 0 each epoch (app/train.py `report`); read to resume (app/loop.py), to
-    summarize a run (app/train.py), and to evaluate and export (`LoadedCheckpoint`).
+    Written by rank 0 each epoch (app/train/trainer.py `report`); read to resume (app/train/loop.py), to
+    summarize a run (app/train/trainer.py), and to evaluate and export (`LoadedCheckpoint`).
     """
 
     error = CheckpointError
@@ -58,7 +58,7 @@ class CheckpointMeta(storage.Contract):
     stopped_early: bool = False  # this epoch's report ended the run (train.early_stopping_*)
     mlflow_run_id: str | None = None  # the MLflow run the train job logged to, if any
     # The largest rank's parameter / gradient / optimizer-state bytes ("total": their sum), as
-    # app/parallel.py:MemoryMeter measured them after the first optimizer step of the attempt.
+    # app/train/parallel.py:MemoryMeter measured them after the first optimizer step of the attempt.
     memory_per_rank: dict[str, int] = {}
     # This attempt's first optimizer step (includes torch.compile) and its steady step time
     # (the median of the first epoch's later steps), in seconds.
