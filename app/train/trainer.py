@@ -114,7 +114,8 @@ def train(
                 checkpoint_score_attribute=t.checkpoint_metric,
                 checkpoint_score_order=t.checkpoint_mode,
             ),
-            failure_config=ray.train.FailureConfig(
+            # ray.train's type stubs name Train V1's FailureConfig; V2's (the default) has the limit.
+            failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]
                 max_failures=t.max_failures, controller_failure_limit=STARTUP_RETRIES
             ),
             callbacks=callbacks or [],
