@@ -124,6 +124,9 @@ class FaultInjection(_Section):
 
 
 class TrainConfig(_Section):
+    # What the run learns: a registered task (app/tasks/registry.py) or "pkg.module:TASK";
+    # by default the one the dataset's kind calls for (classify labelled rows, lm token rows).
+    task: str | None = None
     run_name: str | None = None  # default "<workload>-<timestamp>-<6 hex>"; an existing one resumes
     storage_path: str = "outputs/runs"
     num_workers: int = Field(2, ge=1)

@@ -18,7 +18,8 @@ from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.prepare import DatasetManifest, read_manifest, split_files, verify_shards
 from app.data.preprocess import Preprocessor
-from app.train.checkpoint import META, CheckpointMeta, load_checkpoint
+from app.tasks.registry import run_task
+from app.train.checkpoint import META, CheckpointMeta, LoadedCheckpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 Predict = Callable[[dict[str, np.ndarray]], np.ndarray]  # model inputs -> logits
@@ -31,8 +32,15 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     manifest = read_manifest(config.data_output)
     split = "test" if "test" in manifest.splits else "val"
     verify_shards(config.data_output, manifest, split)
-    if loaded.preprocessor.kind == "tokens":
-        return evaluate_language_model(config, checkpoint_uri, loaded, split)
+    task = run_task(loaded.config.train.task, loaded.preprocessor.kind)
+    return task.part("evaluate")(config, checkpoint_uri, loaded, split)
+
+
+def evaluate_classifier(
+    config: Config, checkpoint_uri: str, loaded: LoadedCheckpoint, split: str
+) -> dict[str, Any]:
+    """Task `classify`: accuracy, per-class scores and the confusion matrix, with its plots."""
+    manifest = read_manifest(config.data_output)
     batches = labeled_batches(config, loaded.preprocessor, split, manifest)
     y_true, y_pred = predictions(torch_predict(loaded.model), batches)
     metrics = classification_metrics(y_true, y_pred, loaded.preprocessor.labels)
@@ -49,7 +57,7 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
 
 
 def evaluate_language_model(
-    config: Config, checkpoint_uri: str, loaded: Any, split: str
+    config: Config, checkpoint_uri: str, loaded: LoadedCheckpoint, split: str
 ) -> dict[str, Any]:
     """Task `lm`: next-token loss and perplexity beside the unigram baseline's (app/tasks/lm.py)."""
     from app.tasks.lm import evaluate_lm

@@ -18,6 +18,7 @@ from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.prepare import read_manifest, split_files
 from app.errors import UserError
+from app.tasks.registry import run_task
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,13 @@ def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
     key = os.environ.get(config.serve.api_key_env)
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    if read_manifest(config.data_output).kind == "tokens":  # a language model completes text
-        return sample_completion(url, model, headers)
+    task = run_task(config.train.task, read_manifest(config.data_output).kind)
+    return task.part("smoke")(config, url, model, headers)
+
+
+def sample_infer(config: Config, url: str, model: str, headers: dict[str, str]) -> dict[str, Any]:
+    """Task `classify`: one v2 inference on a val row, with its true label beside the answer."""
+    key = headers.get("Authorization")
     body, expected = sample_body(config)
     endpoint = f"{url}/v2/models/{model}/infer"
     response = requests.post(endpoint, json=body, headers=headers, timeout=30)
@@ -87,7 +93,10 @@ def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
     return {"endpoint": endpoint, "predicted": label, "expected": expected, "curl": curl}
 
 
-def sample_completion(url: str, model: str, headers: dict[str, str]) -> dict[str, Any]:
+def sample_completion(
+    config: Config, url: str, model: str, headers: dict[str, str]
+) -> dict[str, Any]:
+    """Task `lm`: one streamed completion, timed to its first token."""
     endpoint = f"{url}/v1/completions"
     body = {"model": model, "prompt": "def ", "max_tokens": 32, "stream": True}
     start = time.perf_counter()

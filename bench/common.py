@@ -393,7 +393,7 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
 def train_inprocess(
     config, *, precision: str | None = None, checkpoint_dir: str | None = None
 ) -> dict[str, Any]:
-    """Single-process training with app.train.loop.train_epoch/validate_epoch (no Ray, no DDP).
+    """Single-process training with app.train.loop.train_epoch and the classifier's validation (no Ray, no DDP).
 
     Data streams from the prepared Parquet shards through the fitted preprocessor
     (bench.torch_data), so the step code, optimizer, schedule and autocast are the project's own.
@@ -401,7 +401,8 @@ def train_inprocess(
     import torch
 
     from app.data.ingest import fit_preprocessor
-    from app.train.loop import train_epoch, validate_epoch
+    from app.tasks.classify import validate_classifier
+    from app.train.loop import train_epoch
     from bench.torch_data import TorchShard
 
     if precision:
@@ -420,7 +421,9 @@ def train_inprocess(
     for epoch in range(1, t.epochs + 1):
         start = time.perf_counter()
         stats = train_epoch(state, train_shard.batches(t.batch_size, seed=epoch), device)
-        val = validate_epoch(state.model, val_shard.batches(t.batch_size * 4), device, t.precision)
+        val = validate_classifier(
+            state.model, val_shard.batches(t.batch_size * 4), device, t.precision
+        )
         state.epoch = epoch
         epochs.append({"epoch": epoch, **stats, **val, "wall_s": time.perf_counter() - start})
     metrics = {"step": state.step, **epochs[-1]}

@@ -7,7 +7,7 @@ What a user without Ray would write: fit the preprocessor on the driver (as app.
 `torch.multiprocessing.spawn` one gloo process per `train.num_workers`, each reading its equal
 share of the prepared shards through a torch DataLoader with its own worker process(es)
 (bench.torch_data), and running the project's own Ray-free epoch (app.train.loop.train_epoch /
-validate_epoch), so only the data path and Ray differ from `python -m jobs.train`. No
+app.tasks.classify.validate_classifier), so only the data path and Ray differ from `python -m jobs.train`. No
 checkpoints (the Ray side uploads them asynchronously, outside the timed loop). The summary has
 the train summary's timing keys: `epoch_seconds` (steady median), `epoch_seconds_history`,
 `data_wait_fraction`, `first_step_at`, `metrics.val_accuracy`.
@@ -30,7 +30,8 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
 
     from app.config import validate
     from app.data.preprocess import Preprocessor
-    from app.train.loop import order_seed, train_epoch, validate_epoch
+    from app.tasks.classify import validate_classifier
+    from app.train.loop import order_seed, train_epoch
     from bench.common import inprocess_state
     from bench.torch_data import TorchShard
 
@@ -51,7 +52,9 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     for epoch in range(1, t.epochs + 1):
         seed = order_seed(t.seed, epoch, rank)  # as app.train.trainer.train_loop
         stats = train_epoch(state, train.batches(t.batch_size, seed=seed), device)
-        stats.update(validate_epoch(state.model, val.batches(t.batch_size * 4), device, "fp32"))
+        stats.update(
+            validate_classifier(state.model, val.batches(t.batch_size * 4), device, "fp32")
+        )
         epochs.append(stats)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"epochs": epochs, "first": state.first_step_at}))

@@ -2,7 +2,7 @@
 transformed by the same fitted preprocessor (app.data.preprocess), no Ray.
 
 `TorchShard.batches(batch_size, seed)` is the feed interface of app.data.feed (a seed shuffles, None
-keeps the stored order), so the baseline runs app.train.loop.train_epoch / validate_epoch unchanged:
+keeps the stored order), so the baseline runs app.train.loop.train_epoch and the classifier validation unchanged:
 only the data feeding differs.
 """
 

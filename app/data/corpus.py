@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from app.config import ModelConfig
+from app.config import Config, ModelConfig
 from app.data.sources import TEXT_COLUMN, SourceData
 from app.errors import UserError
+
+if TYPE_CHECKING:
+    from app.data.prepare import DatasetManifest
+    from app.data.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"  # separates documents; the only special token
@@ -96,3 +101,12 @@ def pack(ids: np.ndarray, block_size: int) -> np.ndarray:
         return np.zeros((0, block_size + 1), dtype=ids.dtype)
     windows = np.lib.stride_tricks.sliding_window_view(ids, block_size + 1)
     return np.ascontiguousarray(windows[: rows * block_size : block_size])
+
+
+def dataset_preprocessor(config: Config, manifest: DatasetManifest) -> Preprocessor:
+    """A token dataset's preprocessor: the tokenizer trained at prepare, adopted as it is."""
+    from app.data.prepare import read_dataset_file
+    from app.data.preprocess import Preprocessor
+
+    tokenizer = read_dataset_file(config.data_output, manifest, TOKENIZER_FILE).decode()
+    return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer)

@@ -30,6 +30,7 @@ from app import storage
 from app.config import Config
 from app.data.prepare import DatasetManifest, read_manifest, split_files
 from app.data.preprocess import Preprocessor
+from app.tasks.registry import task_for_dataset
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -168,12 +169,9 @@ def split_shards(config: Config, manifest: DatasetManifest, split: str) -> list[
 def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) -> Preprocessor:
     output = config.data_output
     manifest = manifest or read_manifest(output)
-    if manifest.kind == "tokens":  # tokenized at prepare: adopt the dataset's own tokenizer
-        from app.data.corpus import TOKENIZER_FILE
-        from app.data.prepare import read_dataset_file
-
-        tokenizer = read_dataset_file(output, manifest, TOKENIZER_FILE).decode()
-        return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer)
+    task = task_for_dataset(manifest.kind)
+    if task.preprocessor:  # the dataset carries its own (a corpus tokenized at prepare)
+        return task.part("preprocessor")(config, manifest)
     files = split_files(output, manifest, "train")
     return Preprocessor.fit(
         iter_shards(files),

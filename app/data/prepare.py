@@ -32,6 +32,7 @@ from app import storage
 from app.config import Config
 from app.data.sources import IMAGE_COLUMN, Kind, SourceData, load_source
 from app.errors import UserError
+from app.tasks.registry import task_for_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -93,10 +94,9 @@ def prepare(config: Config) -> dict[str, Any]:
     output = config.data_output
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
     files: dict[str, bytes] = {}
-    if data.kind == "documents":  # a corpus: tokenizer + packed token rows, split by document
-        from app.data.corpus import tokenize_corpus
-
-        data, splits, files = tokenize_corpus(data, splits, config.model)
+    task = task_for_source(data.kind)
+    if task and task.prepare:  # e.g. a corpus: tokenizer + packed token rows, split by document
+        data, splits, files = task.part("prepare")(data, splits, config.model)
     if storage.is_local(output):
         with storage.staged_dir(output) as staging:
             manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard, files)

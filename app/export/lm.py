@@ -3,7 +3,7 @@
 One graph serves both phases of generation: `input_ids` [batch, tokens] after a cache of
 `past_key_<i>` / `past_value_<i>` per block ([batch, heads, cached, head_dim]; 0 cached for a
 prompt) -> `logits` [batch, tokens, vocab] and `present_key_<i>` / `present_value_<i>`, the cache
-extended by those tokens. The prompt is fed once and every later token alone (app/serve/generate.py).
+extended by those tokens. The prompt is fed once and every later token alone (app/export/generate.py).
 
 int8 is onnxruntime's dynamic quantization of the weight matrices only (MatMul/Gemm with a
 constant weight; attention's activation x activation products stay fp32). The gate compares the
@@ -33,9 +33,9 @@ from torch import nn
 from app.config import Config
 from app.errors import GateError, UserError
 from app.export import artifact as art
-from app.export.exporter import gate_parity_and_size
+from app.export.generate import KVDecoder, greedy, past_name, present_name
+from app.export.publish import gate_parity_and_size, publish, write_metadata
 from app.models.gpt import GPT, Block, CausalSelfAttention
-from app.serve.generate import KVDecoder, greedy, past_name, present_name
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexi
 def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
     """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
     from app.evaluate import verify_dataset
-    from app.export.exporter import publish, write_metadata
 
     model = loaded.model
     if not isinstance(model, GPT):

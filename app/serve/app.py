@@ -40,6 +40,7 @@ from app.serve.ingress import (
 )
 from app.serve.lm_server import LMServer
 from app.serve.model_server import ModelServer
+from app.tasks.registry import Task, task_of_schema
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 MODEL_IMPORT_PATH = "app.serve.app:build_model_app"
@@ -107,8 +108,9 @@ class LMApp(SelfServing, LMServer):
     """A language model's replica: the same routes, generation instead of batched inference."""
 
 
-def is_language_model(artifact: str) -> bool:
-    """Whether an artifact's schema.json says task lm (the replica verifies it all on load)."""
+def artifact_task(artifact: str) -> Task:
+    """The task an artifact's schema.json names (the replica verifies the whole artifact on load;
+    an unreadable schema falls to the default task, whose replica then refuses it properly)."""
     import json
 
     from app import storage
@@ -116,8 +118,8 @@ def is_language_model(artifact: str) -> bool:
     try:
         schema = json.loads(storage.read_bytes(storage.join(artifact, "schema.json")))
     except (OSError, ValueError):
-        return False  # the replica's open_artifact refuses it with a proper message
-    return isinstance(schema, dict) and schema.get("task") == "lm"
+        schema = {}
+    return task_of_schema(schema if isinstance(schema, dict) else {})
 
 
 @serve.ingress()
@@ -140,7 +142,7 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
     a = cfg.autoscaling
     # Pin the concrete version: a replica started later must not pick up a newer `latest`.
     artifact = resolve(resolve_uri(spec.artifact))
-    replica = LMApp if is_language_model(artifact) else ModelApp
+    replica = artifact_task(artifact).part("server")  # the task's replica class
     return (
         serve.deployment(replica)
         .options(  # type: ignore[attr-defined]

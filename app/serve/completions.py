@@ -35,7 +35,7 @@ def _number(value: Any, field: str, integer: bool) -> float | int:
 
 def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, Any]:
     """Validated sampling fields of `body` (absent or null: the defaults), as the keyword
-    arguments of app.serve.generate.SamplingParams. `prefix` names where they sit ("", "parameters.")."""
+    arguments of app.export.generate.SamplingParams. `prefix` names where they sit ("", "parameters.")."""
     out: dict[str, Any] = {"max_tokens": cfg.default_max_tokens, "temperature": 1.0}
     get = {k: body.get(k) for k in SAMPLING_FIELDS}
     if get["max_tokens"] is not None:

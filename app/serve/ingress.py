@@ -46,6 +46,7 @@ from app.serve.protocol import (
     decode_v2,
     encode_v2,
 )
+from app.tasks.registry import task_of_schema
 
 log = logging.getLogger("ray.serve")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
@@ -186,7 +187,7 @@ class ModelRouter:
         if not isinstance(handle, AppHandle):
             return True
         metadata = await self.call(name, "metadata")
-        return (metadata.get("schema") or {}).get("task") == "lm"
+        return task_of_schema(metadata.get("schema") or {}).generates
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """One language model's replica state: a verified artifact's ONNX Runtime session generating
-text (app/serve/generate.py), at most `serve.max_streams` generations at once.
+text (app/export/generate.py), at most `serve.max_streams` generations at once.
 
 `generate_stream` is an async generator of events, the contract between the HTTP routes and the
 replica (local call or a streaming DeploymentHandle): first `{"start": {...}}` or `{"error",
@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
-from app.serve.generate import Generation, Generator, PromptError, SamplingParams
+from app.export.generate import Generation, Generator, PromptError, SamplingParams
 from app.serve.model_server import artifact_metadata
 
 log = logging.getLogger("ray.serve")

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.train.loop import all_reduce, autocast
+from app.tasks.steps import all_reduce, autocast
 
 if TYPE_CHECKING:  # driver-side types; workers import this module too
     from app.config import Config
     from app.data.prepare import DatasetManifest
+    from app.data.preprocess import Preprocessor
     from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,20 @@ def validate_lm(
         "val_token_accuracy": correct / max(tokens, 1),
         **(reference or {}),
     }
+
+
+def headline(metrics: dict[str, Any]) -> str:
+    return (
+        f"val_loss {metrics['val_loss']:.4f} val_perplexity {metrics['val_perplexity']:.2f}"
+        f" (unigram {metrics['baseline_perplexity']:.1f})"
+    )
+
+
+def reference_metrics(
+    config: Config, manifest: DatasetManifest, preprocessor: Preprocessor
+) -> dict[str, float]:
+    """Reported with every epoch: the unigram baseline's validation perplexity."""
+    return {"baseline_perplexity": baseline_perplexity(config, manifest, preprocessor.vocab_size)}
 
 
 # --- reading token rows (driver side, no Ray) ----------------------------------------------------

@@ -13,23 +13,21 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from app.config import Config
-from app.data.preprocess import LABEL_KEY
 from app.errors import CheckpointError
+from app.tasks.classify import classification_loss
+from app.tasks.steps import LossFn, all_reduce, autocast
 from app.train import checkpoint, parallel
 
 log = logging.getLogger(__name__)
 # (model, batch, device) -> (mean loss, rows in the batch)
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor], torch.device], tuple[torch.Tensor, int]]
 
 
 class TrainState:
@@ -108,14 +106,6 @@ def epoch_batches(feed: Any, batch_size: int, seed: int, config: Config) -> Iter
     )
 
 
-def classification_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """Mean cross entropy of a labelled batch, and its rows (the task `classify`)."""
-    inputs, labels = split_batch(batch, device)
-    return F.cross_entropy(model(**inputs), labels), len(labels)
-
-
 def order_seed(seed: int, epoch: int, rank: int) -> int:
     """Batch-order seed per epoch and rank: a fresh order each epoch, reproducible per seed."""
     return seed * 1_000_003 + epoch * 1009 + rank
@@ -132,21 +122,6 @@ class WarmupCosine:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def split_batch(
-    batch: dict[str, torch.Tensor], device: torch.device
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    labels = batch[LABEL_KEY].to(device)
-    inputs = {k: v.to(device) for k, v in batch.items() if k != LABEL_KEY}
-    return inputs, labels
 
 
 def train_epoch(
@@ -211,35 +186,6 @@ def optimizer_step(state: TrainState) -> None:
     state.step += 1
     if state.first_step_at is None:
         state.first_step_at = time.time()
-
-
-@torch.no_grad()
-def validate_epoch(
-    model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    device: torch.device,
-    precision: str,
-) -> dict[str, float]:
-    model.eval()
-    loss_sum, correct, rows = 0.0, 0.0, 0.0
-    for batch in batches:
-        inputs, labels = split_batch(batch, device)
-        with autocast(device, precision):
-            logits = model(**inputs)
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-        correct += (logits.argmax(1) == labels).sum().item()
-        rows += len(labels)
-    loss_sum, correct, rows = all_reduce([loss_sum, correct, rows], device)
-    return {"val_loss": loss_sum / max(rows, 1), "val_accuracy": correct / max(rows, 1)}
-
-
-def all_reduce(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
-    """Sum (or max) `values` over ranks; the values themselves without a process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return tensor.tolist()
 
 
 def should_stop_early(history: list[dict[str, Any]], config: Config) -> bool:

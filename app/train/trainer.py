@@ -23,7 +23,7 @@ from app import storage
 from app.config import Config, dump, validate
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError, UserError
-from app.tasks.registry import Task, check_metric, reference_metrics, task_for
+from app.tasks.registry import Task, check_metric, run_task
 from app.train import checkpoint, parallel, tracking
 from app.train.loop import (
     TrainState,
@@ -72,7 +72,7 @@ def train(
     for split in ("train", "val"):  # a damaged shard is refused here, naming the file
         verify_shards(config.data_output, manifest, split)
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
-    task = task_for(manifest.kind)  # classify labelled rows, or language-model token rows
+    task = run_task(config.train.task, manifest.kind)
     check_metric(config, task)
     from app.models import build_model
 
@@ -95,7 +95,8 @@ def train(
             "train_rows": manifest.rows["train"],
             "shards": shards,
             "stream": {split: plan.split_mode(split) == "stream" for split in shards},
-            "reference_metrics": reference_metrics(config, manifest, preprocessor),
+            "task": task,  # the object itself: a task registered in the driver only works too
+            "reference_metrics": task.reference_metrics(config, manifest, preprocessor),
             "mlflow": {"uri": tracking.mlflow_uri(), "run_id": mlflow_run} if mlflow_run else None,
         },
         scaling_config=ray.train.ScalingConfig(
@@ -124,7 +125,7 @@ def train(
     log.info("train: run %s -> %s (%d workers, %s)", run_name, run_dir, t.num_workers, t.precision)
     try:
         result = trainer.fit()
-        summary = summarize(config, run_name, result, plan.to_dict())
+        summary = summarize(config, task, run_name, result, plan.to_dict())
     except ray.train.TrainingFailedError as e:
         tracking.finish_mlflow_run(mlflow_run, None)
         cause = startup_failure(config, e) or first_cause(e)
@@ -250,7 +251,7 @@ def checkpoint_uri(config: Config, path: str) -> str:
 
 
 def summarize(
-    config: Config, run_name: str, result: Any, data_path: dict[str, Any]
+    config: Config, task: Task, run_name: str, result: Any, data_path: dict[str, Any]
 ) -> dict[str, Any]:
     if result.error:
         raise UserError(f"training run {run_name} failed: {first_cause(result.error)}")
@@ -269,6 +270,7 @@ def summarize(
     return {
         "stage": "train",
         "run_name": run_name,
+        "task": task.name,
         "checkpoint": uri,
         "num_workers": t.num_workers,
         "precision": t.precision,
@@ -348,7 +350,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     t = config.train
     quiet_ray_train_logs()
     preprocessor = Preprocessor.from_json(loop_config["preprocessor"])
-    task = task_for(preprocessor.kind, loop_config.get("reference_metrics"))
+    task: Task = loop_config["task"]
+    validate_task = task.validator(loop_config.get("reference_metrics"))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(t.torch_threads)
@@ -393,11 +396,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         maybe_inject_fault(config, loop_config["run_dir"], rank, epoch)
         batches = epoch_batches(train_feed, t.batch_size, order_seed(t.seed, epoch, rank), config)
         probes.before_epoch()
-        train_stats = train_epoch(state, batches, device, log_every, task.loss)
+        train_stats = train_epoch(state, batches, device, log_every, task.part("loss"))
         if epoch < t.epochs:  # the next pass starts while this epoch validates and reports
             train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, rank))
         val_batches = val_feed.batches(t.batch_size * 4)
-        val_stats = task.validate(model, val_batches, device, t.precision)
+        val_stats = validate_task(model, val_batches, device, t.precision)
         state.epoch = epoch
         state.data_wait_history.append(train_stats["data_wait_fraction"])
         state.epoch_seconds_history.append(train_stats["epoch_seconds"])
@@ -475,7 +478,7 @@ def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:
         metrics["epoch"],
         epochs,
         metrics["train_loss"],
-        task.headline(metrics),
+        task.part("headline")(metrics),
         metrics["epoch_seconds"],
         metrics["samples_per_second"],
         100 * metrics["data_wait_fraction"],

@@ -21,7 +21,7 @@ from typing import Any
 from app.config import Config, SearchDimension, TuneSection, dump, validate
 from app.data.prepare import read_manifest
 from app.errors import ConfigError, UserError
-from app.tasks.registry import check_metric, task_for
+from app.tasks.registry import check_metric, run_task
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "checkpoint_path"  # where ray.tune.integration.ray_train puts it
@@ -37,7 +37,7 @@ def tune(config: Config) -> dict[str, Any]:
     spec = require_tune(config)
     name = config.train.run_name or f"{config.workload}-tune-{datetime.now():%Y%m%d-%H%M%S}"
     base = search_base(config, spec)
-    task = task_for(read_manifest(config.data_output).kind)
+    task = run_task(config.train.task, read_manifest(config.data_output).kind)
     for i in range(spec.num_trials):  # every sample must make a valid config: fail before Ray
         check_metric(trial_config(base, sample_corner(spec, i), f"{name}-check"), task)
     connect_ray()

@@ -1,4 +1,4 @@
-"""Concurrent exports into one registry, on local disk and on S3 (moto): `app.export.exporter.publish`
+"""Concurrent exports into one registry, on local disk and on S3 (moto): `app.export.publish.publish`
 called from several threads at once on finished work folders.
 
 Each must get its own version, every version must be complete (manifest naming its own version,
@@ -19,7 +19,7 @@ import pytest
 
 from app import storage
 from app.export.artifact import LATEST, MANIFEST, read_manifest, sha256_bytes, verify_files
-from app.export.exporter import publish
+from app.export.publish import publish
 from tests.s3_server import moto_s3
 
 pytestmark = [pytest.mark.integration]

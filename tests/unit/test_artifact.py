@@ -25,7 +25,8 @@ from app.export.artifact import (
     resolve,
     verify,
 )
-from app.export.exporter import export, gate, next_version, publish
+from app.export.exporter import export, gate
+from app.export.publish import next_version, publish
 from app.models import build_model
 from app.train import checkpoint
 from jobs import export as export_job

@@ -17,7 +17,7 @@ from app.data.prepare import prepare, read_dataset_file, read_manifest, split_fi
 from app.data.sources import expand_path, load_source
 from app.errors import ConfigError, UserError
 from app.tasks.lm import target_counts, token_rows, unigram_perplexity
-from app.tasks.registry import check_metric, task_for
+from app.tasks.registry import check_metric, task_for_dataset
 from tests.unit.unit_helpers import REPO
 
 pytestmark = pytest.mark.unit
@@ -137,8 +137,8 @@ def test_target_counts_skip_each_rows_first_token():
 
 
 def test_a_language_model_is_ranked_by_a_metric_it_reports(config_factory):
-    lm = task_for("tokens")
+    lm = task_for_dataset("tokens")
     check_metric(config_factory(path=LM_YAML), lm)  # val_loss
     with pytest.raises(ConfigError, match=r"train.checkpoint_metric: 'val_accuracy' is not"):
         check_metric(config_factory("train.checkpoint_metric=val_accuracy", path=LM_YAML), lm)
-    assert task_for("image").name == "classify"
+    assert task_for_dataset("image").name == "classify"

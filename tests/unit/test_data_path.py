@@ -13,7 +13,8 @@ from app.data.feed import MemoryFeed
 from app.data.ingest import plan_data_path
 from app.data.preprocess import Preprocessor
 from app.models.mlp import MLP
-from app.train.loop import TrainState, steady_median, train_epoch, validate_epoch
+from app.tasks.classify import validate_classifier
+from app.train.loop import TrainState, steady_median, train_epoch
 from tests.unit.unit_helpers import manifest_with_rows
 
 pytestmark = pytest.mark.unit
@@ -127,7 +128,7 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
     stats = train_epoch(state, feed.batches(32, seed=10), device)
     assert losses[-1] < 0.5 * losses[0]
     assert 0 <= stats["data_wait_fraction"] < 1 and stats["epoch_seconds"] > 0
-    assert validate_epoch(model, feed.batches(128), device, "fp32")["val_accuracy"] > 0.9
+    assert validate_classifier(model, feed.batches(128), device, "fp32")["val_accuracy"] > 0.9
 
 
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):

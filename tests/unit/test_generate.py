@@ -1,4 +1,4 @@
-"""app/serve/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
+"""app/export/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
 exported KV-cache graph (app/export/lm.py) of a tiny random GPT against torch."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from app.data.corpus import train_tokenizer
 from app.export import artifact as art
+from app.export.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
 from app.export.lm import (
     decode_parity,
     export_kv_onnx,
@@ -20,7 +21,6 @@ from app.export.lm import (
     quantize_weights,
 )
 from app.models.gpt import GPT
-from app.serve.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,175 @@
+"""The shape of app/: no import cycles, no stage importing a later one, and no dispatch on task
+names outside the task registry (a new task is a registry entry, not new branches)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+APP = Path(__file__).resolve().parents[2] / "app"
+# Stages in flow order; a module may import its own stage or an earlier one, never a later one.
+LAYERS = [
+    ("app.pipeline", 7),
+    ("app.predict", 7),
+    ("app.serve", 6),
+    ("app.export", 5),
+    ("app.evaluate", 4),
+    ("app.train", 3),
+    ("app.tasks.registry", 1),
+    ("app.tasks", 2),
+    ("app.data", 1),
+    ("app.models", 1),
+    ("app", 0),  # config, errors, storage, cli, plots
+]
+# The names of the task axis: tasks and the dataset / source kinds only one task trains on.
+TASK_NAMES = {"classify", "lm", "tokens", "documents"}
+# Where the data's own encoding is written out per kind (shard dtypes, the preprocessor's
+# transforms): the kinds are data formats there, not a choice of task.
+ENCODES_KINDS = {"data/preprocess.py", "data/prepare.py", "data/sources.py"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in APP.rglob("*.py"):
+        parts = path.relative_to(APP.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (annotations only, never imported)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            continue
+        yield child
+        yield from _nodes(child)
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The app modules `path` imports, at the top or inside functions."""
+    found = set()
+    for node in _nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("app"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {m for m in found if m in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def layer(module: str) -> int:
+    return next(n for prefix, n in LAYERS if module == prefix or module.startswith(prefix + "."))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_app_has_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_a_cycle_is_found_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_stage_imports_a_later_stage():
+    upward = [
+        f"{m} -> {d}"
+        for m, deps in sorted(import_graph().items())
+        for d in sorted(deps)
+        if layer(d) > layer(m)
+    ]
+    assert upward == []
+
+
+def test_the_task_registry_imports_only_config_and_errors():
+    assert import_graph()["app.tasks.registry"] <= {"app.config", "app.errors"}
+
+
+def dispatches_on_task_names(source: str) -> list[int]:
+    """Lines comparing with, or matching on, a task-axis name."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            values = [s for s in sides if isinstance(s, ast.Constant)]
+            for s in sides:
+                if isinstance(s, ast.Tuple | ast.List | ast.Set):
+                    values += [e for e in s.elts if isinstance(e, ast.Constant)]
+            if any(v.value in TASK_NAMES for v in values):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
+            if node.value.value in TASK_NAMES:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript):  # TABLE[task.name], HANDLERS[kind]
+            key = node.slice
+            named = key.attr if isinstance(key, ast.Attribute) else getattr(key, "id", None)
+            if named in ("task", "task_name") or (
+                isinstance(key, ast.Attribute) and key.attr == "name" and "task" in ast.unparse(key)
+            ):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_dispatch_on_task_names_outside_the_registry():
+    found = []
+    for path in sorted(APP.rglob("*.py")):
+        relative = path.relative_to(APP).as_posix()
+        if relative.startswith("tasks/") or relative in ENCODES_KINDS:
+            continue
+        found += [f"{relative}:{n}" for n in dispatches_on_task_names(path.read_text())]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "if manifest.kind == 'tokens': pass",
+        "x = kind in ('lm', 'other')",
+        "match task:\n    case 'classify': pass",
+        "export = EXPORTS[task.name]",
+        "server = SERVERS[task]",
+    ],
+)
+def test_the_dispatch_check_sees_each_form(source):
+    assert len(dispatches_on_task_names(source)) == 1
