@@ -232,7 +232,7 @@ class ServeConfig(_Section):
     variant: Literal["fp32", "int8"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
     # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
-    # on (http_options.host) is not loopback (the rule: app.serve.ingress.api_key).
+    # on (http_options.host) is not loopback (the rule: app.serve.middleware.api_key).
     api_key_env: str = "RAYTORCH_API_KEY"
     # Rows after flattening: a text tensor of shape [1, N] is N rows.
     max_request_rows: int = Field(1024, ge=1)
@@ -296,7 +296,7 @@ class ServeConfig(_Section):
 
 
 class PredictConfig(_Section):
-    """Offline batch inference (`jobs.predict`, app/predict.py)."""
+    """Offline batch inference (`jobs.predict`, app/predict/)."""
 
     # A malformed input row (missing or null value, not a number, NaN, undecodable text):
     # `fail` stops the job (exit 1) naming the first ones; `reject` writes them with their reason

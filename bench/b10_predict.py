@@ -1,7 +1,7 @@
 """B10 batch inference: rows/s of jobs.predict (Ray Data + an ONNX Runtime actor pool) vs the
 online endpoint (Ray Serve, the project's app) on the same machine and the same tabular artifact.
 
-- batch: app.predict.predict (what `python -m jobs.predict` runs) on 100,000 rows (5,000 in
+- batch: app.predict.driver.predict (what `python -m jobs.predict` runs) on 100,000 rows (5,000 in
   smoke) of breast-cancer-like rows in Parquet, int8 as served; rows/s over the whole stage
   (artifact checks, actor start, read, inference, writing and publishing the output);
 - online: build_app with configs/tabular.yaml's serve section (one replica), closed-loop v2 JSON
@@ -63,7 +63,7 @@ def scoring_input(work: Path, config, rows: int) -> tuple[str, list[str]]:
 
 
 def run_batch(config, artifact: str, input_uri: str, work: Path) -> dict[str, Any]:
-    from app.predict import predict
+    from app.predict.driver import predict
 
     start = time.perf_counter()
     summary = predict(config, artifact, input_uri, str(work / "b10-output"))
@@ -144,7 +144,7 @@ def compare(output: str, manifest_files: list[str], ids: np.ndarray, online: dic
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    from app.predict import verify_output
+    from app.predict.write import verify_output
 
     started = time.perf_counter()
     rows = 5_000 if smoke else 100_000
@@ -185,7 +185,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "ray": ray_info,
         "load_average_before": load_before,
         "method": (
-            "One private 2-CPU Ray. The batch side is app.predict.predict, the stage behind "
+            "One private 2-CPU Ray. The batch side is app.predict.driver.predict, the stage behind "
             "`python -m jobs.predict`, timed from the call to the published manifest (actor "
             "start-up, reading, inference, writing included). The online side is the project's "
             "Serve app (ingress + one int8 replica, configs/tabular.yaml's serve section), "

@@ -3,7 +3,7 @@
     python -m bench.lit_server --artifact URI --port P [--max-batch-size 16] [--batch-timeout 0.005]
 
 The request is the v2 JSON body the Serve side gets (one BYTES tensor of text, or FP32 rows),
-read with the project's own validation (app.serve.protocol) and preprocessor, and run in the
+read with the project's own validation (app.serve.rows) and preprocessor, and run in the
 artifact's int8 ONNX Runtime session: only the serving framework differs.
 """
 
@@ -29,23 +29,18 @@ class ArtifactAPI(ls.LitAPI):
         self.pre = self.artifact.preprocessor
 
     def decode_request(self, request):  # type: ignore[no-untyped-def]  # untyped: LitServe reads the JSON body
-        from app.serve.protocol import numeric_rows, text_rows
+        from app.serve.rows import tensor_rows
+        from app.serve.types import Tensor
 
-        tensor = request["inputs"][0]
-        if self.pre.kind == "text":
-            rows: Any = text_rows(tensor["data"], "inputs[0].data")
-        else:
-            rows = numeric_rows(
-                tensor["data"], "inputs[0]", self.pre.num_features, "FP32", tensor["shape"]
-            )
-        return self.pre.features(rows)
+        t = request["inputs"][0]
+        tensor = Tensor(t["name"], t["datatype"], t["shape"], t["data"])
+        return self.pre.features(tensor_rows(tensor, self.artifact.schema, 1024))
 
     def batch(self, inputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         return inputs  # predict concatenates (rows per request may differ)
 
     def predict(self, inputs: list[dict[str, np.ndarray]]) -> list[tuple[list[str], Any]]:
-        from app.export.artifact import run_logits
-        from app.serve.model_server import softmax
+        from app.export.artifact import run_logits, softmax
 
         batch = {k: np.concatenate([r[k] for r in inputs]) for k in inputs[0]}
         probabilities = softmax(run_logits(self.session, batch))

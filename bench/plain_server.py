@@ -1,4 +1,4 @@
-"""The no-Ray baseline of B5: plain uvicorn + the project's own FastAPI app (app.serve.ingress
+"""The no-Ray baseline of B5: plain uvicorn + the project's own FastAPI app (app.serve.api
 .create_api) with the model server (app.serve.model_server.ModelServer: artifact -> ONNX Runtime,
 the same @serve.batch dynamic batching) in the same process.
 
@@ -26,7 +26,8 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
 
     from app.config import ServeConfig, resolve_uri
     from app.export.artifact import resolve
-    from app.serve.ingress import IngressMetrics, LocalHandle, ModelRouter, create_api
+    from app.serve.api import IngressMetrics, create_api
+    from app.serve.clients import LocalModel, Models
     from app.serve.model_server import ModelServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
@@ -34,8 +35,8 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
         {**serve_config, **({"batch_calls": "off"} if one_call else {})}
     )
     server = ModelServer(resolve(resolve_uri(artifact_uri)), cfg)
-    router = ModelRouter({server.artifact.name: LocalHandle(server)}, cfg.request_timeout_s)
-    return create_api(cfg, router, IngressMetrics())
+    models = Models.configured({server.artifact.name: LocalModel(server)}, cfg)
+    return create_api(cfg, models, IngressMetrics())
 
 
 def main(argv=None) -> None:

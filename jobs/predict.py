@@ -1,7 +1,7 @@
 """python -m jobs.predict --artifact URI --input URI --output URI [--id-column id] [--config C]
 [section.key=value ...]
 
-Offline batch inference (app/predict.py). Exit codes: 0 ok; 1 bad input (a missing column, an
+Offline batch inference (app/predict/). Exit codes: 0 ok; 1 bad input (a missing column, an
 unreadable file, malformed rows with predict.on_bad_rows=fail) or an artifact that fails its
 integrity check; 2 bad config."""
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--summary-file", help="also write the JSON summary to this file")
     p.add_argument("overrides", nargs="*", help="dotted overrides: predict.key=value")
     args = p.parse_args(argv)
-    from app.predict import predict
+    from app.predict.driver import predict
 
     run_job(
         args,

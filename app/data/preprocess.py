@@ -155,6 +155,12 @@ class Preprocessor:
             return ["input_ids"]
         return ["input_ids", "attention_mask"] if self.kind == "text" else ["x"]
 
+    def sample_rows(self) -> Any:
+        """One raw row of the right form (a replica's health check and warm-up)."""
+        if self.kind == "text":
+            return ["health check"]
+        return np.zeros((1, self.num_features), np.float32)
+
     # --- transforms ------------------------------------------------------------------------
 
     def features(self, raw: np.ndarray | Iterable[str]) -> dict[str, np.ndarray]:

@@ -30,14 +30,9 @@ from ray import serve
 
 from app.config import ServeConfig, resolve_uri
 from app.export.artifact import Artifact, resolve
-from app.serve.ingress import (
-    AppHandle,
-    IngressMetrics,
-    LocalHandle,
-    ModelRouter,
-    create_api,
-    serve_http_host,
-)
+from app.ray_private import serve_http_host
+from app.serve.api import IngressMetrics, create_api
+from app.serve.clients import LocalModel, ModelClient, Models, RayModel
 from app.serve.lm_server import LMServer
 from app.serve.model_server import ModelServer
 from app.tasks.registry import Task, task_of_schema
@@ -94,8 +89,8 @@ class SelfServing:
         # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
         # RayService set it in http_options, not in these args): ask the controller.
         host = await serve_http_host()
-        router = ModelRouter({self.artifact.name: LocalHandle(self)}, self.config.request_timeout_s)
-        return create_api(self.config, router, IngressMetrics(), serve_host=host, under_serve=True)
+        models = Models.configured({self.artifact.name: LocalModel(self)}, self.config)
+        return create_api(self.config, models, IngressMetrics(), serve_host=host, under_serve=True)
 
 
 @serve.ingress()
@@ -128,13 +123,15 @@ class Index:
 
     def __init__(self, serve_config: dict[str, Any], models: list[str]):
         self.config = ServeConfig.model_validate(serve_config)
-        handles = {m: AppHandle(model_app_name(self.config, m)) for m in models}
-        self.router = ModelRouter(handles, self.config.request_timeout_s)
+        clients: dict[str, ModelClient] = {
+            m: RayModel(model_app_name(self.config, m)) for m in models
+        }
+        self.models = Models.configured(clients, self.config)
 
     async def __serve_build_asgi_app__(self):
         host = await serve_http_host()
         return create_api(
-            self.config, self.router, IngressMetrics(), serve_host=host, under_serve=True
+            self.config, self.models, IngressMetrics(), serve_host=host, under_serve=True
         )
 
 
@@ -182,6 +179,7 @@ def build_index_app(args: dict[str, Any]):
             name="index",
             num_replicas=cfg.ingress_replicas,
             max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+            max_queued_requests=cfg.max_queued_requests,
             ray_actor_options={"num_cpus": cfg.ingress_cpus},
         )
         .bind(cfg.model_dump(mode="json"), parsed.models)

@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from app.config import ServeConfig
-from app.serve.protocol import bad, json_type, parse_json
+from app.serve.protocol import json_type, parse_json
+from app.serve.types import Finished, GenerationRequest, bad
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
 MAX_STOP_STRINGS = 4  # as OpenAI
+MIN_TEMPERATURE = 1e-6
 DONE = b"data: [DONE]\n\n"
 
 
@@ -47,7 +50,8 @@ def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, A
         t = float(_number(get["temperature"], f"{prefix}temperature", integer=False))
         if not 0 <= t <= 2:
             raise bad(f"{prefix}temperature: {t:g} is outside 0..2")
-        out["temperature"] = t
+        # Below this, 1/t overflows the logits: sampling that cold is greedy decoding.
+        out["temperature"] = t if t >= MIN_TEMPERATURE else 0.0
     if get["top_k"] is not None:
         k = _number(get["top_k"], f"{prefix}top_k", integer=True)
         if k < 0:
@@ -85,12 +89,20 @@ def _object(body: bytes) -> dict[str, Any]:
 
 def _unknown(request: dict[str, Any], known: tuple[str, ...], prefix: str = "") -> None:
     extra = sorted(set(request) - set(known))
-    if extra:
-        raise bad(f"{prefix}{extra[0]}: not supported (supported: {', '.join(known)})")
+    if extra:  # the client's key, escaped: it goes into the answer and the log line
+        name = json.dumps(extra[0][:64])
+        raise bad(f"{prefix}{name}: not supported (supported: {', '.join(known)})")
 
 
-def parse_completion(body: bytes, cfg: ServeConfig) -> dict[str, Any]:
-    """`/v1/completions` body -> {model, prompt, stream, params} (params: SamplingParams kwargs)."""
+@dataclass(frozen=True)
+class Completion:
+    model: str
+    stream: bool
+    request: GenerationRequest
+
+
+def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
+    """The body of `POST /v1/completions`."""
     request = _object(body)
     # `user`, `n` at 1 and `logprobs` null change nothing; anything else would be ignored.
     known = ("model", "prompt", "stream", "user", "n", "logprobs", *SAMPLING_FIELDS)
@@ -102,26 +114,24 @@ def parse_completion(body: bytes, cfg: ServeConfig) -> dict[str, Any]:
         raise bad("n: only 1 completion per request is supported")
     if request.get("logprobs") is not None:
         raise bad("logprobs: not supported")
-    return {
-        "model": model,
-        "prompt": prompt_text(request.get("prompt"), "prompt"),
-        "stream": flag(request.get("stream"), "stream"),
-        "params": sampling(request, "", cfg),
-    }
+    prompt = prompt_text(request.get("prompt"), "prompt")
+    return Completion(
+        model,
+        flag(request.get("stream"), "stream"),
+        GenerationRequest(prompt, sampling(request, "", cfg)),
+    )
 
 
-def parse_generate(body: bytes, cfg: ServeConfig) -> dict[str, Any]:
-    """Triton generate body -> {prompt, params}."""
+def parse_generate(body: bytes, cfg: ServeConfig) -> GenerationRequest:
+    """The body of Triton's `POST /v2/models/{name}/generate[_stream]`."""
     request = _object(body)
     _unknown(request, ("text_input", "parameters", "id"))
     params = request.get("parameters") or {}
     if not isinstance(params, dict):
         raise bad(f"parameters: expected an object, got {json_type(params)}")
     _unknown(params, (*SAMPLING_FIELDS, "stream"), "parameters.")
-    return {
-        "prompt": prompt_text(request.get("text_input"), "text_input"),
-        "params": sampling(params, "parameters.", cfg),
-    }
+    prompt = prompt_text(request.get("text_input"), "text_input")
+    return GenerationRequest(prompt, sampling(params, "parameters.", cfg), field="text_input")
 
 
 def prompt_text(value: Any, field: str) -> str:
@@ -176,17 +186,20 @@ class CompletionEncoder:
     def chunk(self, text: str) -> dict[str, Any]:
         return self._object(text, None)
 
-    def last_chunk(self, end: dict[str, Any]) -> dict[str, Any]:
-        return {**self._object("", end["finish_reason"]), "usage": usage(end)}
+    def last_chunk(self, end: Finished) -> dict[str, Any]:
+        return {**self._object("", end.finish_reason), "usage": end.usage()}
 
-    def whole(self, text: str, end: dict[str, Any]) -> dict[str, Any]:
-        return {**self._object(text, end["finish_reason"]), "usage": usage(end)}
+    def whole(self, text: str, end: Finished) -> dict[str, Any]:
+        return {**self._object(text, end.finish_reason), "usage": end.usage()}
 
 
-def usage(end: dict[str, Any]) -> dict[str, int]:
-    prompt, completion = end["prompt_tokens"], end["completion_tokens"]
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def triton_answer(model: str, version: str, text: str, end: Finished | None) -> dict[str, Any]:
+    """One answer (or streamed event) of Triton's generate extension."""
+    out: dict[str, Any] = {"model_name": model, "model_version": version, "text_output": text}
+    if end is not None:
+        out |= {
+            "finish_reason": end.finish_reason,
+            "prompt_tokens": end.prompt_tokens,
+            "completion_tokens": end.completion_tokens,
+        }
+    return out

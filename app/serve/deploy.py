@@ -30,7 +30,7 @@ from app.config import Config, ServeConfig, resolve_uri
 from app.export.artifact import open_artifact
 from app.serve.app import MODEL_IMPORT_PATH, applications, model_app_name
 from app.serve.deploy_lock import cluster_lock
-from app.serve.ingress import api_key
+from app.serve.middleware import api_key
 
 log = logging.getLogger(__name__)
 # One application listing every model: the shape before one application per model.
@@ -81,7 +81,7 @@ def apply(
 
 
 def require_key(cfg: ServeConfig, serve_host: str | None) -> None:
-    """app.serve.ingress.api_key's rule, as a one-line UserError (the ingress would refuse to
+    """app.serve.middleware.api_key's rule, as a one-line UserError (the ingress would refuse to
     start anyway; this says so before anything is submitted)."""
     try:
         api_key(cfg, serve_host)
@@ -206,10 +206,11 @@ def wait_for_app(client, app_name: str, should_exist: bool, deadline: float) -> 
 
 
 def serve_client():
-    import ray
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
-    dashboard = ray._private.worker.get_dashboard_url()
+    from app.ray_private import dashboard_url
+
+    dashboard = dashboard_url()
     if not dashboard:
         raise UserError(
             "the Ray dashboard is not running; the Serve REST API needs it (start the cluster with cluster/start.sh)"

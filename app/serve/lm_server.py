@@ -1,12 +1,12 @@
 """One language model's replica state: a verified artifact's ONNX Runtime session generating
 text (app/export/generate.py), at most `serve.max_streams` generations at once.
 
-`generate_stream` is an async generator of events, the contract between the HTTP routes and the
-replica (local call or a streaming DeploymentHandle): first `{"start": {...}}` or `{"error",
-"status"}`, then `{"text": piece}` per piece, last `{"end": {finish_reason, prompt_tokens,
-completion_tokens}}`. Each model step runs on a worker thread, one step per piece asked for, so
-when the consumer stops (the client disconnected and Serve cancelled the request) the generation
-stops at the step in flight.
+`generate` is an async generator of typed events (app/serve/types.py), the contract between the
+HTTP routes and the replica (local call or a streaming DeploymentHandle): `Started`, a `Piece`
+per piece of text, `Finished`; a refusal (bad prompt, too many streams) is a `RequestError`
+raised before the first event. Each model step runs on a worker thread, one step per piece
+asked for, so when the consumer stops (the client disconnected and Serve cancelled the request)
+the generation stops at the step in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +21,17 @@ from typing import Any, cast
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
 from app.export.generate import Generation, Generator, PromptError, SamplingParams
-from app.serve.model_server import artifact_metadata
+from app.serve.model_server import model_info
+from app.serve.types import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    InferRequest,
+    ModelInfo,
+    Piece,
+    RequestError,
+    Started,
+)
 
 log = logging.getLogger("ray.serve")
 _END = object()
@@ -58,36 +68,34 @@ class LMServer:
         params = SamplingParams(max_tokens=1, temperature=0)
         await loop.run_in_executor(self.pool, lambda: self.generator.generate(ids, params).text())
 
-    async def metadata(self) -> dict[str, Any]:
-        return {**artifact_metadata(self.artifact, self.variant), "generation": dict(self.stats)}
+    async def info(self) -> ModelInfo:
+        return model_info(self.artifact, self.variant, generation=dict(self.stats))
 
-    async def infer(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "error": f"model {self.artifact.name!r} generates text: POST .../generate",
-            "status": 400,
-        }
+    async def infer(self, request: InferRequest) -> Any:
+        raise RequestError(
+            400, f"model {self.artifact.name!r} generates text: POST /v1/completions"
+        )
 
-    async def generate_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """request: {"prompt", "params", "field"} (validated by app.serve.completions)."""
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """A generation's events; the request was validated by app.serve.completions."""
         if self.stats["active"] >= self.cfg.max_streams:
-            yield {
-                "status": 503,
-                "error": f"model {self.artifact.name!r} is running serve.max_streams="
+            raise RequestError(
+                503,
+                f"model {self.artifact.name!r} is running serve.max_streams="
                 f"{self.cfg.max_streams} generations; retry later",
-            }
-            return
+                retry_after_s=1,
+            )
         try:
-            ids = self.generator.encode(request["prompt"], request.get("field", "prompt"))
+            ids = self.generator.encode(request.prompt, request.field)
         except PromptError as e:
-            yield {"status": 400, "error": str(e)}
-            return
-        generation = self.generator.generate(ids, SamplingParams(**request["params"]))
+            raise RequestError(400, str(e)) from None
+        generation = self.generator.generate(ids, SamplingParams(**request.params))
         self.stats["active"] += 1
         try:
-            yield {"start": {"prompt_tokens": len(ids), "version": self.artifact.version}}
+            yield Started(prompt_tokens=len(ids), version=self.artifact.version)
             async for piece in self._pieces(generation):
-                yield {"text": piece}
-            yield {"end": self._end(generation)}
+                yield Piece(piece)
+            yield self._end(generation)
             self.stats["completed"] += 1
         except (asyncio.CancelledError, GeneratorExit):
             self.stats["cancelled"] += 1
@@ -105,10 +113,10 @@ class LMServer:
                 return
             yield cast(str, piece)
 
-    def _end(self, generation: Generation) -> dict[str, Any]:
-        return {
-            "finish_reason": generation.finish_reason,
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-            "version": self.artifact.version,
-        }
+    def _end(self, generation: Generation) -> Finished:
+        return Finished(
+            finish_reason=str(generation.finish_reason),
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=generation.completion_tokens,
+            version=self.artifact.version,
+        )

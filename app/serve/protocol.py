@@ -1,17 +1,22 @@
-"""Request parsing and validation, response encoding: the HTTP contract without Ray or FastAPI.
+"""The wire formats of the Open Inference Protocol v2 and the simple JSON API: request decoding
+into typed requests (app/serve/types.py) and answer encoding, without Ray or FastAPI.
 
 Every problem with a request is a `RequestError` carrying the HTTP status and a message naming the
-field; nothing here raises anything else on bad input.
+field; nothing here raises anything else on bad input. Work is bounded by what was checked
+before it: a shape's dims are checked one by one (a product stops as soon as it passes its
+limit), so a body claiming huge dims costs no more than a well-formed one.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from app.serve.types import InferRequest, InferResult, RequestError, Tensor, bad
 
 NUMERIC_DATATYPES = {
     "BOOL": None,  # refused: not a feature type
@@ -30,14 +35,16 @@ NUMERIC_DATATYPES = {
 BINARY_HEADER = "inference-header-content-length"
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
+# A dimension above this is refused by name before any arithmetic on the shape (a client
+# could otherwise send dims of thousands of digits).
+MAX_DIM = 2**31 - 1
 
 
-def bad(message: str, status: int = 400) -> RequestError:
-    return RequestError(status, message)
+@dataclass(frozen=True, slots=True)
+class V2Request:
+    id: Any
+    request: InferRequest
+    binary_outputs: frozenset[str]
 
 
 # --- JSON ---------------------------------------------------------------------------------------
@@ -72,56 +79,6 @@ def check_content_type(content_type: str | None, binary: bool) -> None:
     raise bad(f"Content-Type {media!r} is not supported; send application/json", 415)
 
 
-# --- raw rows: what the model server validates against schema.json ----------------------------
-
-
-def numeric_rows(
-    data: Any, field: str, num_features: int, datatype: str = "FP32", shape: list[int] | None = None
-) -> np.ndarray:
-    """Numbers (nested lists or a flat list with a shape) -> float32 [n, num_features]."""
-    if datatype not in NUMERIC_DATATYPES or NUMERIC_DATATYPES[datatype] is None:
-        raise bad(
-            f"{field}.datatype: {datatype!r} is not accepted for this model; use FP32 (or another numeric type)"
-        )
-    array = data if isinstance(data, np.ndarray) else _number_array(data, field)
-    if shape is None:  # one v1 instance: a row (nested lists allowed, e.g. an 8x8 image)
-        rows = array.reshape(1, -1)
-    else:
-        if array.size != math.prod(shape):
-            raise bad(
-                f"{field}.shape: {shape} holds {math.prod(shape)} values but data has {array.size}"
-            )
-        if len(shape) < 2:
-            raise bad(f"{field}.shape: expected [rows, {num_features}], got {shape}")
-        if shape[0] == 0:
-            raise bad(f"{field}: empty batch (no rows)")
-        rows = array.reshape(shape[0], -1)
-    if rows.shape[0] == 0:
-        raise bad(f"{field}: empty batch (no rows)")
-    if rows.shape[1] != num_features:
-        raise bad(f"{field}.shape: each row needs {num_features} values, got {rows.shape[1]}")
-    rows = rows.astype(np.float32)
-    if not np.isfinite(rows).all():
-        raise bad(f"{field}: values must be finite numbers (no NaN or Infinity)")
-    return rows
-
-
-def _number_array(data: Any, field: str) -> np.ndarray:
-    if not isinstance(data, list):
-        raise bad(f"{field}: expected a list of numbers, got {type(data).__name__}")
-    try:
-        array = np.asarray(data)
-    except ValueError:
-        raise bad(f"{field}: rows have different lengths") from None
-    if array.dtype.kind not in "iuf" or array.dtype == object:
-        if array.size == 0:
-            return array.astype(np.float64)
-        raise bad(f"{field}: values must be numbers (strings, booleans and nulls are not accepted)")
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise bad(f"{field}: values must be finite numbers (no NaN or Infinity)")
-    return array
-
-
 def json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for messages ("got null", not "got NoneType")."""
     if value is None:
@@ -133,52 +90,6 @@ def json_type(value: Any) -> str:
     if isinstance(value, str):
         return "string"
     return "object" if isinstance(value, dict) else type(value).__name__
-
-
-def text_rows(data: Any, field: str) -> list[str]:
-    """Strings, nested lists flattened: every string is one row (a [1, N] tensor is N rows)."""
-    if not isinstance(data, list):
-        # A bare string would otherwise be split into one row per character.
-        raise bad(f"{field}: expected a list of strings, got {json_type(data)}")
-    flat = _flatten(data)
-    if not flat:
-        raise bad(f"{field}: empty batch (no rows)")
-    for i, item in enumerate(flat):
-        if isinstance(item, bytes):
-            flat[i] = item.decode("utf-8", errors="replace")
-        elif not isinstance(item, str):
-            raise bad(f"{field}[{i}]: expected a string, got {json_type(item)}")
-    _check_unicode(flat, field)
-    return flat
-
-
-def _check_unicode(texts: list[str], field: str) -> None:
-    # JSON may carry lone surrogates ("\ud800"); the tokenizer refuses them, and it tokenizes a
-    # whole batch at once, so one such string must be refused here, alone, by name.
-    try:
-        "".join(texts).encode("utf-8")
-    except UnicodeEncodeError:
-        for i, text in enumerate(texts):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise bad(
-                    f"{field}[{i}]: not valid Unicode text (lone surrogate at character {e.start})"
-                ) from None
-
-
-def _flatten(data: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                stack.append(iter(item))
-                break
-            out.append(item)
-        else:
-            stack.pop()
-    return out
 
 
 # --- Open Inference Protocol v2 -----------------------------------------------------------------
@@ -196,8 +107,7 @@ def split_binary(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def decode_v2(body: bytes, header_length: str | None) -> dict[str, Any]:
-    """-> {"id", "tensor": {"name","datatype","shape","data"}, "binary_outputs": set[str]}"""
+def decode_v2(body: bytes, header_length: str | None, max_rows: int) -> V2Request:
     json_part, binary = split_binary(body, header_length)
     request = parse_json(json_part)
     if not isinstance(request, dict):
@@ -213,23 +123,49 @@ def decode_v2(body: bytes, header_length: str | None) -> dict[str, Any]:
     for key in ("name", "datatype", "shape"):
         if key not in tensor:
             raise bad(f"inputs[0].{key}: missing")
-    shape = tensor["shape"]
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise bad("inputs[0].shape: expected a list of non-negative integers")
     for key in ("name", "datatype"):
         if not isinstance(tensor[key], str):
             raise bad(f"inputs[0].{key}: expected a string, got {json_type(tensor[key])}")
+    shape = check_shape(tensor["shape"], "inputs[0].shape")
+    rows = claimed_rows(tensor["datatype"], shape)
+    if rows > max_rows:  # before any data is read
+        raise too_many_rows(rows, max_rows)
     size = parameters(tensor, "inputs[0].parameters").get("binary_data_size")
     if size is not None:
-        tensor = {**tensor, "data": _binary_tensor(binary, size, tensor["datatype"], shape)}
+        data = _binary_tensor(binary, size, tensor["datatype"], shape)
     elif "data" not in tensor:
         raise bad("inputs[0].data: missing")
     elif not isinstance(tensor["data"], list):
         # A string would be read as one row per character, a number or null not at all.
         raise bad(f"inputs[0].data: expected a list, got {json_type(tensor['data'])}")
-    return {"id": request.get("id"), "tensor": tensor, "binary_outputs": _binary_outputs(request)}
+    else:
+        data = tensor["data"]
+    return V2Request(
+        id=request.get("id"),
+        request=InferRequest(tensor=Tensor(tensor["name"], tensor["datatype"], shape, data)),
+        binary_outputs=frozenset(_binary_outputs(request)),
+    )
+
+
+def check_shape(shape: Any, field: str) -> list[int]:
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"{field}: expected a list of non-negative integers")
+    for i, d in enumerate(shape):
+        if d > MAX_DIM:  # never printed: a dim of 4300 digits cannot be formatted
+            raise bad(f"{field}[{i}]: too large (at most {MAX_DIM})")
+    return shape
+
+
+def bounded_product(dims: list[int], limit: int, field: str, status: int = 400) -> int:
+    """The product of `dims`, refused as soon as it passes `limit` (no huge intermediate)."""
+    product = 1
+    for d in dims:
+        product *= d
+        if product > limit:
+            raise RequestError(status, f"{field}: holds more than {limit} values")
+    return product
 
 
 def parameters(holder: dict[str, Any], field: str) -> dict[str, Any]:
@@ -242,14 +178,21 @@ def parameters(holder: dict[str, Any], field: str) -> dict[str, Any]:
     return value
 
 
-def claimed_rows(tensor: dict[str, Any]) -> int:
+def too_many_rows(rows: int, max_rows: int) -> RequestError:
+    counted = str(rows) if rows <= MAX_DIM else f"more than {MAX_DIM}"
+    return RequestError(413, f"{counted} rows exceed serve.max_request_rows={max_rows}")
+
+
+def claimed_rows(datatype: str, shape: list[int]) -> int:
     """Rows a v2 tensor will be served as, before any data is read: text (BYTES) is flattened,
     so each element is a row ([1, N] is N rows); a numeric tensor's rows are its first dimension.
-    """
-    shape = tensor["shape"]
-    if tensor["datatype"] == "BYTES":
-        return math.prod(shape)
-    return shape[0] if shape else 0
+    At most MAX_DIM + 1 either way: a BYTES product stops once it passes that."""
+    if datatype != "BYTES":
+        return shape[0] if shape else 0
+    product = 1
+    for d in shape:
+        product = min(product * d, MAX_DIM + 1)
+    return product
 
 
 def _binary_tensor(binary: bytes, size: Any, datatype: str, shape: list[int]) -> Any:
@@ -257,27 +200,40 @@ def _binary_tensor(binary: bytes, size: Any, datatype: str, shape: list[int]) ->
         raise bad("inputs[0].parameters.binary_data_size: does not match the binary data sent")
     raw = binary[:size]
     if datatype == "BYTES":
-        items, offset = [], 0
-        while offset < len(raw):
-            if offset + 4 > len(raw):
-                raise bad("inputs[0]: truncated BYTES element")
-            (n,) = struct.unpack_from("<I", raw, offset)
-            offset += 4
-            items.append(raw[offset : offset + n].decode("utf-8", errors="replace"))
-            offset += n
-        return items
+        return _bytes_elements(raw)
     dtype = NUMERIC_DATATYPES.get(datatype)
     if dtype is None:
         raise bad(f"inputs[0].datatype: {datatype!r} is not accepted")
     itemsize = np.dtype(dtype).itemsize
-    if len(raw) != math.prod(shape) * itemsize:
+    needed = bounded_product(shape, MAX_DIM, "inputs[0].shape") * itemsize
+    if len(raw) != needed:
         raise bad(
-            f"inputs[0]: binary data has {len(raw)} bytes, shape {shape} of {datatype} needs {math.prod(shape) * itemsize}"
+            f"inputs[0]: binary data has {len(raw)} bytes, shape {shape} of {datatype} needs {needed}"
         )
     array = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad("inputs[0]: values must be finite numbers (no NaN or Infinity)")
     return array
+
+
+def _bytes_elements(raw: bytes) -> list[bytes]:
+    """BYTES elements, each a 4-byte little-endian length and that many bytes; a length that
+    runs past the data is refused, not cut short. Decoded (strictly) with the other rows."""
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise bad(f"inputs[0]: BYTES element {len(items)} is truncated (no length)")
+        (n,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + n > len(raw):
+            raise bad(
+                f"inputs[0]: BYTES element {len(items)} claims {n} bytes, "
+                f"{len(raw) - offset} are left"
+            )
+        items.append(raw[offset : offset + n])
+        offset += n
+    return items
 
 
 def _binary_outputs(request: dict[str, Any]) -> set[str]:
@@ -298,18 +254,14 @@ def _binary_outputs(request: dict[str, Any]) -> set[str]:
 
 
 def encode_v2(
-    model: str,
-    version: str,
-    request_id: Any,
-    labels: list[str],
-    probabilities: np.ndarray,
-    binary_outputs: set[str],
+    model: str, request_id: Any, result: InferResult, binary_outputs: frozenset[str]
 ) -> tuple[bytes, dict[str, str]]:
+    labels, probabilities = result.labels, result.probabilities
     outputs: list[tuple[str, str, list[int], Any]] = [
         ("label", "BYTES", [len(labels)], labels),
         ("probabilities", "FP32", list(probabilities.shape), probabilities.astype(np.float32)),
     ]
-    header: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": []}
+    header: dict[str, Any] = {"model_name": model, "model_version": result.version, "outputs": []}
     if request_id is not None:
         header["id"] = request_id
     blobs = []
@@ -340,7 +292,7 @@ def _encode_binary(datatype: str, data: Any) -> bytes:
 # --- simple JSON (v1) ---------------------------------------------------------------------------
 
 
-def decode_v1(body: bytes) -> list[Any]:
+def decode_v1(body: bytes, max_rows: int) -> list[Any]:
     request = parse_json(body)
     if not isinstance(request, dict) or "instances" not in request:
         raise bad("body: expected a JSON object with 'instances'")
@@ -349,28 +301,6 @@ def decode_v1(body: bytes) -> list[Any]:
         raise bad("instances: expected a list (one instance per row)")
     if not instances:
         raise bad("instances: empty batch (no rows)")
+    if len(instances) > max_rows:
+        raise too_many_rows(len(instances), max_rows)
     return instances
-
-
-def v1_rows(instances: list[Any], kind: str, feature_columns: list[str], num_features: int) -> Any:
-    if kind == "text":
-        return text_rows(instances, "instances")
-    if kind == "tabular" and all(isinstance(i, dict) for i in instances):
-        # Named features: {"mean_radius": 14.1, ...}, in any order.
-        rows = []
-        for r, instance in enumerate(instances):
-            missing = [c for c in feature_columns if c not in instance]
-            extra = [c for c in instance if c not in feature_columns]
-            if missing or extra:
-                what = f"missing {missing[0]!r}" if missing else f"unknown feature {extra[0]!r}"
-                raise bad(f"instances[{r}]: {what}")
-            rows.append([instance[c] for c in feature_columns])
-        instances = rows
-    arrays = []
-    for r, instance in enumerate(instances):
-        if not isinstance(instance, list):
-            raise bad(f"instances[{r}]: expected a list of {num_features} numbers")
-        arrays.append(
-            numeric_rows(instance, f"instances[{r}]", num_features, shape=None).reshape(-1)
-        )
-    return np.stack(arrays)

@@ -141,7 +141,9 @@ BAD_REQUESTS = [
     ("text/plain", b'{"inputs": []}', {"Content-Type": "text/plain"}, 415, "text/plain"),
     (
         "strings for numbers",
-        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,2],"data":["1","2"]}]}',
+        b'{"inputs":[{"name":"image","datatype":"FP32","shape":[1,64],"data":['
+        + b",".join([b'"1"'] * 64)
+        + b"]}]}",
         JSON,
         400,
         "numbers",

@@ -12,7 +12,8 @@ import pytest
 
 from app.errors import UserError
 from app.export.artifact import open_artifact, run_logits, softmax
-from app.predict import predict, verify_output
+from app.predict.driver import predict
+from app.predict.write import verify_output
 
 pytestmark = pytest.mark.integration
 

@@ -365,7 +365,6 @@ def test_grafana_dashboard_covers_training_and_serving_metrics() -> None:
         "ray_raytorch_requests_total",
         "ray_raytorch_request_latency_ms_bucket",
         "ray_raytorch_batch_size_bucket",
-        "ray_raytorch_replicas",
         "ray_serve_deployment_replica_healthy",
     ):
         assert metric in exprs, f"no panel queries {metric}"

@@ -11,18 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.errors import UserError
-from app.predict import (
-    MISSING,
-    InputSpec,
+from app.predict.actor import predictions_table, split_predictions
+from app.predict.read import check_columns, input_files
+from app.predict.rows import MISSING, InputSpec, check_batch, json_line_columns
+from app.predict.write import (
     PartWriter,
     PredictionManifest,
-    check_batch,
-    check_columns,
-    input_files,
-    json_line_columns,
-    predictions_table,
     refuse_foreign_output,
-    split_predictions,
     verify_output,
 )
 
@@ -123,9 +118,9 @@ def test_text_rows_refuse_undecodable_bytes_lone_surrogates_and_numbers():
     checked = check_batch(columns, 4, spec)
     assert checked.reasons == [
         None,
-        "column 'text': not valid Unicode (lone surrogate at 0)",
-        "column 'text': expected text, got int",
-        "column 'text': not valid UTF-8 text",
+        "column 'text': not valid Unicode text (lone surrogate at character 0)",
+        "column 'text': expected a string, got number",
+        "column 'text': not valid UTF-8 (byte 0)",
     ]
     assert checked.raw == ["fine"]
 

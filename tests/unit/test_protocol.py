@@ -9,17 +9,22 @@ import numpy as np
 import pytest
 
 from app.serve.protocol import (
-    RequestError,
+    MAX_DIM,
     check_content_type,
     claimed_rows,
     decode_v1,
     decode_v2,
     encode_v2,
-    numeric_rows,
     parse_json,
-    text_rows,
-    v1_rows,
 )
+from app.serve.rows import instance_rows, numeric_rows, text_rows
+from app.serve.types import InferResult, RequestError
+
+TABULAR = {
+    "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
+    "feature_columns": ["a", "b"],
+}
+TEXT = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}], "feature_columns": ["t"]}
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +74,8 @@ def test_numeric_rows_accepts_flat_and_nested_shapes():
         ([True, False, True, False], "FP32", [1, 4], "numbers"),
         ([None, 1, 2, 3], "FP32", [1, 4], "numbers"),
         ([1, 2, 3, 4], "BYTES", [1, 4], "datatype"),
-        ([1, 2, 3, 4], "FP32", [1, 5], "holds 5 values"),
+        ([1, 2, 3, 4], "FP32", [1, 5], "each row needs 4 values, got 5"),
+        ([1, 2, 3, 4], "FP32", [1, 2, 3], "each row needs 4 values, got 6"),
         ([], "FP32", [0, 4], "empty batch"),
         ([1e308 * 10, 1, 2, 3], "FP32", [1, 4], "finite"),
         ([[1, 2], [3]], "FP32", None, "different lengths"),
@@ -105,8 +111,8 @@ def test_text_rows_refuse_non_lists_and_lone_surrogates(data, fragment):
 def test_text_rows_are_counted_after_flattening():
     # A text tensor of shape [1, N] is N rows: the row limit must see N, not 1.
     assert len(text_rows([["x"] * 5000], "t")) == 5000
-    assert claimed_rows({"datatype": "BYTES", "shape": [1, 5000]}) == 5000
-    assert claimed_rows({"datatype": "FP32", "shape": [3, 64]}) == 3
+    assert claimed_rows("BYTES", [1, 5000]) == 5000
+    assert claimed_rows("FP32", [3, 64]) == 3
 
 
 def test_v2_binary_extension_round_trip():
@@ -124,12 +130,11 @@ def test_v2_binary_extension_round_trip():
             "outputs": [{"name": "label", "parameters": {"binary_data": True}}],
         }
     ).encode()
-    parsed = decode_v2(header + x.tobytes(), str(len(header)))
-    assert np.array_equal(np.asarray(parsed["tensor"]["data"]).reshape(2, 4), x)
-    assert parsed["binary_outputs"] == {"label"}
-    body, headers = encode_v2(
-        "m", "3", "req-1", ["a", "bc"], np.ones((2, 2), np.float32), {"label"}
-    )
+    parsed = decode_v2(header + x.tobytes(), str(len(header)), 1024)
+    assert np.array_equal(np.asarray(parsed.request.tensor.data).reshape(2, 4), x)
+    assert parsed.binary_outputs == {"label"}
+    result = InferResult(["a", "bc"], np.ones((2, 2), np.float32), "3", ["a", "bc"], 1)
+    body, headers = encode_v2("m", "req-1", result, frozenset({"label"}))
     n = int(headers["inference-header-content-length"])
     head = json.loads(body[:n])
     assert head["model_version"] == "3" and head["id"] == "req-1"
@@ -152,8 +157,8 @@ def test_v2_binary_bytes_input_and_bad_lengths():
             ]
         }
     ).encode()
-    assert decode_v2(header + blob, str(len(header)))["tensor"]["data"] == ["hi", "you"]
-    assert "outside the body" in error_of(decode_v2, header, str(len(header) + 5)).message
+    assert decode_v2(header + blob, str(len(header)), 1024).request.tensor.data == [b"hi", b"you"]
+    assert "outside the body" in error_of(decode_v2, header, str(len(header) + 5), 1024).message
     short = json.dumps(
         {
             "inputs": [
@@ -166,7 +171,7 @@ def test_v2_binary_bytes_input_and_bad_lengths():
             ]
         }
     ).encode()
-    assert "needs 16" in error_of(decode_v2, short + b"\0" * 8, str(len(short))).message
+    assert "needs 16" in error_of(decode_v2, short + b"\0" * 8, str(len(short)), 1024).message
 
 
 @pytest.mark.parametrize(
@@ -182,7 +187,7 @@ def test_v2_binary_bytes_input_and_bad_lengths():
     ],
 )
 def test_v2_structure_errors(request_json, fragment):
-    err = error_of(decode_v2, json.dumps(request_json).encode(), None)
+    err = error_of(decode_v2, json.dumps(request_json).encode(), None, 1024)
     assert err.status == 400 and fragment in err.message
 
 
@@ -210,23 +215,105 @@ def _tensor(**extra):
     ],
 )
 def test_v2_fields_of_the_wrong_json_type_are_400s_naming_the_field(request_json, fragment):
-    err = error_of(decode_v2, json.dumps(request_json).encode(), None)
+    err = error_of(decode_v2, json.dumps(request_json).encode(), None, 1024)
     assert err.status == 400 and fragment in err.message
 
 
 def test_v2_null_parameters_and_outputs_read_as_absent():
     body = {"inputs": [_tensor(parameters=None)], "parameters": None, "outputs": None}
-    assert decode_v2(json.dumps(body).encode(), None)["binary_outputs"] == set()
+    assert decode_v2(json.dumps(body).encode(), None, 1024).binary_outputs == set()
 
 
 def test_v1_rows_for_each_kind():
-    assert decode_v1(b'{"instances": [[1, 2]]}') == [[1, 2]]
-    assert "empty batch" in error_of(decode_v1, b'{"instances": []}').message
-    assert v1_rows(["a b"], "text", ["text"], 1) == ["a b"]
-    named = v1_rows([{"b": 2, "a": 1}], "tabular", ["a", "b"], 2)
+    assert decode_v1(b'{"instances": [[1, 2]]}', 10) == [[1, 2]]
+    assert "empty batch" in error_of(decode_v1, b'{"instances": []}', 10).message
+    assert error_of(decode_v1, b'{"instances": [[1, 2], [3, 4]]}', 1).status == 413
+    assert instance_rows(["a b"], TEXT) == ["a b"]
+    named = instance_rows([{"b": 2, "a": 1}], TABULAR)
     assert named.tolist() == [[1.0, 2.0]]
     assert (
         "unknown feature 'c'"
-        in error_of(v1_rows, [{"a": 1, "b": 2, "c": 3}], "tabular", ["a", "b"], 2).message
+        in error_of(instance_rows, [{"a": 1, "b": 2, "c": 3}], TABULAR).message
     )
-    assert "instances[1]" in error_of(v1_rows, [[1, 2], [1]], "tabular", ["a", "b"], 2).message
+    assert "instances[1]" in error_of(instance_rows, [[1, 2], [1]], TABULAR).message
+
+
+# --- a request's cost is bounded before any work proportional to what it claims ------------------
+
+
+class CountingList(list):
+    """A shape that counts how many of its dims were looked at."""
+
+    seen = 0
+
+    def __iter__(self):
+        for d in super().__iter__():
+            CountingList.seen += 1
+            yield d
+
+
+def test_a_shape_product_stops_at_the_first_dim_past_its_limit():
+    from app.serve.protocol import bounded_product
+
+    CountingList.seen = 0
+    dims = CountingList([1, 999_999_999, *([999_999_999] * 100_000)])
+    with pytest.raises(RequestError):
+        bounded_product(dims, 1024, "inputs[0].shape")
+    assert CountingList.seen == 2
+
+
+def test_huge_claimed_dims_are_refused_without_multiplying_them_out():
+    shape = [1] + [999_999_999] * 30_000  # a 0.3 MB body
+    numeric = {"inputs": [{"name": "features", "datatype": "FP32", "shape": shape, "data": [1]}]}
+    parsed = decode_v2(json.dumps(numeric).encode(), None, 1024)
+    err = error_of(
+        numeric_rows,
+        parsed.request.tensor.data,
+        "inputs[0]",
+        2,
+        "FP32",
+        parsed.request.tensor.shape,
+    )
+    assert err.status == 400 and "inputs[0].shape: holds more than" in err.message
+    text = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": shape, "data": ["a"]}]}
+    err = error_of(decode_v2, json.dumps(text).encode(), None, 1024)
+    assert err.status == 413
+
+
+def test_dims_too_large_to_print_are_a_400_naming_the_dim():
+    body = (
+        b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1'
+        + b"0" * 4299
+        + b'], "data": [1]}]}'
+    )
+    err = error_of(decode_v2, body, None, 1024)
+    assert err.status == 400 and err.message == f"inputs[0].shape[1]: too large (at most {MAX_DIM})"
+
+
+def bytes_request(blob: bytes, shape: list[int]) -> tuple[bytes, str]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "text",
+                    "datatype": "BYTES",
+                    "shape": shape,
+                    "parameters": {"binary_data_size": len(blob)},
+                }
+            ]
+        }
+    ).encode()
+    return header + blob, str(len(header))
+
+
+def test_a_bytes_length_prefix_past_the_data_is_a_400_not_a_cut_string():
+    blob = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 50) + b"only nine"
+    err = error_of(decode_v2, *bytes_request(blob, [2]), 1024)
+    assert err.status == 400 and "BYTES element 1 claims 50 bytes, 9 are left" in err.message
+
+
+def test_invalid_utf8_in_a_bytes_element_is_a_400_naming_it():
+    blob = struct.pack("<I", 2) + b"ok" + struct.pack("<I", 3) + b"a\xffb"
+    parsed = decode_v2(*bytes_request(blob, [2]), 1024)
+    err = error_of(text_rows, parsed.request.tensor.data, "inputs[0].data")
+    assert err.status == 400 and err.message == "inputs[0].data[1]: not valid UTF-8 (byte 1)"

@@ -14,7 +14,9 @@ import pandas as pd
 import pytest
 
 from app.data.preprocess import Preprocessor
-from app.serve.model_server import ModelServer, measure_batch_calls, padding_groups, spread
+from app.serve.batching import measure_batch_calls, padding_groups, spread, takes_any_length
+from app.serve.model_server import ModelServer
+from app.serve.types import InferRequest, InferResult, RequestError, Tensor
 
 pytestmark = pytest.mark.unit
 
@@ -72,8 +74,6 @@ def text_server(
     batch, as @serve.batch would, and ONNX Runtime on a worker thread, as the replica does."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.serve.model_server import takes_any_length
-
     server = ModelServer.__new__(ModelServer)
     server.artifact = SimpleNamespace(  # type: ignore[assignment]
         name="topics",
@@ -115,30 +115,36 @@ class Batcher:
             future.set_result(result)
 
 
-def v2(data, shape=None) -> dict:
+def v2(data, shape=None) -> InferRequest:
     shape = shape if shape is not None else [len(data)]
-    return {
-        "protocol": "v2",
-        "tensor": {"name": "text", "datatype": "BYTES", "shape": shape, "data": data},
-    }
+    return InferRequest(tensor=Tensor("text", "BYTES", shape, data))
 
 
-def run(server: ModelServer, *requests: dict) -> list[dict]:
+def run(server: ModelServer, *requests: InferRequest) -> list[InferResult | dict]:
+    """Each request's result, or its error as {"status", "error"}."""
+
     async def main():
-        return await asyncio.gather(*(server.infer(r) for r in requests))
+        return await asyncio.gather(*(server.infer(r) for r in requests), return_exceptions=True)
 
-    return asyncio.run(main())
+    outcomes = asyncio.run(main())
+    for o in outcomes:
+        if isinstance(o, BaseException) and not isinstance(o, RequestError):
+            raise o
+    return [
+        {"status": o.status, "error": o.message} if isinstance(o, RequestError) else o
+        for o in outcomes
+    ]
 
 
 def test_text_rows_are_counted_after_flattening(text_pre):
     server = text_server(text_pre, max_request_rows=10)
     wide = v2([["a cat"] * 11], shape=[1, 11])
-    one_instance = {"protocol": "v1", "instances": [["a dog"] * 11]}
+    one_instance = InferRequest(instances=[["a dog"] * 11])
     for answer in run(server, wide, one_instance):
         assert answer["status"] == 413
         assert answer["error"] == "11 rows exceed serve.max_request_rows=10"
     ok = run(server, v2([["a cat"] * 10], shape=[1, 10]))[0]
-    assert len(ok["labels"]) == 10
+    assert len(ok.labels) == 10
 
 
 @pytest.mark.parametrize(
@@ -163,7 +169,7 @@ def test_a_lone_surrogate_fails_alone_and_its_batch_mates_are_answered(text_pre)
         "status": 400,
         "error": "inputs[0].data[1]: not valid Unicode text (lone surrogate at character 7)",
     }
-    assert [len(a["labels"]) for a in (answers[0], answers[2])] == [1, 2]
+    assert [len(a.labels) for a in (answers[0], answers[2])] == [1, 2]
     assert server.infer_batch.sizes == [2]  # the bad one never joined the batch
 
 
@@ -173,7 +179,7 @@ def test_a_request_that_breaks_the_batch_fails_alone(text_pre):
     server = text_server(text_pre, session)
     answers = run(server, v2(["a cat sat"]), v2(["zzz"]), v2(["a dog ran"]))
     assert answers[1]["status"] == 400 and "RuntimeError" in answers[1]["error"]
-    assert all(len(a["labels"]) == 1 for a in (answers[0], answers[2]))
+    assert all(len(a.labels) == 1 for a in (answers[0], answers[2]))
     assert session.runs == [3, 1, 1, 1]  # the batch, then each request alone
     broken = text_server(text_pre, FakeSession(poison=poison))
     assert run(broken, v2(["zzz"]))[0]["status"] == 500  # nobody passes: the model is at fault
@@ -183,8 +189,8 @@ def test_shape_mismatch_and_good_answers(text_pre):
     server = text_server(text_pre)
     mismatch, ok = run(server, v2(["a", "b"], shape=[3]), v2(["a cat", "a dog"]))
     assert mismatch["status"] == 400 and "inputs[0].shape" in mismatch["error"]
-    assert ok["version"] == "3" and ok["label_names"] == LABELS
-    assert math.isclose(float(np.asarray(ok["probabilities"]).sum()), 2.0, rel_tol=1e-5)
+    assert ok.version == "3" and ok.label_names == LABELS
+    assert math.isclose(float(np.asarray(ok.probabilities).sum()), 2.0, rel_tol=1e-5)
 
 
 def test_padding_groups_bound_the_waste():
@@ -207,7 +213,7 @@ def test_text_is_cut_to_each_groups_longest_row_when_the_model_takes_any_length(
     free = text_server(text_pre, FakeSession(any_length=True), max_padding_waste=0.0)
     answers = run(free, short, long)
     assert sorted(free.session.widths) == [2, 7] and free.session.runs == [1, 1]
-    assert [len(a["labels"]) for a in answers] == [1, 1]
+    assert [len(a.labels) for a in answers] == [1, 1]
 
 
 def test_a_request_alone_does_not_wait_for_batch_mates(text_pre):
@@ -248,7 +254,7 @@ def test_the_groups_of_a_batch_run_side_by_side_on_the_worker_threads(text_pre):
     session = BarrierSession()
     server = text_server(text_pre, session, max_padding_waste=0.0, workers=2)
     answers = run(server, v2(["a cat"]), v2(["a cat sat and a dog ran"]))
-    assert [len(a["labels"]) for a in answers] == [1, 1]  # both groups answered
+    assert [len(a.labels) for a in answers] == [1, 1]  # both groups answered
     assert len(session.threads) == 2 and sorted(session.runs) == [1, 1]
 
 
@@ -256,7 +262,7 @@ def test_one_call_per_request_when_calls_are_not_shared(text_pre):
     session = FakeSession(any_length=True)
     server = text_server(text_pre, session, workers=2, share_calls=False)
     answers = run(server, *(v2(["a cat"]) for _ in range(4)))
-    assert all(len(a["labels"]) == 1 for a in answers)
+    assert all(len(a.labels) == 1 for a in answers)
     assert session.runs == [1, 1, 1, 1] and server.infer_batch.sizes == []  # no batch wait
 
 
@@ -302,7 +308,7 @@ def test_without_shared_calls_a_failing_request_is_a_400_and_runs_once(text_pre)
     session = FakeSession(poison=poison, any_length=True)
     server = text_server(text_pre, session, workers=2, share_calls=False)
     answers = run(server, v2(["a cat sat"]), v2(["zzz"]))
-    assert len(answers[0]["labels"]) == 1
+    assert len(answers[0].labels) == 1
     assert answers[1] == {
         "status": 400,
         "error": "inputs: the model could not run this request (RuntimeError)",

@@ -1,5 +1,5 @@
-"""The ingress's HTTP behaviour with a stand-in for the model deployment (unit level: the real
-Serve path is covered by tests/e2e/test_serve.py)."""
+"""The HTTP API's behaviour with a stand-in for the model (unit level: the real Serve path is
+covered by tests/e2e/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.config import ServeConfig
-from app.serve.ingress import (
-    UNKNOWN_HOST,
-    Guard,
-    ModelRouter,
-    api_key,
-    create_api,
-    serve_http_host,
-)
+from app.ray_private import UNKNOWN_HOST, serve_http_host
+from app.serve.api import create_api
+from app.serve.clients import Models
+from app.serve.middleware import Admit, FullPath, Observe, api_key
+from app.serve.types import GenerationRequest, InferRequest, InferResult, ModelInfo, RequestError
 
 pytestmark = pytest.mark.unit
 
@@ -35,31 +32,36 @@ class _Method:
         return self._call(*args)
 
 
+INFO = ModelInfo(
+    name="m",
+    version="1",
+    variant="int8",
+    artifact="/a",
+    task="classify",
+    generates=False,
+    inputs=[{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
+    outputs=[],
+    labels=["a", "b"],
+    manifest={},
+    replica_pid=123,
+)
+
+
 class FakeModel:
-    """Answers like ModelServer: metadata() and infer() results as plain dicts."""
+    """A ModelClient answering like a classifier replica, or failing as asked."""
 
     def __init__(self, overloaded: bool = False, fault: str | None = None):
         self.overloaded = overloaded
         self.fault = fault
-        self.metadata = _Method(
-            lambda: {
-                "name": "m",
-                "version": "1",
-                "variant": "int8",
-                "artifact": "/a",
-                "manifest": {},
-                "schema": {
-                    "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
-                    "outputs": [],
-                    "labels": ["a", "b"],
-                },
-            }
-        )
-        self.infer = _Method(self._infer)
+        self.infers = 0
 
-    def _infer(self, payload):
+    async def info(self) -> ModelInfo:
+        return INFO
+
+    async def infer(self, request: InferRequest) -> InferResult:
+        self.infers += 1
         if self.fault == "hang":
-            return asyncio.sleep(30)  # a replica that never answers in time
+            await asyncio.sleep(30)  # a replica that never answers in time
         if self.fault == "crash":
             raise RuntimeError("a bug, not a bad request")
         if self.fault == "died":
@@ -70,14 +72,11 @@ class FakeModel:
             from ray.serve.exceptions import BackPressureError
 
             raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
-        n = len(payload.get("instances") or []) or payload["tensor"]["shape"][0]
-        return {
-            "labels": ["a"] * n,
-            "probabilities": np.full((n, 2), 0.5).tolist(),
-            "version": "1",
-            "label_names": ["a", "b"],
-            "replica_pid": 123,
-        }
+        n = len(request.instances or []) or request.tensor.shape[0]
+        return InferResult(["a"] * n, np.full((n, 2), 0.5), "1", ["a", "b"], 123)
+
+    def generate(self, request):
+        raise AssertionError("a classifier is never asked to generate")
 
 
 class RayLikeMetrics:
@@ -105,8 +104,8 @@ def client(
     else:
         monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
     config = ServeConfig(**cfg)
-    router = ModelRouter({"m": FakeModel(overloaded, fault)}, config.request_timeout_s)
-    return TestClient(create_api(config, router, metrics, serve_host=serve_host))
+    models = Models.configured({"m": FakeModel(overloaded, fault)}, config)
+    return TestClient(create_api(config, models, metrics, serve_host=serve_host))
 
 
 def v2(datatype="FP32", shape=(1, 2), data=(1, 2), **extra) -> dict:
@@ -125,7 +124,8 @@ def test_v1_and_v2_answers(monkeypatch):
     r = c.post("/v2/models/m/infer", json=body)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == ["a"]
     assert r.headers["x-request-id"] and r.headers["x-model-replica"] == "123"
-    assert c.post("/v2/models/m/versions/9/infer", json=body).status_code == 404
+    r = c.post("/v2/models/m/versions/9/infer", json=body)
+    assert r.status_code == 404 and "version '9' is not deployed (live: 1)" in r.json()["error"]
     assert c.get("/v2/models/m").json()["versions"] == ["1"]
 
 
@@ -154,6 +154,7 @@ def test_limits_errors_and_overload(monkeypatch):
     overloaded = client(monkeypatch, overloaded=True)
     r = overloaded.post("/v1/models/m:predict", json={"instances": [[1, 2]]})
     assert r.status_code == 503 and "overloaded" in r.json()["error"]
+    assert r.headers["retry-after"] == "1"
 
 
 def test_text_rows_are_counted_after_flattening(monkeypatch):
@@ -333,20 +334,13 @@ def test_a_crash_in_the_app_is_a_json_500_with_its_request_id(monkeypatch):
     assert metrics.seen == [("m", 500)]
 
 
-def test_completions_naming_a_classifier_on_another_application_is_a_400():
+def test_completions_naming_a_classifier_is_a_400():
     """The index reaches models through handles that accept any method name; asking a
     classifier to generate must be a 400 naming it, not Serve's 500 for a missing method."""
-    from app.serve.ingress import AppHandle, _LocalMethod
-
-    async def classifier_metadata():
-        return {"name": "digits", "schema": {"inputs": []}}
-
-    handle = AppHandle("models-digits")
-    handle.metadata = _LocalMethod(classifier_metadata)
-    router = ModelRouter({"digits": handle}, timeout_s=1)
-    with pytest.raises(Exception, match="does not generate text") as info:
-        asyncio.run(router.stream("digits", {"prompt": "x"}))
-    assert getattr(info.value, "status", None) == 400
+    models = Models({"digits": FakeModel()}, timeout_s=1)
+    with pytest.raises(RequestError, match="does not generate text") as info:
+        asyncio.run(models.generate("digits", GenerationRequest("x", {})))
+    assert info.value.status == 400
 
 
 def test_request_metrics_are_summed_and_recorded_off_the_request_path():
@@ -401,13 +395,8 @@ def http_scope(path: str = "/x") -> dict:
     return {"type": "http", "method": "GET", "path": path, "headers": [], "root_path": ""}
 
 
-def guarded(app, seen: list) -> Guard:
-    return Guard(
-        app,
-        key=None,
-        max_body_bytes=1024,
-        observe=lambda scope, status, ms: seen.append((status, ms)),
-    )
+def guarded(app, seen: list) -> Observe:
+    return Observe(app, observe=lambda scope, status, ms: seen.append((status, ms)))
 
 
 async def no_body():
@@ -480,8 +469,7 @@ def test_a_request_cancelled_before_its_answer_is_not_counted_as_an_error(monkey
 
 def test_under_serve_the_request_id_is_left_to_serves_own_middleware(monkeypatch):
     monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
-    router = ModelRouter({"m": FakeModel()}, 30)
-    api = create_api(ServeConfig(), router, under_serve=True)
+    api = create_api(ServeConfig(), Models({"m": FakeModel()}, 30), under_serve=True)
     r = TestClient(api).post("/v2/models/m/infer", json=v2(), headers={"x-request-id": "abc"})
     assert r.status_code == 200 and "x-request-id" not in r.headers
 
@@ -496,10 +484,8 @@ def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(mo
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
 
-    guard = Guard(
-        app,
-        key="s3cret",
-        max_body_bytes=1024,
+    guard = Observe(
+        Admit(FullPath(app), key="s3cret", max_body_bytes=1024),
         observe=lambda scope, status, ms: seen.append(status),
     )
     sent: list = []
@@ -514,3 +500,115 @@ def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(mo
     asyncio.run(guard({"type": "lifespan", "root_path": "/v2/models/m"}, no_body, send))
     assert seen == [401, 200]  # the refused request never reached the app
     assert inner == [("http", ""), ("lifespan", "")]
+
+
+# --- reliability: no 500 for bad input, no work for a request that cannot be answered -----------
+
+
+def test_an_unknown_version_is_a_404_before_any_model_runs(monkeypatch):
+    c = client(monkeypatch)
+    model = c.app.state.models.clients["m"]
+    r = c.post("/v2/models/m/versions/7/infer", json=v2())
+    assert r.status_code == 404 and model.infers == 0
+
+
+def test_the_ready_probe_asks_each_model_at_most_once_a_second(monkeypatch):
+    c = client(monkeypatch)
+    model = c.app.state.models.clients["m"]
+    calls = []
+    original = model.info
+
+    async def counted():
+        calls.append(1)
+        return await original()
+
+    model.info = counted
+    for _ in range(20):
+        assert c.get("/v2/health/ready").status_code == 200
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("key", ["bad\nkey", "lone \ud800 surrogate", "x" * 5000])
+def test_an_unknown_json_key_is_a_400_that_echoes_it_safely(monkeypatch, key):
+    import json
+
+    body = json.dumps({"model": "m", "prompt": "hi", key: 1}).encode()
+    r = client(monkeypatch).post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "not supported" in message and "\n" not in message and len(message) < 1000
+    message.encode("utf-8")  # no lone surrogate comes back
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    from app.serve.completions import sampling
+
+    for t in (1e-320, 5e-7):
+        assert sampling({"temperature": t}, "", ServeConfig())["temperature"] == 0.0
+    assert sampling({"temperature": 1e-6}, "", ServeConfig())["temperature"] == 1e-6
+
+
+class DyingLM(FakeModel):
+    """A language model whose replica dies after the first piece."""
+
+    async def info(self) -> ModelInfo:
+        from dataclasses import replace
+
+        return replace(INFO, task="lm", generates=True)
+
+    async def generate(self, request):
+        from ray.exceptions import ActorDiedError
+
+        from app.serve.types import Piece, Started
+
+        yield Started(prompt_tokens=1, version="1")
+        yield Piece("half")
+        raise ActorDiedError()
+
+
+def test_a_whole_completion_whose_replica_dies_is_a_503(monkeypatch):
+    monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
+    api = create_api(ServeConfig(), Models({"m": DyingLM()}, 5))
+    r = TestClient(api).post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 503 and "unavailable mid-generation" in r.json()["error"], r.text
+
+
+def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch):
+    """What the v2 route calls of the project, the request's lifecycle as a reader follows it:
+    read the body, decode (protocol), ask the model (clients), encode (protocol)."""
+    import sys
+
+    import httpx
+
+    from app.serve.routes import v2 as v2_routes
+
+    api = client(monkeypatch).app
+    route = v2_routes.infer.__code__
+    called: set[tuple[str, str]] = set()
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if event == "call" and caller is not None and caller.f_code is route:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("app."):
+                called.add((module, frame.f_code.co_name))
+
+    async def one_request():
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            sys.setprofile(profile)
+            try:
+                answer = await http.post("/v2/models/m/infer", json=v2())
+            finally:
+                sys.setprofile(None)
+        assert answer.status_code == 200
+
+    asyncio.run(one_request())
+    assert ("app.serve.clients", "infer") in called and (
+        "app.serve.protocol",
+        "decode_v2",
+    ) in called
+    assert len(called) <= 6, sorted(called)
+    assert len({module for module, _ in called}) <= 3, sorted(called)

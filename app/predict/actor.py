@@ -1,0 +1,164 @@
+"""The Ray Data actor: one ONNX Runtime session per actor, many batches; each batch comes
+back as one table of predictions and rejected rows, which the driver splits."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from app.export.artifact import open_artifact, run_logits, softmax
+from app.predict.rows import (
+    MISSING,
+    CheckedBatch,
+    Column,
+    InputSpec,
+    _values,
+    check_batch,
+    json_line_columns,
+)
+
+log = logging.getLogger(__name__)
+
+
+# Columns of the actor's output table beyond the prediction itself: why a row was refused, the
+# row's values as JSON (for the rejects file), and its id as text (the id itself may be bad).
+REASON, ROW, ID_TEXT = "_reason", "_row", "_id_text"
+
+
+MODEL_NAME, MODEL_VERSION = "model_name", "model_version"
+
+
+class Predictor:
+    """A Ray Data callable class: the artifact and its session are built once per actor."""
+
+    def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
+        self.artifact = open_artifact(artifact_uri)  # verifies every sha256 again, in the actor
+        self.session = self.artifact.session(variant, threads)
+        self.spec = spec
+        self.labels = np.asarray(self.artifact.preprocessor.labels, dtype=object)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        columns, n, known, where = self._columns(batch)
+        checked = check_batch(columns, n, self.spec, known)
+        probabilities = self._probabilities(checked)
+        return predictions_table(
+            columns, self.spec.id_column, checked, probabilities, self.labels, where, self.meta
+        )
+
+    @property
+    def meta(self) -> tuple[str, str]:
+        return self.artifact.name, self.artifact.version
+
+    def _columns(
+        self, batch: pa.Table
+    ) -> tuple[dict[str, Column], int, list[str | None], list[str] | None]:
+        if self.spec.format == "jsonl":
+            columns, problems, where = json_line_columns(
+                batch["line"].to_pylist(),
+                batch["line_number"].to_pylist(),
+                batch["path"].to_pylist(),
+                self.spec,
+            )
+            return dict(columns), batch.num_rows, problems, where
+        # A file without a column was refused up front; a batch that still lacks one (files
+        # read with different schemas) has every row refused for it.
+        columns = {
+            c: batch[c] if c in batch.column_names else [MISSING] * batch.num_rows
+            for c in self.spec.columns
+        }
+        return columns, batch.num_rows, [None] * batch.num_rows, None
+
+    def _probabilities(self, checked: CheckedBatch) -> np.ndarray:
+        if not len(checked.good):
+            return np.zeros((0, len(self.labels)), np.float32)
+        inputs = self.artifact.preprocessor.features(checked.raw)
+        return softmax(run_logits(self.session, inputs)).astype(np.float32)
+
+
+def predictions_table(
+    columns: dict[str, Column],
+    id_column: str,
+    checked: CheckedBatch,
+    probabilities: np.ndarray,
+    labels: np.ndarray,
+    where: list[str] | None,
+    meta: tuple[str, str],
+) -> pa.Table:
+    """The good rows (id, label, probabilities, model) then the bad ones (reason, row, id text),
+    in one table so that one map_batches output carries both; the driver splits them."""
+    good = checked.good
+    bad = np.asarray([i for i, r in enumerate(checked.reasons) if r is not None], np.int64)
+    ids = _good_ids(columns[id_column], good)
+    k = probabilities.shape[1]
+    flat = pa.array(probabilities.reshape(-1), pa.float32())
+    probs = pa.FixedSizeListArray.from_arrays(flat, k).cast(pa.list_(pa.float32()))
+    label = pa.array(labels[probabilities.argmax(1)].tolist() if len(good) else [], pa.string())
+    nb = len(bad)
+    table = {
+        id_column: pa.concat_arrays([ids, pa.nulls(nb, ids.type)]),
+        "label": pa.concat_arrays([label, pa.nulls(nb, pa.string())]),
+        "probabilities": pa.concat_arrays([probs, pa.nulls(nb, probs.type)]),
+        MODEL_NAME: pa.array([meta[0]] * (len(good) + nb), pa.string()),
+        MODEL_VERSION: pa.array([meta[1]] * (len(good) + nb), pa.string()),
+        REASON: pa.array([None] * len(good) + [checked.reasons[i] for i in bad], pa.string()),
+        ROW: pa.array([None] * len(good) + _raw_rows(columns, bad), pa.string()),
+        ID_TEXT: pa.array(
+            [None] * len(good) + _id_texts(columns[id_column], bad, where), pa.string()
+        ),
+    }
+    return pa.table(table)
+
+
+def _good_ids(column: Column, good: np.ndarray) -> pa.Array:
+    if isinstance(column, pa.ChunkedArray):
+        return column.take(pa.array(good, pa.int64())).combine_chunks()
+    if isinstance(column, pa.Array):
+        return column.take(pa.array(good, pa.int64()))
+    values = [column[i] for i in good]
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # ids of mixed JSON types: keep them as text
+        return pa.array([str(v) for v in values], pa.string())
+
+
+def _id_texts(column: Column, bad: np.ndarray, where: list[str] | None) -> list[str]:
+    values = _values(column)
+    out = []
+    for i in bad:
+        value = values[i]
+        usable = value is not None and value is not MISSING
+        out.append(_as_text(value) if usable else (where[i] if where else "null"))
+    return out
+
+
+def _raw_rows(columns: dict[str, Column], bad: np.ndarray) -> list[str]:
+    values = {name: _values(col) for name, col in columns.items()} if len(bad) else {}
+    return [
+        json.dumps(
+            {k: v[i] for k, v in values.items() if v[i] is not MISSING},
+            default=_as_text,
+            ensure_ascii=False,
+        )
+        for i in bad
+    ]
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def split_predictions(table: pa.Table, id_column: str) -> tuple[pa.Table, pa.Table]:
+    """The actor's table -> (predictions, rejects: id as text, reason, the row as JSON)."""
+    bad_mask = table[REASON].is_valid()
+    good = table.filter(pc.invert(bad_mask)).select(
+        [id_column, "label", "probabilities", MODEL_NAME, MODEL_VERSION]
+    )
+    bad = table.filter(bad_mask).select([ID_TEXT, REASON, ROW])
+    return good, bad.rename_columns(["id", "reason", "row"])

@@ -1,0 +1,172 @@
+"""The predict stage on the driver: read -> actors -> split -> write -> publish, with a tally
+of good and bad rows and the summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+
+from app import storage
+from app.config import Config, PredictConfig
+from app.errors import UserError
+from app.export.artifact import open_artifact
+from app.predict.actor import Predictor, split_predictions
+from app.predict.read import check_columns, input_files, read_input
+from app.predict.rows import InputSpec
+from app.predict.write import (
+    MANIFEST,
+    REJECTS,
+    PartWriter,
+    PredictionManifest,
+    _output_folder,
+    publish,
+    refuse_foreign_output,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    """Rows so far, and the first bad ones (id + reason) for the summary or the failure."""
+
+    max_examples: int
+    output: int = 0
+    rejected: int = 0
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    def add(self, good: int, bad: pa.Table) -> None:
+        self.output += good
+        self.rejected += bad.num_rows
+        room = self.max_examples - len(self.examples)
+        for row in bad.slice(0, max(room, 0)).to_pylist():
+            self.examples.append({"id": row["id"], "reason": row["reason"]})
+
+    def line(self) -> str:
+        return "; ".join(f"id {e['id']}: {e['reason']}" for e in self.examples)
+
+
+def predict(
+    config: Config, artifact_uri: str, input_uri: str, output: str, id_column: str = "id"
+) -> dict[str, Any]:
+    from app.cli import connect_ray
+
+    started = time.perf_counter()
+    cfg = config.predict
+    fmt, files = input_files(input_uri)
+    artifact = open_artifact(artifact_uri)  # verified once here; resolves `latest` for every actor
+    spec = InputSpec.of(artifact.schema, id_column, fmt)
+    expected_rows = check_columns(files, spec)
+    output = output.rstrip("/")
+    refuse_foreign_output(output)
+    variant = cfg.variant or config.serve.variant
+    log.info(
+        "predict: %s %s (%s) on %d %s file(s) from %s -> %s",
+        artifact.name,
+        artifact.version,
+        variant,
+        len(files),
+        fmt,
+        input_uri,
+        output,
+    )
+    connect_ray()
+    ds = _pipeline(config, files, spec, artifact.uri, variant)
+    with _output_folder(output) as local:
+        tally, (parts, rejects) = _write(ds, local, spec, cfg)
+        rows = {
+            "input": tally.output + tally.rejected,
+            "output": tally.output,
+            "rejected": tally.rejected,
+        }
+        # Every row read comes out as a prediction or a reject; for Parquet the files' own
+        # metadata gives an independent count.
+        if expected_rows is not None and expected_rows != rows["input"]:
+            raise UserError(
+                f"predict: read {rows['input']} rows, the input holds {expected_rows}; "
+                "nothing published"
+            )
+        manifest = PredictionManifest(
+            created=datetime.now(timezone.utc).isoformat(),
+            artifact=artifact.uri,
+            model_name=artifact.name,
+            model_version=artifact.version,
+            variant=variant,
+            input=input_uri,
+            input_format=fmt,
+            id_column=id_column,
+            on_bad_rows=cfg.on_bad_rows,
+            rows=rows,
+            files=parts,
+            rejects=rejects,
+            bad_row_examples=tally.examples,
+        )
+        manifest.write(os.path.join(local, MANIFEST))  # last: the output counts only with it
+        publish(local, output)
+    elapsed = time.perf_counter() - started
+    log.info("predict: %s in %.1f s", rows, elapsed)
+    return {
+        "stage": "predict",
+        "output": output,
+        "rejects": storage.join(output, REJECTS) if tally.rejected else None,
+        "artifact": artifact.uri,
+        "model": artifact.name,
+        "version": artifact.version,
+        "variant": variant,
+        "rows": rows,
+        "bad_rows": {"count": tally.rejected, "examples": tally.examples},
+        "elapsed_s": round(elapsed, 3),
+        "rows_per_s": round(rows["input"] / elapsed, 1) if elapsed else None,
+    }
+
+
+def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: str, variant: str):
+    import ray
+    import ray.data
+
+    from app.data.ingest import quiet_progress
+
+    cfg = config.predict
+    quiet_progress()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+    return read_input(files, spec, config.data.task_cpus).map_batches(
+        Predictor,
+        fn_constructor_args=(artifact_uri, variant, cfg.threads, spec),
+        batch_format="pyarrow",
+        batch_size=cfg.batch_size,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.max_actors),
+        num_cpus=cfg.actor_cpus,
+        num_gpus=cfg.gpus_per_actor if use_gpu else None,
+    )
+
+
+def _write(ds, local: str, spec: InputSpec, cfg: PredictConfig):
+    run = uuid.uuid4().hex[:8]
+    predictions = PartWriter(local, "", cfg.rows_per_file, run)
+    rejects = PartWriter(local, REJECTS, cfg.rows_per_file, run)
+    tally = Tally(cfg.max_examples)
+    last_log = time.monotonic()
+    for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        good, bad = split_predictions(table, spec.id_column)
+        tally.add(good.num_rows, bad)
+        if bad.num_rows and cfg.on_bad_rows == "fail":
+            raise UserError(
+                f"input: malformed rows ({tally.rejected} in the first "
+                f"{tally.output + tally.rejected} read): {tally.line()}; "
+                "predict.on_bad_rows=reject writes them to <output>/rejects instead"
+            )
+        if good.num_rows:
+            predictions.write(good)
+        if bad.num_rows:
+            rejects.write(bad)
+        if time.monotonic() - last_log > 10:
+            log.info("predict: %d rows predicted, %d rejected", tally.output, tally.rejected)
+            last_log = time.monotonic()
+    return tally, (predictions.close(), rejects.close())

@@ -1,0 +1,111 @@
+"""The HTTP API of every application: the routers of app/serve/routes over a `Models`
+directory, inside the middleware of app/serve/middleware.py.
+
+Routes (README.md, "The HTTP API"): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
+(also under /versions/{version}), /v1/models, /v1/models/{name}:predict, /v1/completions,
+/v2/models/{name}/generate[_stream]. Every error is a JSON body naming the problem:
+{"error": ...}; never a traceback, never a 500 for bad input; 413 for oversize bodies or too
+many rows, 503 (with Retry-After where ours) when a model's queue is full or its replica died,
+504 when it does not answer within serve.request_timeout_s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import __version__
+from app.config import ServeConfig
+from app.serve.clients import Models
+from app.serve.metric_buffer import process_buffer
+from app.serve.middleware import Admit, FullPath, Observe, api_key, error
+from app.serve.routes import generation, v1, v2
+from app.serve.types import RequestError
+
+log = logging.getLogger("ray.serve")
+
+
+def create_api(
+    cfg: ServeConfig,
+    models: Models,
+    metrics: Any = None,
+    serve_host: str | None = None,
+    under_serve: bool = False,
+) -> FastAPI:
+    """The HTTP API over `models`. `serve_host`: the host Serve listens on (the API key rule);
+    `under_serve`: the app runs in a Serve replica, whose own middleware echoes the request id."""
+    api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
+    api.state.models, api.state.config = models, cfg
+    for router in (v2.router, v1.router, generation.router):
+        api.include_router(router)
+    api.add_api_route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    api.add_exception_handler(RequestError, request_error)
+    api.add_exception_handler(StarletteHTTPException, http_error)
+    api.add_exception_handler(RequestValidationError, validation_error)
+    # Added innermost first: Observe wraps Admit wraps FullPath wraps the routes.
+    api.add_middleware(FullPath)
+    api.add_middleware(Admit, key=api_key(cfg, serve_host), max_body_bytes=cfg.max_body_bytes)
+    observe = _observer(models, metrics) if metrics is not None else None
+    api.add_middleware(Observe, observe=observe, echo_request_id=not under_serve)
+    return api
+
+
+async def not_found(path: str):
+    return error(404, f"no route /{path}")
+
+
+async def request_error(request: Request, exc: Exception):
+    assert isinstance(exc, RequestError)
+    request_id = getattr(request.state, "request_id", "-")
+    log.info("request %s: %d %s", request_id, exc.status, exc.message)
+    return error(exc.status, exc.message, exc.retry_after_s)
+
+
+async def http_error(request: Request, exc: Exception):
+    assert isinstance(exc, StarletteHTTPException)
+    return error(exc.status_code, str(exc.detail))
+
+
+async def validation_error(request: Request, exc: Exception):
+    assert isinstance(exc, RequestValidationError)
+    return error(400, str(exc.errors()[0].get("msg", "invalid request")))
+
+
+def _observer(models: Models, metrics: Any):
+    def observe(scope: dict[str, Any], status: int, latency_ms: float) -> None:
+        # Routing put the matched route's path parameters into this same scope (FullPath).
+        name = scope.get("path_params", {}).get("name")
+        try:
+            metrics.observe("-" if name is None else models.metrics_tag(name), status, latency_ms)
+        except Exception:  # noqa: BLE001 - a metrics failure must never change the answer
+            log.exception("could not record request metrics")
+
+    return observe
+
+
+class IngressMetrics:
+    """Requests and latency by *model*: Serve's own request metrics are per application, and the
+    index application answers v1 predictions for every model."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        self.requests = Counter(
+            "raytorch_requests_total",
+            description="HTTP requests by model and status",
+            tag_keys=("model", "code"),
+        )
+        self.latency = Histogram(
+            "raytorch_request_latency_ms",
+            description="request latency (ms)",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+            tag_keys=("model",),
+        )
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        process_buffer().inc(self.requests, {"model": model, "code": str(code)})
+        process_buffer().observe(self.latency, latency_ms, {"model": model})

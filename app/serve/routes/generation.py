@@ -1,0 +1,107 @@
+"""Text generation: OpenAI's `POST /v1/completions` and Triton's generate extension
+(`POST /v2/models/{name}/generate` and `/generate_stream`). A streamed answer is Server-Sent
+Events; the first event is awaited before the 200, so a refusal is a plain error answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from app.serve.clients import close_events, unavailable_errors
+from app.serve.completions import (
+    DONE,
+    CompletionEncoder,
+    parse_completion,
+    parse_generate,
+    sse,
+    triton_answer,
+)
+from app.serve.routes.common import body, config, models
+from app.serve.types import Finished, GenerationEvent, Piece, RequestError, Started
+
+log = logging.getLogger("ray.serve")
+router = APIRouter()
+Events = AsyncIterator[GenerationEvent]
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    completion = parse_completion(await body(request), config(request))
+    name = completion.model
+    _, events = await models(request).generate(name, completion.request)
+    encoder = CompletionEncoder(name)
+    if not completion.stream:
+        text, end = await collect(name, events)
+        return encoder.whole(text, end)
+
+    async def chunks():
+        async for event in events:
+            if isinstance(event, Piece):
+                yield sse(encoder.chunk(event.text))
+            elif isinstance(event, Finished):
+                yield sse(encoder.last_chunk(event))
+        yield DONE
+
+    return event_stream(events, chunks())
+
+
+@router.post("/v2/models/{name}/generate")
+@router.post("/v2/models/{name}/generate_stream")
+async def generate(name: str, request: Request):
+    m = models(request)
+    m.get(name)
+    generation = parse_generate(await body(request), config(request))
+    first, events = await m.generate(name, generation)
+    version = first.version if isinstance(first, Started) else ""
+    if not request.url.path.endswith("/generate_stream"):
+        text, end = await collect(name, events)
+        return triton_answer(name, version, text, end)
+
+    async def chunks():
+        async for event in events:
+            if isinstance(event, Piece):
+                yield sse(triton_answer(name, version, event.text, None))
+            elif isinstance(event, Finished):
+                yield sse(triton_answer(name, version, "", event))
+
+    return event_stream(events, chunks())
+
+
+async def collect(name: str, events: Events) -> tuple[str, Finished]:
+    """A whole generation's text and its end. A replica that dies mid-way is a 503 (retry)."""
+    pieces: list[str] = []
+    end: Finished | None = None
+    try:
+        async for event in events:
+            if isinstance(event, Piece):
+                pieces.append(event.text)
+            elif isinstance(event, Finished):
+                end = event
+    except unavailable_errors() as e:
+        raise RequestError(
+            503, f"model {name!r} became unavailable mid-generation ({type(e).__name__}); retry"
+        ) from None
+    finally:
+        await close_events(events)
+    if end is None:
+        raise RequestError(503, f"model {name!r} ended the generation early; retry")
+    return "".join(pieces), end
+
+
+def event_stream(events: Events, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - after the 200: say so in the stream itself
+            log.exception("generation stream failed")
+            yield sse({"error": f"generation failed ({type(e).__name__})"})
+        finally:  # the client left (cancelled) or the stream ended: stop the model
+            await close_events(events)
+
+    headers: dict[str, Any] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)

@@ -1,0 +1,37 @@
+"""The simple JSON API: the model list and `{"instances": [...]}` predictions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from app.serve.protocol import decode_v1
+from app.serve.routes.common import body, config, models
+from app.serve.types import InferRequest
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    m = models(request)
+    infos = await asyncio.gather(*(m.info(name) for name in sorted(m.clients)))
+    return {"models": [info.listing() for info in infos]}
+
+
+@router.post("/v1/models/{name}:predict")
+async def predict(name: str, request: Request):
+    m = models(request)
+    m.get(name)
+    instances = decode_v1(await body(request), config(request).max_request_rows)
+    result = await m.infer(name, InferRequest(instances=instances))
+    names = result.label_names
+    return {
+        "model_name": name,
+        "model_version": result.version,
+        "predictions": [
+            {"label": label, "probabilities": dict(zip(names, map(float, probs), strict=True))}
+            for label, probs in zip(result.labels, result.probabilities, strict=True)
+        ],
+    }
