@@ -1,4 +1,4 @@
-"""What every job entry point shares: arguments, exit codes, the summary line, Ray connection.
+"""What every job entry point shares: arguments, exit codes, the summary line.
 
 Exit codes: 0 ok, 1 bad input or a failed run, 2 bad config/usage or no cluster, 3 the export gate.
 """
@@ -15,27 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from app.config import Config, load_config
-from app.errors import ConfigError, NoClusterError, UserError
-
-# For the Ray clusters this project starts in-process (cluster/start.sh exports the same as
-# RAY_idle_worker_killing_time_threshold_ms): idle workers live 30 s instead of 1 s once a node
-# runs more workers than CPUs, as every training run does, so Ray Data's task processes last
-# from one epoch to the next instead of starting afresh every epoch.
-LOCAL_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 30_000}
-
-
-def init_private_ray(num_cpus: int = 2) -> None:
-    """A new Ray of this process's own, never a running one (tests and benchmarks): no
-    dashboard, workers' output kept out of this process's."""
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+from app.errors import ConfigError, UserError
+from app.ray_runtime import disconnect_ray
 
 
 def parser(stage: str, description: str) -> argparse.ArgumentParser:
@@ -110,52 +91,3 @@ def emit(summary: dict[str, Any], summary_file: str | None) -> None:
     disconnect_ray()
     sys.stderr.flush()
     print(line, flush=True)
-
-
-def disconnect_ray() -> None:
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-
-
-def connect_ray(require_cluster: bool = False) -> None:
-    """Join RAY_ADDRESS or a running local cluster; else start a local Ray for this process.
-
-    Jobs that leave something running (deploy) pass require_cluster and fail with exit 2 instead.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        if address == "auto" and not local_cluster_answers():
-            raise ConnectionError("no local cluster answers")
-        ray.init(address=address, log_to_driver=True)
-        return
-    except (ConnectionError, RuntimeError) as e:
-        if require_cluster:
-            raise NoClusterError(
-                "no running Ray cluster found "
-                f"({str(e).splitlines()[0][:120]}); start one with `make cluster-up` "
-                "(cluster/start.sh) or `ray start --head`, or set RAY_ADDRESS"
-            ) from None
-    ray.init(_system_config=LOCAL_RAY_SYSTEM_CONFIG)
-
-
-def local_cluster_answers(timeout_s: float = 1.0) -> bool:
-    """Whether the cluster Ray's address file names (what address="auto" joins) is listening.
-
-    A cluster that died without `ray stop` leaves that file behind, and joining it would wait
-    on a dead GCS for half a minute before failing; a closed port answers at once.
-    """
-    import socket
-
-    current = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
-    try:
-        with open(current) as f:
-            host, _, port = f.read().strip().rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False

@@ -13,11 +13,11 @@ from typing import Any
 
 import requests
 
-from app.cli import connect_ray
 from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.prepare import read_manifest, split_files
 from app.errors import UserError
+from app.ray_runtime import connect_ray
 from app.tasks.registry import run_task
 
 log = logging.getLogger(__name__)

@@ -38,3 +38,62 @@ def dashboard_url() -> str | None:
     import ray
 
     return ray._private.worker.get_dashboard_url() or None
+
+
+def init_local_ray(system_config: dict, **kwargs: object) -> None:
+    """A local Ray with `_system_config` (no public way to set a raylet option in-process)."""
+    import ray
+
+    ray.init(_system_config=system_config, **kwargs)  # type: ignore[arg-type]
+
+
+def lean_torch_trainer(pg_cleaner: bool) -> type:
+    """TorchTrainer without the actors a run does not need, each a fresh process started just
+    as the workers start (no public option turns them off):
+    - the DatasetManager, which Ray Train starts for every run to split its `datasets`: our runs
+      pass none (each worker reads or streams its own share);
+    - unless `pg_cleaner`, the PlacementGroupCleaner, a detached actor that removes the worker
+      group's placement group if the controller dies while the job lives on. A job's own driver
+      ends with its run and Ray then removes the job's placement groups; a Tune trial stopped
+      early is killed while the search goes on, so Tune runs keep the cleaner.
+    """
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
+    from ray.train.v2.torch.torch_trainer import TorchTrainer  # what ray.train.torch gives in V2
+
+    dropped: tuple[type, ...] = (DatasetsCallback,)
+    if not pg_cleaner:
+        dropped += (PlacementGroupCleanerCallback,)
+
+    class LeanTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, dropped)]
+
+    return LeanTorchTrainer
+
+
+def quiet_train_logs() -> None:
+    """Ray Train logs every report's full metrics dict and checkpoint path at INFO, per rank,
+    per epoch; our job log keeps one line per epoch instead. Its loggers are named after the
+    modules' file paths, not their dotted names."""
+    from ray.train.v2._internal.execution import context, storage
+
+    for module in (context, storage):
+        for name in (module.__name__, getattr(module, "__file__", "")):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def quiet_data_progress() -> None:
+    """Ray Data's per-execution summary lines, and the notice that progress bars are off."""
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+
+
+def data_tasks_running(executor: object) -> bool:
+    """Whether a Ray Data streaming executor has a task running (its operator topology is
+    private; an executor without one counts as idle)."""
+    topology = getattr(executor, "_topology", None) or {}
+    return any(op.num_active_tasks() for op in topology)

@@ -2,7 +2,7 @@
 
 configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
 stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files).
-Each size runs in a fresh private Ray: the training job's trainer (app.train.trainer.trainer_class) with
+Each size runs in a fresh private Ray: the training job's trainer (app.ray_private.lean_torch_trainer) with
 2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.trainer.feed:
 each rank streams its share, app.data.ingest.stream_split + app.data.feed.StreamFeed) and updates no model. A sampler sums the proportional set
 size (PSS: shared pages, the object store's included, counted once) of this process and every
@@ -94,11 +94,11 @@ def ingest_pass(config) -> dict[str, Any]:
     import ray
     import ray.train
 
-    from app.cli import init_private_ray
     from app.config import dump
     from app.data.ingest import fit_preprocessor, split_shards
     from app.data.prepare import read_manifest
-    from app.train.trainer import trainer_class
+    from app.ray_runtime import init_private_ray
+    from app.ray_private import lean_torch_trainer
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)
@@ -106,7 +106,7 @@ def ingest_pass(config) -> dict[str, Any]:
     try:
         with PeakMemory() as memory:
             start = time.perf_counter()
-            trainer = trainer_class()(
+            trainer = lean_torch_trainer(pg_cleaner=False)(
                 ingest_loop,
                 train_loop_config={
                     "config": dump(config),

@@ -344,7 +344,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[dict[str, Any]]:
     """
     import ray
 
-    from app.cli import init_private_ray
+    from app.ray_runtime import init_private_ray
 
     address = os.environ.get(RAY_ADDRESS_ENV)
     start = time.perf_counter()

@@ -111,7 +111,7 @@ def parse(argv=None) -> argparse.Namespace:
 def start_shared_ray() -> tuple[str, float]:
     import ray
 
-    from app.cli import init_private_ray
+    from app.ray_runtime import init_private_ray
 
     start = time.perf_counter()
     init_private_ray()

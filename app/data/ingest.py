@@ -30,6 +30,7 @@ from app import storage
 from app.config import Config
 from app.data.prepare import DatasetManifest, read_manifest, split_files
 from app.data.preprocess import Preprocessor
+from app.ray_private import data_tasks_running, quiet_data_progress
 from app.tasks.registry import task_for_dataset
 
 log = logging.getLogger(__name__)
@@ -264,20 +265,14 @@ class PacedScheduling:
 
     def on_execution_step(self, executor: Any) -> None:
         now = time.monotonic()
-        if now - self._last < self.MIN_STEP_S and not self._tasks_running(executor):
+        # While a read task runs, the loop's next step blocks in ray.wait: no pause needed.
+        if now - self._last < self.MIN_STEP_S and not data_tasks_running(executor):
             time.sleep(self._pause)
             self._pause = min(2 * self._pause, self.MAX_PAUSE_S)
             now = time.monotonic()
         else:
             self._pause = self.FIRST_PAUSE_S
         self._last = now
-
-    @staticmethod
-    def _tasks_running(executor: Any) -> bool:
-        # While a read task runs, the loop's next step blocks in ray.wait: no pause needed, and
-        # none wanted (a task that just finished frees its slot for the next one at once).
-        topology = getattr(executor, "_topology", None) or {}
-        return any(op.num_active_tasks() for op in topology)
 
     def after_execution_succeeds(self, executor: Any) -> None: ...
 
@@ -317,6 +312,4 @@ def quiet_progress() -> None:
     ctx.enable_progress_bars = False
     ctx.enable_operator_progress_bars = False
     ctx.print_on_execution_start = False
-    # "Dataset ... execution finished in N seconds", and the notice that progress bars are off.
-    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    quiet_data_progress()

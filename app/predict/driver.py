@@ -56,7 +56,7 @@ class Tally:
 def predict(
     config: Config, artifact_uri: str, input_uri: str, output: str, id_column: str = "id"
 ) -> dict[str, Any]:
-    from app.cli import connect_ray
+    from app.ray_runtime import connect_ray
 
     started = time.perf_counter()
     cfg = config.predict

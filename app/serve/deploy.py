@@ -25,9 +25,10 @@ from typing import Any
 
 import requests
 
-from app.cli import UserError, connect_ray
 from app.config import Config, ServeConfig, resolve_uri
+from app.errors import UserError
 from app.export.artifact import open_artifact
+from app.ray_runtime import connect_ray
 from app.serve.app import MODEL_IMPORT_PATH, applications, model_app_name
 from app.serve.deploy_lock import cluster_lock
 from app.serve.middleware import api_key

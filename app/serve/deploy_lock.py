@@ -56,7 +56,7 @@ def hold(
     poll_s: float = 1.0,
 ) -> Iterator[str]:
     """Poll `acquire` until it grants the lease (UserError after `wait_s`), release on exit."""
-    from app.cli import UserError
+    from app.errors import UserError
 
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     deadline = time.monotonic() + wait_s

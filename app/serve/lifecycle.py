@@ -112,9 +112,9 @@ def gate_figures(report: dict[str, Any]) -> dict[str, Any]:
 def live_versions(config: Config) -> dict[str, str] | None:
     """{model name: version served} for this project's Serve applications; None when no cluster
     runs (nothing can be known to be live)."""
-    from app.cli import connect_ray
     from app.config import resolve_uri
     from app.errors import NoClusterError
+    from app.ray_runtime import connect_ray
     from app.serve.deploy import current_apps, serve_client, served_models, serving_address
 
     try:
@@ -144,7 +144,8 @@ def served_version(uri: str, url: str, name: str, api_key_env: str) -> str:
 def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
     """Take `name`'s Serve application away; the other models' applications do not change, so
     Serve leaves their replicas alone (the index is updated to list the rest)."""
-    from app.cli import UserError, connect_ray
+    from app.errors import UserError
+    from app.ray_runtime import connect_ray
     from app.serve.app import model_app_name
     from app.serve.deploy import (
         ROLLBACK_TIMEOUT_S,

@@ -32,7 +32,7 @@ def tune(config: Config) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
-    from app.cli import connect_ray
+    from app.ray_runtime import connect_ray
 
     spec = require_tune(config)
     name = config.train.run_name or f"{config.workload}-tune-{datetime.now():%Y%m%d-%H%M%S}"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import init_private_ray
 from app.config import Config
 from app.data.prepare import prepare
+from app.ray_runtime import init_private_ray
 from tests.conftest import REPO, make_config
 
 

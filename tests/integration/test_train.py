@@ -128,27 +128,6 @@ def test_fp16_without_cuda_is_refused_before_any_work(workspace):
         check_precision(config)
 
 
-def test_the_train_controller_can_load_the_backend_config_without_torch():
-    """Ray Train's controller unpickles the backend config; Ray's TorchConfig would make it import
-    torch (~1.3 s of CPU at every run's start, B9). Ours must not."""
-    import subprocess
-    import sys
-
-    from app.train.process_group import ProcessGroupConfig
-
-    blob = __import__("pickle").dumps(ProcessGroupConfig(backend="gloo", timeout_s=60))
-    probe = (
-        "import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); "
-        "assert c.backend_cls.__name__ == 'ProcessGroupBackend', c.backend_cls; "
-        "assert c.to_dict() == {'backend': 'gloo', 'init_method': 'env', 'timeout_s': 60}; "
-        "print('torch' in sys.modules)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], input=blob, capture_output=True, check=True
-    ).stdout
-    assert out.strip() == b"False"
-
-
 def test_workers_that_never_fit_fail_after_bounded_tries_naming_the_resources(
     prepared, workspace, ray_local_module, monkeypatch
 ):

@@ -294,30 +294,6 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
     assert sorted(order(restarted, seed=2)) == list(range(513))
 
 
-def test_a_run_starts_only_the_ray_train_actors_it_needs():
-    """Ray Train's DatasetManager (a process per run) is never started: each worker reads or
-    streams its own share. The PlacementGroupCleaner (a detached process per run) is kept only
-    for a run its job outlives (a Tune trial)."""
-    import ray.train
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import (
-        PlacementGroupCleanerCallback,
-    )
-
-    from app.train.trainer import trainer_class
-
-    def hooks(pg_cleaner: bool = False) -> list[type]:
-        trainer = trainer_class(pg_cleaner)(
-            lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1)
-        )
-        return [type(c) for c in trainer._create_default_callbacks()]
-
-    default = hooks()
-    assert DatasetsCallback not in default and PlacementGroupCleanerCallback not in default
-    assert len(default) >= 2  # the rest of Ray Train's own hooks are kept
-    assert PlacementGroupCleanerCallback in hooks(pg_cleaner=True)
-
-
 def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
     from app.train.trainer import set_controller_env
 

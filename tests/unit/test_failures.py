@@ -115,3 +115,26 @@ def test_manifest_of_the_wrong_shape_stops_training_with_one_line(capsys, tmp_pa
     )
     assert code == 1
     assert line.startswith(f"error: {output / MANIFEST}: "), line
+
+
+def test_a_ray_address_that_does_not_answer_fails_in_seconds_naming_it(monkeypatch):
+    """A cluster that is gone: Ray itself retries the GCS for minutes, printing only its own
+    warnings. The job says in one line which address did not answer, and exits 2."""
+    import socket
+    import time
+
+    from app.errors import NoClusterError
+    from app.ray_runtime import connect_ray
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(NoClusterError) as failed:
+        connect_ray()
+    assert time.monotonic() - start < 5
+    message = str(failed.value)
+    assert f"RAY_ADDRESS=127.0.0.1:{port}: nothing answers there" in message
+    assert "unset RAY_ADDRESS" in message and "\n" not in message
+    assert failed.value.exit_code == 2

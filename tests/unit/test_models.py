@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import app.cli
+import app.train.trainer
 from app.config import ModelConfig
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
@@ -187,6 +187,6 @@ def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatc
     def no_ray(*args, **kwargs):
         raise AssertionError("train() connected to Ray before checking the model against the data")
 
-    monkeypatch.setattr(app.cli, "connect_ray", no_ray)
+    monkeypatch.setattr(app.train.trainer, "connect_ray", no_ray)
     with pytest.raises(ConfigError, match="model.name"):
         train(config)

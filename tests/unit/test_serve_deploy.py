@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from app.cli import UserError
 from app.config import ServeConfig
+from app.errors import UserError
 from app.serve import deploy as deploy_mod
 from app.serve.app import applications
 from app.serve.deploy_lock import DeployLease, hold
