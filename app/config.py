@@ -66,7 +66,7 @@ class DataConfig(_Section):
     # each), so neither side starves the other.
     stream_read_tasks_per_worker: int = Field(4, ge=1)
     # Read tasks running at once, per train worker. Each running task is a worker process Ray
-    # must start at the first epoch (~2 s of CPU: on 2 cores that delays the first step, B9);
+    # must start at the first epoch, which delays the first step on a small machine;
     # one per train worker keeps up whenever reading a row costs less than training on it.
     stream_reads_in_flight_per_worker: int = Field(1, ge=1)
     # Blocks (one read task's piece each, up to a shard) each worker fetches ahead of its
@@ -74,7 +74,7 @@ class DataConfig(_Section):
     stream_prefetch_batches: int = Field(4, ge=0)
     stream_max_cpus: float | None = Field(None, gt=0)
     # Object store memory Ray Data may fill with blocks in flight while streaming, shared
-    # equally by the workers' streams (bench B8: peak memory of an ingest pass stays flat).
+    # equally by the workers' streams, so memory stays flat however large the data.
     stream_object_store_mb: float = Field(256, gt=0)
     # Generators and image folders.
     num_rows: int = Field(4000, ge=10)
@@ -161,9 +161,8 @@ class TrainConfig(_Section):
     shuffle_buffer: int = Field(2000, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     # `async` uploads while the next epoch trains (worth it for large checkpoints to remote
-    # storage). `sync` by default: with Ray 2.60 on CPU workers, async made every later training
-    # step ~4x slower (digits: 0.35 s -> 2.0 s epochs; its upload thread competes with the
-    # training thread), while a sync upload of a small checkpoint to local disk takes ms.
+    # storage). `sync` by default: on CPU workers the async upload thread competes with the
+    # training thread for the whole epoch, while a small checkpoint to local disk takes ms.
     checkpoint_upload: Literal["sync", "async"] = "sync"
     # How often Ray Train's controller polls the workers. It takes each epoch's report only when
     # it polls, and a worker's next report waits for that, so Ray's default (2 s) makes every

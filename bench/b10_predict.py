@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
+    Bench,
     bench_config,
+    bench_main,
     ensure_artifact,
     free_port,
-    main_wrapper,
     private_ray,
     wait_for_quiet,
-    write_result,
 )
 from bench.load import closed_loop, wait_ready
 
@@ -146,7 +146,7 @@ def compare(output: str, manifest_files: list[str], ids: np.ndarray, online: dic
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     from app.predict.write import verify_output
 
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     rows = 5_000 if smoke else 100_000
     artifact = ensure_artifact(work, "tabular", smoke)["artifact"]
     config = bench_config(work, "tabular", "predict.max_actors=2")
@@ -204,24 +204,12 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         + f" (x{ratio:.1f} the best); sample labels agree "
         + f"{100 * agreement['label_agreement']:.1f}%"
     )
-    return write_result(
-        ID,
-        "batch_vs_online_rows_per_s_ratio",
-        ratio,
-        GOAL,
-        bool(ratio >= 1.0),
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+    return bench.result(
+        "batch_vs_online_rows_per_s_ratio", ratio, bool(ratio >= 1.0), details, summary
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

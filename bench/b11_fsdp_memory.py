@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import free_port, main_wrapper, ratio, wait_for_quiet, write_result
+from bench.common import Bench, bench_main, free_port, ratio, wait_for_quiet
 
 ID = "B11"
 GOAL = "FSDP parameter + gradient + optimizer bytes per rank <= 0.55x DDP's (2 ranks)"
+WHAT = "sharded training memory: FSDP vs DDP bytes per rank, 2 gloo ranks"
 WORLD = 2
 FULL = {"dim": 256, "layers": 4, "heads": 4, "ff_dim": 1024, "vocab": 8000, "steps": 8}
 SMOKE = {"dim": 128, "layers": 2, "heads": 4, "ff_dim": 256, "vocab": 1000, "steps": 3}
@@ -89,7 +90,7 @@ def measure(strategy: str, size: dict[str, int], work: Path) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     size = SMOKE if smoke else FULL
     parameters = sum(p.numel() for p in build(size).parameters())
     load = wait_for_quiet(0.0 if smoke else 120.0)
@@ -102,11 +103,9 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"{parameters / 1e6:.1f}M-parameter Transformer, {WORLD} ranks: "
         f"DDP {mib['ddp']:.1f} MiB, FSDP {mib['fsdp']:.1f} MiB per rank (x{value:.3f})"
     )
-    return write_result(
-        ID,
+    return bench.result(
         "fsdp_vs_ddp_bytes_per_rank",
         value,
-        GOAL,
         bool(value <= 0.55),
         {
             "parameters": parameters,
@@ -116,17 +115,11 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             **results,
             "method": __doc__.split("\n\n", 1)[1].strip(),
         },
-        out,
-        what="sharded training memory: FSDP vs DDP bytes per rank, 2 gloo ranks",
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+        summary,
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

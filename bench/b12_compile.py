@@ -20,10 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import main_wrapper, ratio, wait_for_quiet, write_result
+from bench.common import Bench, bench_main, ratio, wait_for_quiet
 
 ID = "B12"
 GOAL = "compiled steady step time <= eager's (speedup >= 1.0x) on CPU"
+WHAT = "torch.compile: compiled vs eager training steps on CPU"
 
 
 def make_model(compile: bool, dropout: float) -> tuple[Any, Any]:
@@ -80,7 +81,7 @@ def measure(dropout: float, batch: Any, smoke: bool) -> dict[str, Any]:
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     import torch
 
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (32, 32), generator=g)
@@ -94,11 +95,9 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"(x{head['speedup']:.2f}; without dropout x{bare['speedup']:.2f}); "
         f"compile {head['compile_s']:.1f} s"
     )
-    return write_result(
-        ID,
+    return bench.result(
         "compiled_vs_eager_steady_step_speedup",
         head["speedup"],
-        GOAL,
         bool(head["speedup"] >= 1.0),
         {
             "headline": "dropout_0.1",
@@ -108,17 +107,11 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "load_average_at_start": load,
             "method": __doc__.split("\n\n", 1)[1].strip(),
         },
-        out,
-        what="torch.compile: compiled vs eager training steps on CPU",
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+        summary,
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

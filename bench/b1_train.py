@@ -27,8 +27,8 @@ from typing import Any
 from bench.common import (
     REPO,
     bench_config,
+    bench_main,
     ensure_prepared,
-    main_wrapper,
     median,
     private_ray,
     ratio,
@@ -216,9 +216,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    Bench,
     bench_config,
+    bench_main,
     ensure_prepared,
-    main_wrapper,
     median,
     private_ray,
     ratio,
     train_files,
     wait_for_quiet,
-    write_result,
 )
 
 ID = "B2"
@@ -71,7 +71,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
     from bench.torch_data import TorchShard
 
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     rows, passes, quiet_s = (1200, 2, 0.0) if smoke else (40000, 3, 240.0)
     config = bench_config(
         work, "stream", f"data.num_rows={rows}", f"data.rows_per_shard={rows // 20}", tag="ingest"
@@ -121,24 +121,16 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"(cache fill pass x{ratios['cached_fill_pass']:.2f}); DataLoader "
         f"{loader['median_rows_per_s']:.0f} rows/s"
     )
-    return write_result(
-        ID,
+    return bench.result(
         "ray_vs_dataloader_rows_per_s_ratio (worse of cached, streamed)",
         worst,
-        GOAL,
         bool(worst >= 1.0),
         details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+        summary,
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

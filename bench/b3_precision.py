@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
+    Bench,
     bench_config,
+    bench_main,
     ensure_prepared,
     has_native_bf16,
     inprocess_state,
-    main_wrapper,
     median,
     ratio,
     train_inprocess,
-    write_result,
 )
 
 ID = "B3"
@@ -82,7 +82,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
 
     from app.data.ingest import fit_preprocessor
 
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     torch.set_num_threads(1)
     rounds, seconds = (1, 0.3) if smoke else (3, 1.5)
     throughput: dict[str, Any] = {}
@@ -145,24 +145,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"bf16/fp32 steps/s digits CNN x{headline:.2f} ({others}); digits accuracy fp32 "
         f"{100 * accuracy['fp32']['val_accuracy']:.1f}% vs bf16 {100 * accuracy['bf16']['val_accuracy']:.1f}%"
     )
-    return write_result(
-        ID,
-        "bf16_vs_fp32_train_steps_per_s",
-        headline,
-        GOAL,
-        met,
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
-    )
+    return bench.result("bf16_vs_fp32_train_steps_per_s", headline, met, details, summary)
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

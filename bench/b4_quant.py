@@ -12,20 +12,19 @@ ONNX fp32 at batch 32; on every model int8 loses <= 1 accuracy point.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.common import (
+    Bench,
     bench_config,
+    bench_main,
     ensure_artifact,
-    main_wrapper,
     percentile,
     ratio,
     timed_ms,
-    write_result,
 )
 
 ID = "B4"
@@ -98,7 +97,7 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     models = {w: measure_workload(work, w, smoke) for w in WORKLOADS}
     heavy = [models[w] for w in LINEAR_HEAVY]
     worst_speedup = min(m["int8_speedup_vs_onnx_fp32"]["batch_32"] for m in heavy)
@@ -125,24 +124,12 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         for w, m in models.items()
     ]
     summary = "int8 vs ONNX fp32: " + "; ".join(parts)
-    return write_result(
-        ID,
-        "int8_speedup_batch32_linear_heavy_min",
-        worst_speedup,
-        GOAL,
-        met,
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+    return bench.result(
+        "int8_speedup_batch32_linear_heavy_min", worst_speedup, met, details, summary
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

@@ -31,14 +31,14 @@ from typing import Any
 from bench.common import (
     QUIET_BUSY_CORES,
     REPO,
+    Bench,
     bench_config,
+    bench_main,
     ensure_artifact,
     free_port,
-    main_wrapper,
     median,
     quiet_window,
     ratio,
-    write_result,
 )
 from bench.load import wait_ready, wrk_run
 
@@ -263,7 +263,7 @@ def summarize_side(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     # $B5_ARTIFACT: an already published digits artifact (skips preparing data and training).
     artifact = os.environ.get("B5_ARTIFACT") or ensure_artifact(work, "digits", smoke)["artifact"]
     cfg = serve_config(work)
@@ -314,24 +314,12 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"(x{ratios[c]:.2f})"
         for c, s in sides.items()
     )
-    return write_result(
-        ID,
-        "serve_vs_plain_rps_ratio_at_16_connections",
-        headline,
-        GOAL,
-        met,
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+    return bench.result(
+        "serve_vs_plain_rps_ratio_at_16_connections", headline, met, details, summary
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

@@ -37,12 +37,12 @@ import numpy as np
 
 from bench.common import (
     TEXT256,
+    Bench,
+    bench_main,
     ensure_artifact,
-    main_wrapper,
     median,
     ratio,
     wait_for_quiet,
-    write_result,
 )
 
 ID = "B5b"
@@ -237,7 +237,7 @@ def serve_vs_plain(work: Path, smoke: bool) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     results, loads = ceilings(smoke)
     served = serve_vs_plain(work, smoke)
     lowest = min(r["ratio_rps"] for r in served.values())
@@ -266,24 +266,16 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         for k, v in served.items()
     )
     summary += "; ceilings " + ", ".join(f"{k} x{v['ceiling']:.2f}" for k, v in results.items())
-    return write_result(
-        ID,
+    return bench.result(
         "lowest_serve_batched_vs_plain_one_call_rps_ratio_at_32_connections",
         lowest,
-        GOAL,
         met,
         details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+        summary,
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,11 @@ from bench.b5_serve import (
 from bench.common import (
     REPO,
     TEXT256,
+    Bench,
+    bench_main,
     ensure_artifact,
     free_port,
-    main_wrapper,
     ratio,
-    write_result,
 )
 from bench.load import wait_ready
 
@@ -134,7 +133,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     artifact = (
         os.environ.get("B5C_ARTIFACT")
         or ensure_artifact(work, "text", smoke, *TEXT256, tag="text256")["artifact"]
@@ -186,24 +185,12 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"p99 {s['serve']['p99_ms']:.1f} ms (x{ratios[c]:.2f})"
         for c, s in sides.items()
     )
-    return write_result(
-        ID,
-        "serve_vs_litserve_rps_ratio_at_32_connections",
-        ratios[32],
-        GOAL,
-        met,
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+    return bench.result(
+        "serve_vs_litserve_rps_ratio_at_32_connections", ratios[32], met, details, summary
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

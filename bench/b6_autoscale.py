@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    Bench,
     bench_config,
+    bench_main,
     ensure_artifact,
     free_port,
-    main_wrapper,
     median,
     private_ray,
-    write_result,
 )
 from bench.load import LoadGenerator, summarize, wait_ready
 
@@ -122,7 +122,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     from app.serve.app import build_app
     from bench.b5_serve import request_body
 
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     artifact = ensure_artifact(work, "digits", smoke)["artifact"]
     overrides = [f"serve.autoscaling.{k}={v}" for k, v in AUTOSCALING.items()]
     config = bench_config(work, "digits", *overrides)
@@ -187,24 +187,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         if decided:
             summary += f"; autoscaler decided at {median(decided):.1f}s"
     met = bool(scale_s <= 10.0)
-    return write_result(
-        ID,
-        "seconds_to_second_replica_serving",
-        scale_s,
-        GOAL,
-        met,
-        details,
-        out,
-        what=WHAT,
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
-    )
+    return bench.result("seconds_to_second_replica_serving", scale_s, met, details, summary)
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

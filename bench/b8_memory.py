@@ -20,16 +20,17 @@ from typing import Any
 
 from bench.common import (
     REPO,
+    Bench,
     bench_config,
-    main_wrapper,
+    bench_main,
     ratio,
     wait_for_quiet,
-    write_result,
 )
 from bench.load import process_tree
 
 ID = "B8"
 GOAL = "peak memory at 10x the data <= 1.2x"
+WHAT = "streaming memory: ingest-only pass through 2 train workers, data x10"
 
 
 def pss_bytes(pid: int) -> int:
@@ -152,7 +153,7 @@ def prepare_elsewhere(config) -> None:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
+    bench = Bench(ID, GOAL, WHAT, out, smoke)
     base = 1000 if smoke else 40000
     sizes = {}
     for scale in (1, 10):
@@ -170,24 +171,16 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         f"peak PSS {sizes['1x']['peak_pss_bytes'] / 2**20:.0f} MiB at {base} rows, "
         f"{sizes['10x']['peak_pss_bytes'] / 2**20:.0f} MiB at {10 * base} rows (x{growth:.2f})"
     )
-    return write_result(
-        ID,
+    return bench.result(
         "peak_memory_ratio_10x_vs_1x",
         growth,
-        GOAL,
         bool(growth <= 1.2),
         {"sizes": sizes, "method": __doc__.split("\n\n", 1)[1].strip()},
-        out,
-        what="streaming memory: ingest-only pass through 2 train workers, data x10",
-        summary=summary,
-        mode="smoke" if smoke else "full",
-        elapsed_s=time.perf_counter() - started,
+        summary,
     )
 
 
-def main(argv=None) -> None:
-    main_wrapper(run, __doc__.splitlines()[0], argv)
-
+main = bench_main(run, __doc__)
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,36 @@ def write_result(
     return record
 
 
+@dataclass
+class Bench:
+    """One benchmark run: what it measures, its goal, where its record goes, since when."""
+
+    id: str
+    goal: str
+    what: str
+    out: str
+    smoke: bool
+    started: float = field(default_factory=time.perf_counter)
+
+    def result(
+        self, metric: str, value: float | None, met: bool | None, details: dict, summary: str
+    ) -> dict[str, Any]:
+        """Write `<out>/<id>.json` (smoke or full, with the run's elapsed time) and return it."""
+        return write_result(
+            self.id,
+            metric,
+            value,
+            self.goal,
+            met,
+            details,
+            self.out,
+            what=self.what,
+            summary=summary,
+            mode="smoke" if self.smoke else "full",
+            elapsed_s=time.perf_counter() - self.started,
+        )
+
+
 def print_result(record: dict[str, Any]) -> None:
     """The last thing a benchmark prints: its ratios in one line."""
     met = {True: "met", False: "MISSED", None: "n/a"}[record["met"]]
@@ -290,6 +321,11 @@ def setup_logging() -> None:
         stream=sys.stderr,
     )
     logging.getLogger("bench").setLevel(logging.INFO)
+
+
+def bench_main(run, doc: str | None):
+    """A benchmark module's `main(argv=None)`: its docstring's first line is the description."""
+    return lambda argv=None: main_wrapper(run, (doc or "").splitlines()[0], argv)
 
 
 def main_wrapper(run, description: str, argv: Sequence[str] | None = None) -> None:

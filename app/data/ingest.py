@@ -209,8 +209,8 @@ def stream_split(
 
     Each worker runs its own execution, in its own process, rather than one execution split
     across the workers (`streaming_split`): that needs a DatasetManager and a split coordinator,
-    two more actor processes (~2 s of CPU each on 2 cores) started just as training starts (B9),
-    and every batch then passes through the coordinator. The input is the manifest's shard row
+    two more actor processes started just as training starts, and every batch then passes
+    through the coordinator. The input is the manifest's shard row
     ranges, not `read_parquet`: Ray Data 2.60's Parquet source lists the files and reads every
     footer again on each execution, in a pool of actors started for it, while the manifest
     already holds each shard's path and row count. One task reads and preprocesses one range,
@@ -248,10 +248,9 @@ class PacedScheduling:
 
     Ray Data 2.60's loop blocks in `ray.wait` only while read tasks run; once they are done, or
     held back because the worker has not taken the blocks already read, it loops without pause,
-    a thread that holds the GIL busy beside the training thread (steps took twice as long in
-    `configs/stream.yaml`). A loop step that comes within 5 ms of the previous one with no task
+    a thread that holds the GIL busy beside the training thread. A loop step that comes within 5 ms of the previous one with no task
     running pauses, 1 ms at first and twice as long at each such step in a row, up to 50 ms: a
-    consumer that takes blocks fast (B2) frees the loop within a few milliseconds, one that
+    consumer that takes blocks fast frees the loop within a few milliseconds, one that
     trains between batches leaves it asleep nearly all the time.
     """
 

@@ -56,8 +56,8 @@ def quantize(
 
     if method == "dynamic":
         # Per-tensor weight scales: per-channel ones cost bytes that kilobyte-sized Linear
-        # layers cannot afford under the 0.3x size bound (measured: tabular 0.302x vs 0.29x),
-        # and the on-the-fly activation quantization is what limits accuracy here anyway.
+        # layers cannot afford under a 0.3x size bound, and the on-the-fly activation
+        # quantization is what limits accuracy here anyway.
         quantize_dynamic(
             prepared,
             int8,

@@ -170,7 +170,7 @@ def set_controller_env(config: Config) -> None:
     process's RAY_TRAIN_* variables to it); one the user exported wins."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(config.train.controller_poll_s))
     # The preemption watcher is one more actor process per worker group, started as the workers
-    # start (~1 s of start-up on 2 cores: B9). It serves loops that call
+    # start. It serves loops that call
     # ray.train.get_preemption_info, which this one does not: a drained node's ranks fail and the
     # run resumes from its last checkpoint, as for any other fault.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")

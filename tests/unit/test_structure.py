@@ -173,3 +173,29 @@ def test_no_dispatch_on_task_names_outside_the_registry():
 )
 def test_the_dispatch_check_sees_each_form(source):
     assert len(dispatches_on_task_names(source)) == 1
+
+
+def test_the_readme_stays_short_and_nothing_reads_as_a_lab_notebook():
+    repo = APP.parent
+    assert len((repo / "README.md").read_text().splitlines()) <= 300
+    texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), repo / "bench/README.md"]
+    texts += sorted(APP.rglob("*.py"))
+    stale = ("last stop", "the run before", "this stop")
+    found = [
+        f"{path.relative_to(repo)}: {phrase!r}"
+        for path in texts
+        for phrase in stale
+        if phrase in path.read_text().lower()
+    ]
+    assert found == []
+
+
+def test_no_function_in_app_is_longer_than_80_lines():
+    long = [
+        f"{path.relative_to(APP)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(APP.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
