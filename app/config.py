@@ -33,6 +33,11 @@ SOURCES = (
 ROOT_ENV = "RAYTORCH_ROOT"
 
 
+# A name that becomes a folder or a key under a storage root (workload, run, model, Serve
+# application): letters, digits, `_.-`, not starting with a dot, so `../` cannot leave the root.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
 class _Section(BaseModel):
     # Numbers are accepted for text fields (labels "0".."9", run_name=2024) as their text.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
@@ -127,7 +132,8 @@ class TrainConfig(_Section):
     # What the run learns: a registered task (app/tasks/registry.py) or "pkg.module:TASK";
     # by default the one the dataset's kind calls for (classify labelled rows, lm token rows).
     task: str | None = None
-    run_name: str | None = None  # default "<workload>-<timestamp>-<6 hex>"; an existing one resumes
+    # Default "<workload>-<timestamp>-<6 hex>"; an existing one resumes. A folder name, never a path.
+    run_name: str | None = Field(None, pattern=NAME_PATTERN)
     storage_path: str = "outputs/runs"
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
@@ -186,7 +192,7 @@ class TrainConfig(_Section):
 
 class ExportConfig(_Section):
     registry: str = "outputs/registry"
-    name: str | None = None  # default: the workload name
+    name: str | None = Field(None, pattern=NAME_PATTERN)  # default: the workload name
     opset: int = Field(17, ge=13)
     quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static for conv nets
     calibration_batches: int = Field(32, ge=1)  # of 32 train rows, spread over the split
@@ -359,7 +365,7 @@ class TuneSection(_Section):
 
 
 class Config(_Section):
-    workload: str = Field("digits", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    workload: str = Field("digits", pattern=NAME_PATTERN)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

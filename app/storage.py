@@ -96,7 +96,9 @@ def write_bytes(uri: str, data: bytes) -> None:
     tmp = f"{path}{STAGING_MARK}{uuid.uuid4().hex[:8]}"
     with fs.open_output_stream(tmp) as f:
         f.write(data)
+    fsync(tmp)  # on disk before the rename makes it visible: a crash leaves old or new, whole
     fs.move(tmp, path)
+    fsync(os.path.dirname(path))
 
 
 def write_json(uri: str, obj: Any) -> None:
@@ -222,7 +224,9 @@ def staged_dir(uri: str, replace: bool = True) -> Iterator[str]:
     os.makedirs(staging)
     try:
         yield staging
+        fsync_tree(staging)
         _swap_local(staging, dest, replace)
+        fsync(os.path.dirname(dest))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -237,6 +241,24 @@ def _swap_local(staging: str, dest: str, replace: bool) -> None:
     os.rename(dest, old)
     os.rename(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync(path: str) -> None:
+    """Flush a local file, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Every file under `root`, then the folders themselves: what a rename is about to publish
+    is on disk before it, so a crash right after leaves no published file empty or torn."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync(os.path.join(folder, name))
+        fsync(folder)
 
 
 def download_dir(uri: str, local: str) -> str:
@@ -298,7 +320,9 @@ def commit_dir(local: str, uri: str, commit_file: str) -> None:
         staging = f"{dest}{STAGING_MARK}{uuid.uuid4().hex[:8]}"
         try:
             shutil.copytree(local, staging)
+            fsync_tree(staging)
             os.rename(staging, dest)  # replaces the empty claimed folder in one step
+            fsync(os.path.dirname(dest))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return

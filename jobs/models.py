@@ -1,8 +1,9 @@
-"""python -m jobs.models [--config C] [section.key=value ...] list | undeploy NAME | prune --keep N
+"""python -m jobs.models [--config C] [section.key=value ...] list | undeploy NAME | prune --keep N [--force]
 
 The registry's models and versions (with their gate reports and which version is live), taking a
 model off Serve without touching the others, and deleting old versions (never `latest` or the
-live one). Without --config the defaults apply (registry outputs/registry)."""
+live one or any a running application pins; without a cluster only with --force). Without
+--config the defaults apply (registry outputs/registry)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     prune = actions.add_parser("prune", help="delete old versions, keeping the newest N")
     prune.add_argument("--keep", type=int, required=True)
     prune.add_argument("--model", help="only this model (default: every model)")
+    prune.add_argument(
+        "--force",
+        action="store_true",
+        help="prune without a running cluster (nothing then tells which versions are served)",
+    )
     return p
 
 
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.action == "undeploy":
             summary = lifecycle.undeploy(config, args.name)
         else:
-            summary = lifecycle.prune(config, args.keep, args.model)
+            summary = lifecycle.prune(config, args.keep, args.model, args.force)
         emit(summary, args.summary_file)
 
 

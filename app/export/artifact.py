@@ -77,7 +77,9 @@ def resolve(uri: str) -> str:
     if storage.exists(storage.join(uri, MANIFEST)):
         return uri
     if os.path.basename(uri) == LATEST and storage.is_file(uri):
-        version = storage.read_bytes(uri).decode().strip()
+        version = storage.read_bytes(uri).decode(errors="replace").strip()
+        if not version.isdigit():  # never a path: the pointer names a version folder
+            raise ArtifactError(f"{uri}: holds {version[:40]!r}, not a version number")
         return storage.join(uri.rsplit("/", 1)[0], version)
     if not storage.exists(uri):
         raise ArtifactError(f"{uri}: no such artifact")

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
-from app.config import ServeConfig, resolve_uri
+from app.config import NAME_PATTERN, ServeConfig, resolve_uri
 from app.export.artifact import Artifact, resolve
 from app.ray_private import serve_http_host
 from app.serve.api import IngressMetrics, create_api
@@ -37,7 +37,6 @@ from app.serve.lm_server import LMServer
 from app.serve.model_server import ModelServer
 from app.tasks.registry import Task, task_of_schema
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 MODEL_IMPORT_PATH = "app.serve.app:build_model_app"
 INDEX_IMPORT_PATH = "app.serve.app:build_index_app"
 

@@ -5,19 +5,21 @@ good version) is the source of truth for what exists; the running Serve applicat
 live. Without a cluster nothing is live, which `list` reports as "unknown" (a registry on shared
 storage may still be served by a cluster this machine cannot see).
 
-Pruning never deletes the version `latest` points at, nor one a running cluster serves, nor a
-version without its manifest (an export still writing it: the manifest is written last).
+Pruning never deletes the version `latest` points at, nor one a running cluster serves or pins,
+nor a version without its manifest (an export still writing it: the manifest is written last);
+it asks the cluster under the deploy lock, and without a cluster it refuses unless forced.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any
 
 from app import storage
-from app.config import Config
+from app.config import NAME_PATTERN, Config
 from app.export import artifact as art
 
 log = logging.getLogger(__name__)
@@ -180,32 +182,82 @@ def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, A
 # --- pruning ------------------------------------------------------------------------------------
 
 
-def prune(config: Config, keep: int, model: str | None = None) -> dict[str, Any]:
-    """Delete all but the newest `keep` complete versions of each model (or of `model`); the
-    latest and the live version always stay."""
-    if keep < 1:
-        from app.errors import ConfigError
+def prune(
+    config: Config, keep: int, model: str | None = None, force: bool = False
+) -> dict[str, Any]:
+    """Delete all but the newest `keep` complete versions of each model (or of `model`). The
+    latest version stays, and so does every version a running application serves or its deploy
+    config pins, read under the deploy lock so that no deploy changes them meanwhile. Without a
+    reachable cluster nothing can be known to be unused: refused unless `force`."""
+    from app.errors import ConfigError, NoClusterError
 
+    if keep < 1:
         raise ConfigError(f"--keep must be at least 1 (got {keep})")
-    live = live_versions(config) or {}
+    if model is not None and not re.match(NAME_PATTERN, model):
+        raise ConfigError(f"--model {model!r}: not a model name (letters, digits, _.- only)")
     names = [model] if model else model_names(config.registry)
-    deleted: dict[str, list[str]] = {}
-    for name in names:
-        deleted[name] = prune_model(config.registry, name, keep, live.get(name))
+    if not force:
+        try:
+            return _prune_under_lock(config, keep, names)
+        except NoClusterError as e:
+            raise NoClusterError(
+                f"prune: {e}; without a cluster nothing tells which versions are served "
+                "(a replica restart would fail on a deleted one): start it, or pass --force"
+            ) from None
+    deleted = {name: prune_model(config.registry, name, keep, set()) for name in names}
     return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
 
 
-def prune_model(registry: str, name: str, keep: int, live: str | None) -> list[str]:
+def _prune_under_lock(config: Config, keep: int, names: list[str]) -> dict[str, Any]:
+    from app.ray_runtime import connect_ray
+    from app.serve.deploy import ROLLBACK_TIMEOUT_S
+    from app.serve.deploy_lock import cluster_lock
+
+    connect_ray(require_cluster=True)
+    with cluster_lock(ttl_s=ROLLBACK_TIMEOUT_S, wait_s=ROLLBACK_TIMEOUT_S):
+        in_use = versions_in_use(config)
+        deleted = {
+            name: prune_model(config.registry, name, keep, in_use.get(name, set()))
+            for name in names
+        }
+    return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
+
+
+def versions_in_use(config: Config) -> dict[str, set[str]]:
+    """Per model, the versions the running Serve config pins (its artifact folders) and the one
+    its replicas answer with (what a `latest` pointer resolved to when they started)."""
+    from app.config import resolve_uri
+    from app.serve.deploy import (
+        current_apps,
+        serve_client,
+        served_models,
+        serving_address,
+        serving_version,
+    )
+
+    details = serve_client().get_serve_details()
+    host, port = serving_address(details, config.serve)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    in_use: dict[str, set[str]] = {}
+    for name, uri in served_models(current_apps(details), config.serve).items():
+        folder = resolve_uri(uri).rstrip("/").rsplit("/", 1)[-1]
+        answered = serving_version(url, name, config.serve.api_key_env)
+        in_use[name] = {v for v in (folder, answered) if v != art.LATEST}
+    return in_use
+
+
+def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[str]:
     from app.errors import UserError
 
     folder = storage.join(registry, name)
     if not storage.exists(storage.join(folder, art.LATEST)):
         raise UserError(f"{folder}: no such model in the registry")
-    if live is not None and not live.isdigit():
-        raise UserError(f"{name}: cannot tell which version is live ({live}); nothing pruned")
+    unknown = sorted(v for v in in_use if not v.isdigit())
+    if unknown:
+        raise UserError(f"{name}: cannot tell which version is live ({unknown[0]}); nothing pruned")
     latest = str(storage.read_int(storage.join(folder, art.LATEST)))
     versions = complete_versions(folder)
-    protected = set(versions[-keep:]) | {latest} | ({live} if live else set())
+    protected = set(versions[-keep:]) | {latest} | in_use
     doomed = [v for v in versions if v not in protected]
     for version in doomed:
         # The manifest goes first: a reader then sees an incomplete version, never a

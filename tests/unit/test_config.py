@@ -201,3 +201,11 @@ def test_job_cli_bad_override_exits_2_with_one_line(tmp_path, monkeypatch, capsy
     assert key in lines[0]
     assert out == ""
     assert list(env_root.iterdir()) == []  # no work started: nothing written
+
+
+@pytest.mark.parametrize(
+    "override", ["export.name=../elsewhere", "train.run_name=../../tmp/x", "workload=a/b"]
+)
+def test_names_that_become_folders_cannot_leave_their_root(config_factory, override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        config_factory(override)

@@ -60,25 +60,41 @@ def test_listing_marks_the_live_version(registry):
 
 
 def test_prune_keeps_newest_latest_and_live_and_incomplete(registry):
-    deleted = lifecycle.prune_model(str(registry), "digits", keep=1, live="1")
+    deleted = lifecycle.prune_model(str(registry), "digits", keep=1, in_use={"1"})
     assert deleted == ["2"]  # 4 newest, 3 latest, 1 live, 5 still being written
     assert sorted(p.name for p in (registry / "digits").iterdir()) == ["1", "3", "4", "5", LATEST]
-    assert lifecycle.prune_model(str(registry), "digits", keep=1, live="1") == []
+    assert lifecycle.prune_model(str(registry), "digits", keep=1, in_use={"1"}) == []
 
 
-def test_prune_refuses_bad_keep_and_unknown_model(registry, monkeypatch):
-    monkeypatch.setattr(lifecycle, "live_versions", lambda config: None)
+def test_prune_refuses_bad_keep_unknown_model_and_names_that_leave_the_registry(registry):
     config = Config.model_validate({"export": {"registry": str(registry)}})
     with pytest.raises(ConfigError, match="--keep"):
         lifecycle.prune(config, 0)
     with pytest.raises(UserError, match="no such model"):
-        lifecycle.prune(config, 1, model="nope")
-    assert lifecycle.prune(config, 2)["deleted"] == {"digits": ["1", "2"], "text": []}
+        lifecycle.prune(config, 1, model="nope", force=True)
+    with pytest.raises(ConfigError, match="not a model name"):
+        lifecycle.prune(config, 1, model="../digits", force=True)
+    assert lifecycle.prune(config, 2, force=True)["deleted"] == {"digits": ["1", "2"], "text": []}
+
+
+def test_prune_without_a_cluster_deletes_nothing_unless_forced(registry, monkeypatch):
+    """A version a cluster serves must survive: without one to ask, nothing is deleted."""
+    import socket
+
+    from app.errors import NoClusterError
+
+    with socket.socket() as s:  # an address nothing answers on
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{s.getsockname()[1]}")
+    config = Config.model_validate({"export": {"registry": str(registry)}})
+    with pytest.raises(NoClusterError, match="--force"):
+        lifecycle.prune(config, 1)
+    assert len(lifecycle.complete_versions(str(registry / "digits"))) == 4
 
 
 def test_prune_refuses_when_the_live_version_cannot_be_told(registry):
     with pytest.raises(UserError, match="cannot tell which version is live"):
-        lifecycle.prune_model(str(registry), "digits", keep=1, live="HTTP 503: busy")
+        lifecycle.prune_model(str(registry), "digits", keep=1, in_use={"3", "HTTP 503: busy"})
     assert len(lifecycle.complete_versions(str(registry / "digits"))) == 4
 
 

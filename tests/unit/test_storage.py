@@ -113,3 +113,46 @@ def test_write_bytes_is_atomic_and_leaves_no_temporary(tmp_path):
     storage.write_json(uri, {"a": 2})
     assert json.loads(storage.read_bytes(uri)) == {"a": 2}
     assert staging_leftovers(tmp_path) == []
+
+
+def test_local_publishes_are_on_disk_before_their_rename(tmp_path, monkeypatch):
+    """A file and its folder are fsynced before the rename that publishes them, the parent
+    after it: a crash then leaves the old version or the new one, never an empty file."""
+    import os
+
+    from app import storage
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    dest = tmp_path / "dataset"
+    with storage.staged_dir(str(dest)) as staging:
+        (Path(staging) / "part-0.parquet").write_bytes(b"rows")
+    kinds = [k for k, _ in events]
+    renamed = kinds.index("rename")
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert any(p.endswith("part-0.parquet") for p in synced)
+    assert any(".staging" in p or p.endswith(os.path.basename(staging)) for p in synced)
+    assert ("fsync", str(tmp_path)) in events[renamed:]
+    assert (dest / "part-0.parquet").read_bytes() == b"rows"
+
+
+def test_a_latest_pointer_that_is_not_a_version_number_is_refused(tmp_path):
+    from app.errors import ArtifactError
+    from app.export.artifact import resolve
+
+    model = tmp_path / "registry" / "digits"
+    model.mkdir(parents=True)
+    (model / "latest").write_text("../../../etc\n")
+    with pytest.raises(ArtifactError, match="not a version number"):
+        resolve(str(model / "latest"))
