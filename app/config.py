@@ -55,6 +55,9 @@ class DataConfig(_Section):
     seed: int = 0
     output: str = "outputs/data/{workload}"
     rows_per_shard: int = Field(1000, ge=1)
+    # Dataset generations kept after a prepare: the new one and the ones before it, which jobs
+    # still reading through an older manifest may need (app/data/prepare.py).
+    keep_generations: int = Field(2, ge=1)
     # CPUs each Ray Data read/preprocess task asks for. Fractional, so ingest still schedules on
     # a 2-core machine beside train workers and Serve replicas (Ray Data's default is 1 CPU).
     task_cpus: float = Field(0.25, gt=0)

@@ -3,13 +3,13 @@
 The manifest (schema, rows, and the sha256 of every shard) is written last and is the only way in:
 readers take a dataset through it and `verify_shards` checks a split against it.
 
-- Local disk: the whole folder is built under a staging sibling and renamed into place, so a
-  failed run leaves the previous dataset untouched (`storage.staged_dir`).
-- Object stores cannot rename a folder. There each run writes its shards under a fresh
-  generation prefix, `<output>/gen-<utc time>-<random>/<split>/part-*.parquet`, then replaces
-  `manifest.json` (one atomic write) to name them, and only then deletes old generations. Until
-  the new manifest is in, readers see the previous dataset whole; the generation the new manifest
-  replaced is kept too, so a job still reading through the old manifest can finish.
+Each run writes its shards under a fresh generation prefix,
+`<output>/gen-<utc time>-<random>/<split>/part-*.parquet`, then replaces `manifest.json` (one
+atomic write, fsynced on local disk) to name them, and only then deletes old generations, on
+local disk and object stores alike. Until the new manifest is in, readers see the previous
+dataset whole; the newest `data.keep_generations` generations stay (2 by default: the new one
+and the one it replaced), so a train or predict job still reading through the old manifest can
+finish.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -97,13 +96,9 @@ def prepare(config: Config) -> dict[str, Any]:
     task = task_for_source(data.kind)
     if task and task.prepare:  # e.g. a corpus: tokenizer + packed token rows, split by document
         data, splits, files = task.part("prepare")(data, splits, config.model)
-    if storage.is_local(output):
-        with storage.staged_dir(output) as staging:
-            manifest = write_dataset(data, splits, staging, "", cfg.rows_per_shard, files)
-            # The manifest goes last: a folder without one is never taken for a dataset.
-            manifest.write(os.path.join(staging, MANIFEST))
-    else:
-        manifest = publish_generation(data, splits, output, cfg.rows_per_shard, files)
+    manifest = publish_generation(
+        data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations
+    )
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
     log.info("prepare: wrote %s", rows)
     return {"stage": "prepare", "output": output, "rows": rows}
@@ -143,11 +138,11 @@ def publish_generation(
     output: str,
     rows_per_shard: int,
     files: dict[str, bytes] | None = None,
+    keep: int = 2,
 ) -> DatasetManifest:
-    """Object stores: shards under a new generation prefix, then the manifest, then clean-up."""
+    """Shards under a new generation prefix, then the manifest (the commit), then clean-up."""
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
     generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
-    previous = current_generation(output)
     try:
         manifest = write_dataset(
             data, splits, storage.join(output, generation), generation, rows_per_shard, files
@@ -159,7 +154,7 @@ def publish_generation(
             if current_generation(output) != generation:
                 storage.delete_dir(storage.join(output, generation))
         raise
-    collect_generations(output, {generation, previous})
+    collect_generations(output, generation, keep)
     return manifest
 
 
@@ -179,16 +174,19 @@ def current_generation(output: str) -> str:
     return ""
 
 
-def collect_generations(output: str, keep: set[str]) -> None:
-    """Delete the generations older than every kept one: those of failed or superseded runs.
+def collect_generations(output: str, current: str, keep: int) -> None:
+    """Keep `current` and the `keep - 1` generations just before it (a job may still read them
+    through an older manifest); delete the older ones, those of superseded or failed runs.
 
-    A generation newer than the kept ones is left alone: it can be another prepare still writing.
+    A generation newer than `current` is left alone: it can be another prepare still writing.
     """
-    oldest_kept = min(g for g in keep if g)  # the new generation is always kept
-    for name in storage.list_dir(output):
-        if name.startswith(GENERATION_MARK) and name not in keep and name < oldest_kept:
-            log.info("prepare: deleting the unused shards of %s", name)
-            storage.delete_dir(storage.join(output, name))
+    older = sorted(
+        (n for n in storage.list_dir(output) if n.startswith(GENERATION_MARK) and n < current),
+        reverse=True,
+    )
+    for name in older[keep - 1 :]:
+        log.info("prepare: deleting the shards of %s (data.keep_generations=%d)", name, keep)
+        storage.delete_dir(storage.join(output, name))
 
 
 def split_rows(

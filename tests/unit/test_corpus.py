@@ -116,7 +116,7 @@ def test_prepare_writes_token_rows_and_a_hashed_tokenizer(config_factory, tmp_pa
     assert pre.kind == "tokens" and pre.block_size == 16
     assert pre.tokenizer.decode(rows[0].tolist())  # ids of the dataset's own tokenizer
     # The tokenizer is checked against the manifest like a shard.
-    path = Path(config.data_output) / TOKENIZER_FILE
+    path = Path(config.data_output) / manifest.files[TOKENIZER_FILE].file
     path.write_text(path.read_text() + " ")
     with pytest.raises(UserError, match=r"tokenizer.json: sha256 differs"):
         read_dataset_file(config.data_output, manifest, TOKENIZER_FILE)

@@ -15,8 +15,10 @@ from sklearn import datasets
 
 import app.data.prepare
 from app.data.prepare import (
+    GENERATION_MARK,
     MANIFEST,
     DatasetManifest,
+    current_generation,
     prepare,
     read_manifest,
     split_files,
@@ -43,9 +45,10 @@ def check_dataset(output: str, summary: dict) -> DatasetManifest:
             assert sha256_of(path) == shard.sha256, shard.file
             assert pq.read_metadata(path).num_rows == shard.rows
             listed.add(shard.file)
-    on_disk = {str(p.relative_to(output)) for p in Path(output).rglob("*.parquet")}
+    generation = current_generation(output)
+    assert generation.startswith(GENERATION_MARK)  # every shard sits in the manifest's generation
+    on_disk = {str(p.relative_to(output)) for p in (Path(output) / generation).rglob("*.parquet")}
     assert listed == on_disk
-    assert set(os.listdir(output)) == {MANIFEST, *manifest.splits}
     assert staging_leftovers(Path(output).parent) == []
     return manifest
 
@@ -279,8 +282,13 @@ def test_table_text_column(config_factory, tmp_path):
 
 
 def shard_hashes(output: str) -> list[tuple[str, str]]:
+    """(path within the generation, sha256) of every shard the manifest names."""
     manifest = json.loads((Path(output) / MANIFEST).read_text())
-    return [(s["file"], s["sha256"]) for e in manifest["splits"].values() for s in e["shards"]]
+    return [
+        (s["file"].split("/", 1)[1], s["sha256"])
+        for e in manifest["splits"].values()
+        for s in e["shards"]
+    ]
 
 
 @pytest.mark.parametrize("source", ["digits", "synthetic_text", "synthetic_image"])
@@ -292,8 +300,9 @@ def test_same_seed_gives_identical_shards(tmp_path, config_maker, source):
     prepare(a), prepare(b), prepare(c)
     assert shard_hashes(a.data_output) == shard_hashes(b.data_output)
     for file, _ in shard_hashes(a.data_output):
-        assert (Path(a.data_output) / file).read_bytes() == (
-            Path(b.data_output) / file
+        ga, gb = current_generation(a.data_output), current_generation(b.data_output)
+        assert (Path(a.data_output) / ga / file).read_bytes() == (
+            Path(b.data_output) / gb / file
         ).read_bytes()
     assert shard_hashes(a.data_output) != shard_hashes(c.data_output)
 
@@ -322,7 +331,7 @@ def test_failure_mid_write_leaves_no_dataset(config_factory, monkeypatch, tmp_pa
     with pytest.raises(type(exc)):
         prepare(config)
     assert len(written) == 1  # the failure really came mid-write
-    assert not os.path.exists(config.data_output)
+    assert no_dataset(config.data_output)
     assert staging_leftovers(tmp_path) == []
 
 
@@ -348,7 +357,7 @@ def test_failure_writing_manifest_leaves_nothing(config_factory, monkeypatch, tm
     monkeypatch.setattr(app.data.prepare, "build_manifest", broken)
     with pytest.raises(RuntimeError):
         prepare(config)
-    assert not os.path.exists(config.data_output)
+    assert no_dataset(config.data_output)
     assert staging_leftovers(tmp_path) == []
 
 
@@ -358,12 +367,36 @@ def test_rerun_replaces_dataset_whole(config_factory, tmp_path):
     second = config_factory("data.rows_per_shard=1000", "data.seed=5")
     summary = prepare(second)
     manifest = check_dataset(second.data_output, summary)
-    # Only the new shards remain (no stale part-00002.parquet from the first run).
+    # The new manifest names only the new shards (no stale part-00002.parquet of the first run).
+    generation = current_generation(second.data_output)
     assert [s.file for s in manifest.splits["train"].shards] == [
-        "train/part-00000.parquet",
-        "train/part-00001.parquet",
+        f"{generation}/train/part-00000.parquet",
+        f"{generation}/train/part-00001.parquet",
     ]
     assert staging_leftovers(tmp_path) == []
+
+
+def test_rerun_keeps_the_dataset_a_running_job_reads_and_collects_older_ones(config_factory):
+    """A train or predict job reading through the previous manifest keeps its shards: the
+    newest data.keep_generations generations stay, older ones go."""
+    config = config_factory("data.rows_per_shard=200")
+    prepare(config)
+    reading = read_manifest(config.data_output)  # a job holding the first manifest
+    prepare(config_factory("data.rows_per_shard=300", "data.seed=5"))
+    for split in ("train", "val"):
+        verify_shards(config.data_output, reading, split)  # still whole
+    prepare(config_factory("data.rows_per_shard=400", "data.seed=6"))
+    generations = sorted(n for n in os.listdir(config.data_output) if n.startswith(GENERATION_MARK))
+    assert len(generations) == 2  # the first one is gone
+    with pytest.raises(UserError):
+        verify_shards(config.data_output, reading, "train")
+
+
+def no_dataset(output: str) -> bool:
+    """No manifest, and nothing of a failed run's generation left behind."""
+    if not os.path.exists(output):
+        return True
+    return not any(n == MANIFEST or n.startswith(GENERATION_MARK) for n in os.listdir(output))
 
 
 def test_folder_without_manifest_is_not_a_dataset(tmp_path):
