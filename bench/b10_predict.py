@@ -66,7 +66,7 @@ def run_batch(config, artifact: str, input_uri: str, work: Path) -> dict[str, An
     from app.predict.driver import predict
 
     start = time.perf_counter()
-    summary = predict(config, artifact, input_uri, str(work / "b10-output"))
+    summary = predict(config, artifact, input_uri, str(work / "b10-output"), overwrite=True)
     return {**summary, "wall_s": time.perf_counter() - start}
 
 

@@ -1,5 +1,5 @@
-"""python -m jobs.predict --artifact URI --input URI --output URI [--id-column id] [--config C]
-[section.key=value ...]
+"""python -m jobs.predict --artifact URI --input URI --output URI [--id-column id] [--overwrite]
+[--config C] [section.key=value ...]
 
 Offline batch inference (app/predict/). Exit codes: 0 ok; 1 bad input (a missing column, an
 unreadable file, malformed rows with predict.on_bad_rows=fail) or an artifact that fails its
@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input", required=True, help="a .parquet/.csv/.jsonl file or a folder")
     p.add_argument("--output", required=True, help="folder for the predictions and manifest")
     p.add_argument("--id-column", default="id", help="input column copied to the output")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the predictions already in --output"
+    )
     p.add_argument("--config", help="workload YAML for the predict: and serve: sections")
     p.add_argument("--summary-file", help="also write the JSON summary to this file")
     p.add_argument("overrides", nargs="*", help="dotted overrides: predict.key=value")
@@ -27,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
 
     run_job(
         args,
-        lambda config: predict(config, args.artifact, args.input, args.output, args.id_column),
+        lambda config: predict(
+            config, args.artifact, args.input, args.output, args.id_column, args.overwrite
+        ),
     )
 
 

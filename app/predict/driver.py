@@ -3,8 +3,8 @@ of good and bad rows and the summary."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,13 +21,12 @@ from app.predict.actor import Predictor, split_predictions
 from app.predict.read import check_columns, input_files, read_input
 from app.predict.rows import InputSpec
 from app.predict.write import (
-    MANIFEST,
     REJECTS,
+    RUN_MARK,
     PartWriter,
     PredictionManifest,
-    _output_folder,
-    publish,
-    refuse_foreign_output,
+    check_output,
+    commit,
 )
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,12 @@ class Tally:
 
 
 def predict(
-    config: Config, artifact_uri: str, input_uri: str, output: str, id_column: str = "id"
+    config: Config,
+    artifact_uri: str,
+    input_uri: str,
+    output: str,
+    id_column: str = "id",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     from app.ray_runtime import connect_ray
 
@@ -65,7 +69,7 @@ def predict(
     spec = InputSpec.of(artifact.schema, id_column, fmt)
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
-    refuse_foreign_output(output)
+    check_output(output, overwrite)
     variant = cfg.variant or config.serve.variant
     log.info(
         "predict: %s %s (%s) on %d %s file(s) from %s -> %s",
@@ -79,20 +83,15 @@ def predict(
     )
     connect_ray()
     ds = _pipeline(config, files, spec, artifact.uri, variant)
-    with _output_folder(output) as local:
-        tally, (parts, rejects) = _write(ds, local, spec, cfg)
+    run = f"{RUN_MARK}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    try:
+        tally, (parts, rejects) = _write(ds, output, run, spec, cfg)
         rows = {
             "input": tally.output + tally.rejected,
             "output": tally.output,
             "rejected": tally.rejected,
         }
-        # Every row read comes out as a prediction or a reject; for Parquet the files' own
-        # metadata gives an independent count.
-        if expected_rows is not None and expected_rows != rows["input"]:
-            raise UserError(
-                f"predict: read {rows['input']} rows, the input holds {expected_rows}; "
-                "nothing published"
-            )
+        check_row_count(rows, expected_rows)
         manifest = PredictionManifest(
             created=datetime.now(timezone.utc).isoformat(),
             artifact=artifact.uri,
@@ -108,14 +107,17 @@ def predict(
             rejects=rejects,
             bad_row_examples=tally.examples,
         )
-        manifest.write(os.path.join(local, MANIFEST))  # last: the output counts only with it
-        publish(local, output)
+        commit(output, manifest)  # last: the output counts only with it
+    except BaseException:
+        with contextlib.suppress(Exception):  # best effort: readers skip `_run-` folders anyway
+            storage.delete_dir(storage.join(output, run))
+        raise
     elapsed = time.perf_counter() - started
     log.info("predict: %s in %.1f s", rows, elapsed)
     return {
         "stage": "predict",
         "output": output,
-        "rejects": storage.join(output, REJECTS) if tally.rejected else None,
+        "rejects": storage.join(output, run, REJECTS) if tally.rejected else None,
         "artifact": artifact.uri,
         "model": artifact.name,
         "version": artifact.version,
@@ -125,6 +127,16 @@ def predict(
         "elapsed_s": round(elapsed, 3),
         "rows_per_s": round(rows["input"] / elapsed, 1) if elapsed else None,
     }
+
+
+def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:
+    """Every row read comes out as a prediction or a reject; for Parquet the files' own
+    metadata gives an independent count."""
+    if expected_rows is not None and expected_rows != rows["input"]:
+        raise UserError(
+            f"predict: read {rows['input']} rows, the input holds {expected_rows}; "
+            "nothing published"
+        )
 
 
 def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: str, variant: str):
@@ -147,10 +159,10 @@ def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: s
     )
 
 
-def _write(ds, local: str, spec: InputSpec, cfg: PredictConfig):
-    run = uuid.uuid4().hex[:8]
-    predictions = PartWriter(local, "", cfg.rows_per_file, run)
-    rejects = PartWriter(local, REJECTS, cfg.rows_per_file, run)
+def _write(ds, output: str, run: str, spec: InputSpec, cfg: PredictConfig):
+    tag = run.rsplit("-", 1)[-1]
+    predictions = PartWriter(output, run, cfg.rows_per_file, tag)
+    rejects = PartWriter(output, f"{run}/{REJECTS}", cfg.rows_per_file, tag)
     tally = Tally(cfg.max_examples)
     last_log = time.monotonic()
     for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):

@@ -1,13 +1,21 @@
-"""Writing the output: Parquet parts hashed as they close, the manifest written last (the
-commit point), published as a staged folder (local) or uploaded manifest-last (object stores)."""
+"""Writing the output: Parquet parts streamed to `<output>/_run-<id>/` as they fill, the
+manifest written last as the commit.
+
+- Parts go straight to the output (local disk), or are uploaded and dropped one by one (object
+  stores): nothing is staged whole on the driver's disk.
+- A run's folder starts with `_`, which pyarrow, Spark and Ray Data skip when they read a
+  folder: until the manifest names its parts, no reader counts them, and a run that crashes
+  leaves only such a folder behind.
+- The manifest is one atomic write (a fsynced rename locally, one PUT on object stores). After
+  it, the parts of the manifest it replaced are deleted: never those of the manifest now in
+  place, so two runs to one output cannot leave a manifest naming deleted parts.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
 from typing import Literal
 
 import pyarrow as pa
@@ -18,19 +26,19 @@ from app.data.prepare import Shard, sha256_file
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
-
-
 MANIFEST = "manifest.json"
-
-
 REJECTS = "rejects"
+RUN_MARK = "_run-"
 
 
 class PartWriter:
-    """Parquet parts of at most `rows_per_file` rows in a local folder, hashed as they close."""
+    """Parquet parts of at most `rows_per_file` rows under `<output>/<rel>/`, each hashed as it
+    closes and, on an object store, uploaded and removed from local disk at once."""
 
-    def __init__(self, folder: str, rel: str, rows_per_file: int, run: str):
-        self.folder, self.rel, self.rows_per_file, self.run = folder, rel, rows_per_file, run
+    def __init__(self, output: str, rel: str, rows_per_file: int, run: str):
+        self.output, self.rel, self.rows_per_file, self.run = output, rel, rows_per_file, run
+        self.local = storage.is_local(output)
+        self._tmp = None if self.local else tempfile.TemporaryDirectory(prefix="predict-part-")
         self.shards: list[Shard] = []
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
@@ -63,13 +71,14 @@ class PartWriter:
                 f"input: column types differ between files or rows ({str(e).splitlines()[0][:120]})"
             ) from None
 
-    def _open(self) -> None:
+    def _rel_name(self) -> str:
         name = f"part-{len(self.shards):05d}-{self.run}.parquet"
-        self._path = (
-            os.path.join(self.folder, self.rel, name)
-            if self.rel
-            else os.path.join(self.folder, name)
-        )
+        return f"{self.rel}/{name}" if self.rel else name
+
+    def _open(self) -> None:
+        rel = self._rel_name()
+        root = storage.filesystem(self.output)[1] if self.local else self._tmp.name  # type: ignore[union-attr]
+        self._path = os.path.join(root, rel)
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         self._writer = pq.ParquetWriter(self._path, self.schema)
         self._part_rows = 0
@@ -79,11 +88,19 @@ class PartWriter:
             return
         self._writer.close()
         self._writer = None
-        rel = os.path.relpath(self._path, self.folder)
-        self.shards.append(Shard(file=rel, rows=self._part_rows, sha256=sha256_file(self._path)))
+        rel = self._rel_name()
+        shard = Shard(file=rel, rows=self._part_rows, sha256=sha256_file(self._path))
+        if self.local:
+            storage.fsync(self._path)
+        else:
+            storage.upload_file(self._path, storage.join(self.output, rel))
+            os.remove(self._path)
+        self.shards.append(shard)
 
     def close(self) -> list[Shard]:
         self._close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
         return self.shards
 
 
@@ -121,39 +138,32 @@ def verify_output(uri: str) -> PredictionManifest:
     return manifest
 
 
-def publish(local: str, output: str) -> None:
-    """Local disk: the caller filled a `staged_dir`, renamed into place on return. Object
-    stores: every file, then the manifest LAST (the commit point), then the files of an earlier
-    run that the new manifest does not list."""
-    if storage.is_local(output):
-        return
-    names = [os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs]
-    for rel in sorted(n for n in names if n != MANIFEST):
-        storage.upload_file(os.path.join(local, rel), storage.join(output, rel))
-    storage.upload_file(os.path.join(local, MANIFEST), storage.join(output, MANIFEST))
-    for folder in (output, storage.join(output, REJECTS)):
-        for name in storage.list_dir(folder):
-            rel = os.path.relpath(storage.join(folder, name), output)
-            if name.startswith("part-") and rel not in names:
-                storage.delete_file(storage.join(folder, name))
-
-
-def refuse_foreign_output(output: str) -> None:
-    """Never replace a folder that is not an earlier predict output (a typo in --output)."""
+def check_output(output: str, overwrite: bool) -> None:
+    """An existing output is never replaced silently, and a folder that is not a predict output
+    (a typo in --output) never at all."""
     if not storage.exists(output) or not storage.list_dir(output):
         return
-    if not storage.is_file(storage.join(output, MANIFEST)):
+    manifest = storage.join(output, MANIFEST)
+    if not storage.is_file(manifest):
+        if all(n.startswith(RUN_MARK) for n in storage.list_dir(output)):
+            return  # only runs that never committed (crashed, or writing now)
         raise UserError(f"{output}: exists and is not a predict output; choose another --output")
-    PredictionManifest.read(storage.join(output, MANIFEST))  # refuses another stage's manifest
+    PredictionManifest.read(manifest)  # refuses another stage's manifest
+    if not overwrite:
+        raise UserError(f"{output}: holds predictions already; pass --overwrite to replace them")
 
 
-@contextlib.contextmanager
-def _output_folder(output: str) -> Iterator[str]:
-    """A local folder to fill: a staged folder renamed into `output` on success (local disk),
-    or a temporary one that `publish` uploads (object stores)."""
-    if storage.is_local(output):
-        with storage.staged_dir(output) as local:
-            yield local
-    else:
-        with tempfile.TemporaryDirectory(prefix="predict-") as local:
-            yield local
+def commit(output: str, manifest: PredictionManifest) -> None:
+    """Write the manifest (the commit point), then delete the parts of the one it replaced."""
+    uri = storage.join(output, MANIFEST)
+    replaced = PredictionManifest.read(uri) if storage.is_file(uri) else None
+    manifest.write(uri)  # atomic: a fsynced rename locally, one PUT on an object store
+    if replaced is None:
+        return
+    kept = {s.file for s in [*manifest.files, *manifest.rejects]}
+    for shard in [*replaced.files, *replaced.rejects]:
+        if shard.file not in kept:
+            storage.delete_file(storage.join(output, shard.file))
+    for folder in {s.file.split("/", 1)[0] for s in [*replaced.files, *replaced.rejects]}:
+        if folder.startswith(RUN_MARK) and not any(f.startswith(f"{folder}/") for f in kept):
+            storage.delete_dir(storage.join(output, folder))

@@ -17,7 +17,8 @@ from app.predict.rows import MISSING, InputSpec, check_batch, json_line_columns
 from app.predict.write import (
     PartWriter,
     PredictionManifest,
-    refuse_foreign_output,
+    check_output,
+    commit,
     verify_output,
 )
 
@@ -233,15 +234,62 @@ def test_a_later_batch_with_another_id_type_is_refused(tmp_path):
         writer.write(pa.table({"id": ["x"]}))
 
 
-def test_an_existing_folder_is_replaced_only_when_it_is_a_predict_output(tmp_path):
-    refuse_foreign_output(str(tmp_path / "new"))  # absent: fine
+def test_an_existing_output_is_replaced_only_with_overwrite_and_only_a_predict_output(tmp_path):
+    check_output(str(tmp_path / "new"), overwrite=False)  # absent: fine
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "keep.txt").write_text("x")
     with pytest.raises(UserError, match="is not a predict output"):
-        refuse_foreign_output(str(tmp_path / "data"))
+        check_output(str(tmp_path / "data"), overwrite=True)
     (tmp_path / "data" / "manifest.json").write_text(json.dumps({"kind": "tabular"}))
     with pytest.raises(UserError, match="manifest.json"):
-        refuse_foreign_output(str(tmp_path / "data"))
+        check_output(str(tmp_path / "data"), overwrite=True)
+    out = tmp_path / "out"
+    commit(str(out), run_manifest(out, "_run-a"))
+    with pytest.raises(UserError, match="--overwrite"):
+        check_output(str(out), overwrite=False)
+    check_output(str(out), overwrite=True)
+
+
+def run_manifest(out, run: str, rows: int = 3) -> PredictionManifest:
+    """A run's parts written under `<out>/<run>/` and its (uncommitted) manifest."""
+    writer = PartWriter(str(out), run, rows_per_file=2, run=run)
+    writer.write(pa.table({"id": list(range(rows))}))
+    shards = writer.close()
+    return PredictionManifest(
+        created="now",
+        artifact="a",
+        model_name="m",
+        model_version="1",
+        variant="int8",
+        input="i",
+        input_format="parquet",
+        id_column="id",
+        on_bad_rows="fail",
+        rows={"input": rows, "output": rows, "rejected": 0},
+        files=shards,
+        rejects=[],
+    )
+
+
+def test_a_run_counts_only_once_its_manifest_is_in_and_replaces_the_last_one_whole(tmp_path):
+    import pyarrow.dataset as pads
+
+    out = tmp_path / "out"
+    first = run_manifest(out, "_run-1")
+    # Before the commit a reader of the folder finds nothing: `_` folders are skipped.
+    assert pads.dataset(str(out), format="parquet").to_table().num_rows == 0
+    commit(str(out), first)
+    assert verify_output(str(out)).rows["output"] == 3
+    crashed = run_manifest(out, "_run-2", rows=5)  # a run that never commits
+    second = run_manifest(out, "_run-3", rows=4)
+    commit(str(out), second)
+    assert verify_output(str(out)).rows["output"] == 4
+    assert not (out / "_run-1").exists()  # the replaced run's parts are gone
+    assert (out / "_run-2").exists() and crashed.files  # not named by a manifest: left alone
+    # A run that read the first manifest as "replaced" after the second committed could only
+    # delete the first's parts, never the second's.
+    commit(str(out), second)
+    assert verify_output(str(out)).rows["output"] == 4
 
 
 def test_the_job_fails_with_one_line_before_any_work(capsys, tmp_path):
