@@ -197,7 +197,7 @@ class ExportConfig(_Section):
     registry: str = "outputs/registry"
     name: str | None = Field(None, pattern=NAME_PATTERN)  # default: the workload name
     opset: int = Field(17, ge=13)
-    quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static for conv nets
+    quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static (batch-independent)
     calibration_batches: int = Field(32, ge=1)  # of 32 train rows, spread over the split
     # Percentage points int8 may lose against fp32 (never less than one validation sample);
     # negative demands that int8 beat fp32.

@@ -1,8 +1,8 @@
 """B4 quantization: ONNX int8 vs ONNX fp32 vs torch fp32 eager for each reference model.
 
 Each workload (digits CNN, tabular MLP, text Transformer) is trained briefly in-process and
-exported with app.export.exporter.export (static QDQ int8 for the conv net, dynamic int8 for the
-Linear-heavy ones, as configured). Sizes are the artifact's model files; accuracies are the export
+exported with app.export.exporter.export (as configured: static QDQ int8 for the conv net and the
+MLP, weight-only int8 for the Transformer; all batch-independent). Sizes are the artifact's model files; accuracies are the export
 report's, on the validation split; latencies are measured here: p50 of single calls at batch 1
 and 32, one thread each (ONNX Runtime intra_op=1, torch.set_num_threads(1)), on real rows.
 
@@ -114,8 +114,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "export gate opened (max_accuracy_drop=100) so a drop is reported, not refused. "
             "Latency = p50 of single synchronous calls on the same rows (np.resize of real val "
             "rows to the batch), one thread; accuracy = export report on the val split. Sizes "
-            "include what int8 cannot shrink: embeddings (Gather) stay fp32 under dynamic "
-            "quantization, and QDQ adds scale/zero-point tensors."
+            "include what int8 cannot shrink: QDQ adds scale/zero-point tensors and weight-only "
+            "int8 one fp32 scale per block of 64 weights."
         ),
     }
     parts = [

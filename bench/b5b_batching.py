@@ -19,7 +19,7 @@ Two halves, per reference model:
   batch padded to its own longest row (what the replica does) and, for reference, to 128.
 
 Weights are random (speed does not depend on them); int8 is onnxruntime's dynamic quantization
-(what app.export.exporter ships for these models); one intra-op thread (a replica with replica_cpus < 2).
+(this measures the serving machinery around one int8 kernel, not the export's choice); one intra-op thread (a replica with replica_cpus < 2).
 The ceiling is ms/row at batch 1 over ms/row at batch 16: above 1, batching can pay here.
 `bench/gpu_check.py` records the same on CUDA when a GPU is lent. `value` is the lowest
 end-to-end ratio over the models.
@@ -103,7 +103,7 @@ def int8_session(
     int8: bool = True,
     providers: list[str] | None = None,
 ):
-    """The module exported to ONNX (int8: dynamically quantized, what app.export.exporter ships for CPU),
+    """The module exported to ONNX (int8: dynamically quantized),
     in a one-thread session on `providers` (default: CPU)."""
     import onnxruntime as ort
     import torch

@@ -137,40 +137,89 @@ def dynamic_axes(pre: Preprocessor, names: list[str]) -> dict[str, dict[int, str
 def quantize_within_gate(
     config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, work: str
 ) -> dict[str, Any]:
-    """Quantize, verify, and while int8 loses more accuracy than the gate allows, keep the most
-    sensitive layer in fp32 (at most `export.max_fp32_layers`, and only while the size bound
-    `export.max_size_ratio` still holds). Returns the report of the last attempt."""
-    e, pre = config.export, loaded.preprocessor
-    method = q.method_for(config, is_conv_net(loaded.model))
+    """Each quantization method in turn (by default static, then weight-only) until one's int8
+    passes the gate. When none does, the first method's report comes back (the gate then
+    refuses with what the default method lost)."""
     prepared = os.path.join(work, "prepared.onnx")
     q.prepare_for_quantization(fp32, prepared)
+    fp32_variant = (fp32, art.create_session(Path(fp32).read_bytes()))
+    methods = q.methods_for(config)
+    reports = []
+    for method in methods:
+        # Only the last method tries keeping layers in fp32: the next method is cheaper first.
+        last = method == methods[-1]
+        report = quantize_method(
+            config, loaded, prepared, fp32_variant, int8, sample, work, method, last
+        )
+        try:
+            gate(report, config)
+            break
+        except GateError as e:
+            log.info("export: %s int8 does not pass the gate (%s)", method, e)
+            reports.append(report)
+    else:
+        report = reports[0]
+    os.remove(prepared)
+    return report
+
+
+def quantize_method(
+    config: Config,
+    loaded: LoadedCheckpoint,
+    prepared: str,
+    fp32: tuple[str, Any],
+    int8: str,
+    sample,
+    work: str,
+    method: str,
+    keep_layers: bool = True,
+) -> dict[str, Any]:
+    """Quantize, verify, and while int8 loses more accuracy than the gate allows, keep the most
+    sensitive layer in fp32 (at most `export.max_fp32_layers`, and only while the size bound
+    `export.max_size_ratio` still holds)."""
+    e, pre = config.export, loaded.preprocessor
+    per_channel = is_conv_net(loaded.model)
     calibration = q.calibration_inputs(config, pre) if method == "static" else []
-    fp32_session = art.create_session(Path(fp32).read_bytes())
     excluded: list[str] = []
     ranking: list[str] | None = None
+    previous: dict[str, Any] | None = None
     while True:
-        q.quantize(prepared, int8, method, calibration, excluded)
-        report = verify_variants(config, loaded, (fp32, fp32_session), int8, sample)
+        q.quantize(prepared, int8, method, calibration, excluded, per_channel)
+        report = verify_variants(config, loaded, fp32, int8, sample)
+        if previous is not None and not within_size(report, e):
+            return previous  # one more fp32 layer broke the size bound: refuse on accuracy
         report["quantization"] = {
             "method": method,
             "weight_type": "QInt8",
-            "per_channel": method == "static",
+            "per_channel": per_channel and method == "static",
+            # Static scales are constants of the artifact, and weight-only leaves activations
+            # in fp32: either way a row's answer is its own, whatever it is batched with.
+            "batch_independent": method != "dynamic",
+            "excluded_nodes": list(excluded),
         }
-        report["quantization"]["excluded_nodes"] = list(excluded)
-        if accuracy_drop_allowed(report, e.max_accuracy_drop):
-            break
+        if accuracy_drop_allowed(report, e.max_accuracy_drop) or not keep_layers:
+            return report
         if ranking is None:  # measured once, on the fully quantized model
             sensitivity = q.layer_sensitivity(
-                prepared, method, calibration, lambda p: onnx_accuracy(config, pre, p), work, []
+                prepared,
+                method,
+                calibration,
+                lambda p: onnx_accuracy(config, pre, p),
+                work,
+                [],
+                per_channel=per_channel,
             )
             ranking = sorted(sensitivity, key=lambda node: -sensitivity[node])
         report["sensitivity"] = sensitivity
         if len(excluded) >= min(e.max_fp32_layers, len(ranking)) or not size_allows(report, e):
-            break
+            return report
         excluded.append(ranking[len(excluded)])
+        previous = report
         log.info("export: keeping %s in fp32 (the most sensitive layer left)", excluded[-1])
-    os.remove(prepared)
-    return report
+
+
+def within_size(report: dict[str, Any], e) -> bool:
+    return e.max_size_ratio is None or report["size_ratio_int8"] <= e.max_size_ratio
 
 
 def size_allows(report: dict[str, Any], e) -> bool:

@@ -35,6 +35,7 @@ from app.errors import GateError, UserError
 from app.export import artifact as art
 from app.export.generate import KVDecoder, greedy, past_name, present_name
 from app.export.publish import gate_parity_and_size, publish, write_metadata
+from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
 from app.train.checkpoint import LoadedCheckpoint
 
@@ -56,7 +57,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         fp32 = os.path.join(work, art.MODEL_FILES["fp32"])
         int8 = os.path.join(work, art.MODEL_FILES["int8"])
         export_kv_onnx(model, fp32, config.export.opset)
-        quantize_weights(fp32, int8, work)
+        quantize_weight_only(fp32, int8)
         report = verify_lm(config, model, fp32, int8, rows)
         gate_lm(report, config)
         Path(work, TOKENIZER_FILE).write_text(loaded.preprocessor.tokenizer.to_str())
@@ -166,27 +167,6 @@ def export_kv_onnx(model: GPT, path: str, opset: int) -> None:
     Path(path).write_bytes(buffer.getvalue())
 
 
-def quantize_weights(fp32: str, int8: str, work: str) -> None:
-    """int8 weights (per output channel), activations quantized per call; only matrices with a
-    constant weight (`MatMulConstBOnly`): quantizing attention's q @ k and p @ v, two
-    activations, costs accuracy and saves no bytes."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from app.export.quantize import prepare_for_quantization
-
-    prepared = os.path.join(work, "prepared.onnx")
-    prepare_for_quantization(fp32, prepared)
-    quantize_dynamic(
-        prepared,
-        int8,
-        weight_type=QuantType.QInt8,
-        per_channel=True,
-        op_types_to_quantize=["MatMul", "Gemm"],
-        extra_options={"MatMulConstBOnly": True},
-    )
-    os.remove(prepared)
-
-
 # --- held-out data ------------------------------------------------------------------------------
 
 
@@ -241,11 +221,11 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
             v: token_latency_ms(d, prompts[0], model.block_size) for v, d in decoders.items()
         },
         "quantization": {
-            "method": "dynamic",
-            "weight_type": "QInt8",
-            "per_channel": True,
-            "ops": ["MatMul", "Gemm"],
-            "constant_weights_only": True,
+            "method": "weight_only",
+            "weight_bits": 8,
+            "block_size": WEIGHT_BLOCK,
+            "ops": ["MatMul", "Gather"],
+            "batch_independent": True,  # activations stay fp32: no per-call scales
             "excluded_nodes": [],
         },
         "thresholds": {

@@ -1,9 +1,14 @@
 """Quantize: an fp32 ONNX model -> int8 with onnxruntime, and which layers it hurts.
 
-- Linear-heavy nets (MLP, Transformer): dynamic quantization, int8 weights (one scale per
-  tensor), activations quantized on the fly (MatMulInteger / DynamicQuantizeMatMul).
-- Conv nets: static QDQ, weights per channel, activation ranges calibrated on training rows
-  drawn from the whole train split (not only its first rows).
+- By default (`export.quantization: auto`) static QDQ: int8 weights, activation ranges
+  calibrated on training rows drawn from the whole train split, so the scales are constants of
+  the artifact and a row's answer never depends on the rows batched with it. Weights get a
+  scale per channel in conv nets and one per tensor in Linear-heavy nets (per-channel scales
+  cost bytes that kilobyte-sized layers cannot afford under a 0.3x size bound).
+- When static scales cost more accuracy than the gate allows (a Transformer's attention),
+  weight-only: int8 weights, fp32 activations (`MatMulNBits`), batch-independent too.
+- `dynamic` (opt-in) quantizes activations on the fly with a scale per call: smaller graphs,
+  but a row's probabilities then move with its batch mates.
 `layer_sensitivity` measures, for each quantizable node, the accuracy regained by keeping that one
 node in fp32: export uses it to keep the most sensitive layers in fp32 when the gate would refuse,
 and reports it when the gate fires anyway.
@@ -15,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable
 from itertools import islice
+from typing import Any
 
 import numpy as np
 
@@ -25,14 +31,16 @@ from app.evaluate import labeled_batches
 log = logging.getLogger(__name__)
 QUANTIZABLE_OPS = ("Conv", "MatMul", "Gemm")
 CALIBRATION_ROWS_PER_BATCH = 32
+# Weight-only int8: one fp32 scale per this many weights (6% over the int8 bytes).
+WEIGHT_BLOCK = 64
 Inputs = dict[str, np.ndarray]
 
 
-def method_for(config: Config, is_conv_net: bool) -> str:
+def methods_for(config: Config) -> list[str]:
+    """The methods export tries in turn until one passes the gate: by default static, then
+    weight-only (a Transformer's attention loses accuracy to static activation scales)."""
     method = config.export.quantization
-    if method == "auto":
-        method = "static" if is_conv_net else "dynamic"
-    return method
+    return ["static", "weight_only"] if method == "auto" else [method]
 
 
 def prepare_for_quantization(fp32: str, prepared: str) -> None:
@@ -50,14 +58,20 @@ def quantizable_nodes(path: str) -> list[str]:
 
 
 def quantize(
-    prepared: str, int8: str, method: str, calibration: list[Inputs], exclude: list[str]
+    prepared: str,
+    int8: str,
+    method: str,
+    calibration: list[Inputs],
+    exclude: list[str],
+    per_channel: bool = True,
 ) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic, quantize_static
 
+    if method == "weight_only":
+        quantize_weight_only(prepared, int8, exclude)
+        return
     if method == "dynamic":
-        # Per-tensor weight scales: per-channel ones cost bytes that kilobyte-sized Linear
-        # layers cannot afford under a 0.3x size bound, and the on-the-fly activation
-        # quantization is what limits accuracy here anyway.
+        # Per-tensor weight scales: the on-the-fly activation quantization limits accuracy here.
         quantize_dynamic(
             prepared,
             int8,
@@ -73,12 +87,104 @@ def quantize(
         int8,
         _Reader(calibration),
         quant_format=QuantFormat.QDQ,
-        per_channel=True,
+        per_channel=per_channel,
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
         nodes_to_exclude=exclude or None,
     )
+
+
+def quantize_weight_only(fp32: str, int8: str, exclude: list[str] | None = None) -> None:
+    """int8 weights, activations left in fp32 (onnxruntime's weight-only `MatMulNBits`, 8 bits,
+    symmetric blocks of WEIGHT_BLOCK along each weight's input dimension), embedding tables too
+    (`quantize_embeddings`). No activation is scaled per call, so a row's result depends on that row alone."""
+    import onnx
+    from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+
+    ops = ("MatMul",)
+    axes = (("MatMul", 0),)
+    config = nbits.DefaultWeightOnlyQuantConfig(
+        block_size=WEIGHT_BLOCK,
+        is_symmetric=True,
+        accuracy_level=1,  # fp32 arithmetic on the dequantized blocks
+        bits=8,
+        op_types_to_quantize=ops,
+        quant_axes=axes,
+    )
+    quantizer = nbits.MatMulNBitsQuantizer(
+        onnx.load(fp32),
+        bits=8,
+        block_size=WEIGHT_BLOCK,
+        is_symmetric=True,
+        accuracy_level=1,
+        nodes_to_exclude=exclude or None,
+        op_types_to_quantize=ops,
+        quant_axes=axes,
+        algo_config=config,
+    )
+    quantizer.process()
+    model = quantizer.model.model
+    quantize_embeddings(model)
+    onnx.save_model(model, int8)
+
+
+def quantize_embeddings(model: Any, min_elements: int = 1024) -> None:
+    """Each embedding table read only by Gather becomes int8 rows with one scale a row: the
+    graph gathers the int8 rows and their scales and multiplies, so a call dequantizes only the
+    rows it reads (a whole-table DequantizeLinear would cost the table on every call)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    tables = {i.name: i for i in graph.initializer if len(i.dims) == 2}
+    readers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for k, name in enumerate(node.input):
+            if name in tables:
+                readers.setdefault(name, []).append((node, k))
+    for name, uses in readers.items():
+        if not all(node.op_type == "Gather" and k == 0 for node, k in uses):
+            continue
+        table = numpy_helper.to_array(tables[name]).astype(np.float32)
+        if table.size < min_elements:
+            continue
+        scale = np.maximum(np.abs(table).max(axis=1, keepdims=True), 1e-12) / 127.0
+        graph.initializer.remove(tables[name])
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.round(table / scale).astype(np.int8), f"{name}_q"),
+                numpy_helper.from_array(scale.astype(np.float32), f"{name}_scale"),
+            ]
+        )
+        for node, _ in uses:
+            ids, out = node.input[1], node.output[0]
+            rows_q, rows_f, rows_s = f"{out}_q", f"{out}_qf", f"{out}_s"
+            node.input[0], node.output[0] = f"{name}_q", rows_q
+            graph.node.extend(
+                [
+                    helper.make_node("Gather", [f"{name}_scale", ids], [rows_s], axis=0),
+                    helper.make_node("Cast", [rows_q], [rows_f], to=onnx.TensorProto.FLOAT),
+                    helper.make_node("Mul", [rows_f, rows_s], [out]),
+                ]
+            )
+    _topological_sort(graph)
+
+
+def _topological_sort(graph: Any) -> None:
+    """Nodes in an order where each input is produced before it is read (ONNX requires it)."""
+    produced = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        ready = [n for n in pending if all(i in produced for i in n.input)]
+        if not ready:
+            raise ValueError("quantized graph has a cycle or an unknown input")
+        for node in ready:
+            ordered.append(node)
+            produced.update(node.output)
+        pending = [n for n in pending if n not in ready]
+    del graph.node[:]
+    graph.node.extend(ordered)
 
 
 def calibration_inputs(config: Config, pre: Preprocessor) -> list[Inputs]:
@@ -113,12 +219,13 @@ def layer_sensitivity(
     work: str,
     exclude: list[str],
     max_nodes: int = 64,
+    per_channel: bool = True,
 ) -> dict[str, float]:
     """node -> int8 accuracy with that node (and `exclude`) kept in fp32, all else quantized."""
     out: dict[str, float] = {}
     probe = os.path.join(work, "sensitivity.onnx")
     for node in islice((n for n in quantizable_nodes(prepared) if n not in exclude), max_nodes):
-        quantize(prepared, probe, method, calibration, [*exclude, node])
+        quantize(prepared, probe, method, calibration, [*exclude, node], per_channel)
         out[node] = accuracy(probe)
     if os.path.exists(probe):
         os.remove(probe)

@@ -210,3 +210,27 @@ def test_a_client_that_disconnects_stops_its_generation(lm_endpoint):
     assert stats["active"] == 0
     assert stats["cancelled"] == before["cancelled"] + 1
     assert stats["tokens"] - before["tokens"] < 480
+
+
+def test_int8_greedy_tokens_are_the_same_alone_and_batched(lm_artifact):
+    """The served int8 graph has int8 weights and fp32 activations: a sequence's logits do not
+    depend on the other sequences in the call (per-call activation scales made them)."""
+    import numpy as np
+
+    from app.export.generate import KVDecoder, greedy
+
+    _, summary = lm_artifact
+    artifact = art.open_artifact(summary["artifact"])
+    assert artifact.report["quantization"]["batch_independent"] is True
+    decoder = KVDecoder(artifact.session("int8", 1))
+    prompts = np.random.default_rng(0).integers(0, decoder.vocab_size, (8, 24))
+    prefill, cache = decoder.step(prompts, decoder.empty_cache(len(prompts)))
+    tokens = [prefill[:, -1].argmax(-1)]
+    for _ in range(11):  # greedy, all eight sequences in every call
+        logits, cache = decoder.step(tokens[-1][:, None], cache)
+        tokens.append(logits[:, -1].argmax(-1))
+    batched = np.stack(tokens, axis=1)
+    for i, prompt in enumerate(prompts):
+        alone, _ = decoder.step(prompt[None], decoder.empty_cache())
+        assert np.abs(alone[0] - prefill[i]).max() < 1e-5
+        assert greedy(decoder, prompt.tolist(), 12) == batched[i].tolist()

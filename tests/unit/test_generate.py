@@ -18,8 +18,8 @@ from app.export.lm import (
     export_kv_onnx,
     greedy_agreement,
     perplexity,
-    quantize_weights,
 )
+from app.export.quantize import quantize_weight_only
 from app.models.gpt import GPT
 
 pytestmark = pytest.mark.unit
@@ -166,7 +166,7 @@ def exported(tmp_path_factory, tokenizer):
     work = tmp_path_factory.mktemp("lm")
     fp32, int8 = str(work / "model.onnx"), str(work / "model.int8.onnx")
     export_kv_onnx(model.eval(), fp32, opset=17)
-    quantize_weights(fp32, int8, str(work))
+    quantize_weight_only(fp32, int8)
     sessions = {
         v: art.create_session(Path(p).read_bytes()) for v, p in (("fp32", fp32), ("int8", int8))
     }
