@@ -245,6 +245,10 @@ class Generator:
         limit = block_size - 1
         self.max_prompt_tokens = min(limit, max_prompt_tokens) if max_prompt_tokens else limit
         self.eos_id = tokenizer.token_to_id(EOS)
+        # Byte-level BPE: a token covers at most this many bytes, so a prompt of more than
+        # max_prompt_tokens times as many bytes is too long without tokenizing it.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_bytes = self.max_prompt_tokens * max(longest, 1)
 
     @classmethod
     def from_artifact(
@@ -254,6 +258,12 @@ class Generator:
         return cls(artifact.session(variant, threads), pre.tokenizer, pre.block_size, **kwargs)
 
     def encode(self, prompt: str, field_name: str = "prompt") -> list[int]:
+        if len(prompt) > self.max_prompt_bytes:  # chars <= bytes: a cheap bound, no tokenizing
+            raise PromptError(
+                field_name,
+                f"{len(prompt)} characters, more than the {self.max_prompt_tokens}-token limit "
+                "can hold",
+            )
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if not ids:
             raise PromptError(field_name, "must not be empty")

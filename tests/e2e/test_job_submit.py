@@ -115,7 +115,11 @@ def test_pipeline_submitted_with_ray_job_submit(cluster, tmp_path):
     assert sample["predicted"] == sample["expected"]
     import pandas as pd
 
-    frame = pd.read_parquet(f"{tmp_path}/data/val")
+    from app.data.prepare import read_manifest, split_files
+
+    output = f"{tmp_path}/data"
+    files = split_files(output, read_manifest(output), "val")  # through the manifest
+    frame = pd.concat([pd.read_parquet(f) for f in files])
     x = [list(map(float, row)) for row in frame["image"][:100]]
     r = requests.post(f"{SERVE}/v1/models/digits-job:predict", json={"instances": x}, timeout=30)
     assert r.status_code == 200, r.text

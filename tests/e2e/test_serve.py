@@ -70,7 +70,11 @@ def served(cluster, tmp_path_factory):
 def val_rows(root, n: int) -> tuple[np.ndarray, list[str]]:
     import pandas as pd
 
-    frame = pd.read_parquet(f"{root}/data/val").iloc[:n]
+    from app.data.prepare import read_manifest, split_files
+
+    output = f"{root}/data"
+    files = split_files(output, read_manifest(output), "val")  # through the manifest
+    frame = pd.concat([pd.read_parquet(f) for f in files]).iloc[:n]
     return np.stack(frame["image"].to_list()).astype(np.float32), frame["label"].tolist()
 
 
@@ -111,6 +115,53 @@ def test_v1_and_v2_answers_match_the_artifact_offline(served):
     ).json()
     assert [p["label"] for p in v1["predictions"]] == offline
     assert abs(sum(v1["predictions"][0]["probabilities"].values()) - 1) < 1e-3
+
+
+def test_a_rows_answer_through_the_replica_does_not_depend_on_its_batch_mates(served):
+    """The served int8 variant gives a row the same probabilities alone and inside one request
+    of 256 rows with wider-ranged mates (dynamic quantization's per-call scales made them move)."""
+    x, _ = val_rows(served["root"], 60)
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        alone = infer(x[i : i + 1]).json()["outputs"][1]["data"]
+        mates = x[rng.integers(0, len(x), 255)] * rng.uniform(1, 4, (255, 1)).astype(np.float32)
+        together = infer(np.concatenate([x[i : i + 1], mates])).json()["outputs"][1]["data"]
+        assert np.abs(np.asarray(together[: len(alone)]) - np.asarray(alone)).max() <= 1e-6
+
+
+def test_requests_claiming_huge_shapes_are_refused_fast_while_others_are_answered(served):
+    """A 0.3 MB body claiming 30,000 dims of 999,999,999 (it once took the replica's event loop
+    1.7 s to multiply them out) is refused at the first dim past its limit, while a concurrent
+    client keeps being answered."""
+    import json
+    import threading
+
+    x, _ = val_rows(served["root"], 1)
+    good: list[int] = []
+    stop = threading.Event()
+
+    def steady() -> None:
+        while not stop.is_set():
+            good.append(infer(x).status_code)
+
+    thread = threading.Thread(target=steady)
+    thread.start()
+    try:
+        timings = []
+        for datatype in ("FP32", "BYTES"):
+            tensor = {"name": "image", "datatype": datatype, "shape": [1] + [999_999_999] * 30_000}
+            body = json.dumps({"inputs": [{**tensor, "data": [1]}]}).encode()
+            start = time.monotonic()
+            r = requests.post(
+                f"{SERVE}/v2/models/digits/infer", data=body, headers=JSON, timeout=30
+            )
+            timings.append(time.monotonic() - start)
+            assert r.status_code in (400, 413) and "error" in r.json(), r.text
+    finally:
+        stop.set()
+        thread.join()
+    assert max(timings) < 1.0, timings
+    assert good and set(good) == {200}
 
 
 def test_health_metadata_and_model_listing(served):

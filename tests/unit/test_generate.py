@@ -214,3 +214,28 @@ def test_seeded_sampling_of_the_exported_model_is_deterministic(exported, tokeni
     assert a.text() == b.text()
     assert a.completion_tokens == b.completion_tokens
     assert len({run(seed).text() for seed in range(4)}) > 1  # the seed does drive the draws
+
+
+def test_a_prompt_too_long_for_the_limit_is_refused_before_it_is_tokenized(exported, tokenizer):
+    """A 4 MiB prompt is refused by its length alone: the tokenizer is never called."""
+    _, sessions = exported
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def encode(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner.encode(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counted = Counting(tokenizer)
+    generator = Generator(sessions["int8"], counted, block_size=32, max_prompt_tokens=16)
+    with pytest.raises(PromptError, match="characters, more than the 16-token limit"):
+        generator.encode("x" * (4 << 20))
+    assert counted.calls == 0
+    # At the limit's edge the tokenizer decides, as before.
+    assert generator.encode("def f(x): return x")
+    assert counted.calls == 1
