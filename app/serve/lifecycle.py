@@ -224,26 +224,10 @@ def _prune_under_lock(config: Config, keep: int, names: list[str]) -> dict[str, 
 
 
 def versions_in_use(config: Config) -> dict[str, set[str]]:
-    """Per model, the versions the running Serve config pins (its artifact folders) and the one
-    its replicas answer with (what a `latest` pointer resolved to when they started)."""
-    from app.config import resolve_uri
-    from app.serve.deploy import (
-        current_apps,
-        serve_client,
-        served_models,
-        serving_address,
-        serving_version,
-    )
-
-    details = serve_client().get_serve_details()
-    host, port = serving_address(details, config.serve)
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    in_use: dict[str, set[str]] = {}
-    for name, uri in served_models(current_apps(details), config.serve).items():
-        folder = resolve_uri(uri).rstrip("/").rsplit("/", 1)[-1]
-        answered = serving_version(url, name, config.serve.api_key_env)
-        in_use[name] = {v for v in (folder, answered) if v != art.LATEST}
-    return in_use
+    """Per model, the version the running Serve config pins (its artifact folder), or, for a
+    `latest` pointer, the one its replicas answer with (what `latest` was when they started)."""
+    live = live_versions(config) or {}
+    return {name: {version} for name, version in live.items()}
 
 
 def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[str]:
