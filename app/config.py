@@ -10,7 +10,7 @@ import os
 import secrets
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -41,9 +41,47 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 class _Section(BaseModel):
     # Numbers are accepted for text fields (labels "0".."9", run_name=2024) as their text.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    # Keys that moved: their old name -> where they live now (an old config fails naming it).
+    MOVED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old in data:
+                if old in cls.MOVED:
+                    raise ValueError(f"{old} is now {cls.MOVED[old]} (moved)")
+        return data
+
+
+class StreamConfig(_Section):
+    """`data.stream`: how a streamed split reaches the train workers (app/data/ingest.py)."""
+
+    # Ray Data read tasks per train worker (parallel reads that overlap training).
+    read_tasks_per_worker: int = Field(4, ge=1)
+    # Read tasks running at once, per train worker. Each running task is a worker process Ray
+    # must start at the first epoch, which delays the first step on a small machine; one per
+    # train worker keeps up whenever reading a row costs less than training on it.
+    reads_in_flight_per_worker: int = Field(1, ge=1)
+    # Blocks (one read task's piece each, up to a shard) each worker fetches ahead of its
+    # training loop; batches are cut from them in the worker (app/data/feed.py:rebatch).
+    prefetch_blocks: int = Field(4, ge=0)
+    # CPUs Ray Data may use at once, shared equally by the workers' streams (null: what the train
+    # workers leave free, at least one task's worth each), so neither side starves the other.
+    max_cpus: float | None = Field(None, gt=0)
+    # Object store memory Ray Data may fill with blocks in flight, shared equally by the
+    # workers' streams, so memory stays flat however large the data.
+    object_store_mb: float = Field(256, gt=0)
 
 
 class DataConfig(_Section):
+    MOVED = {
+        "stream_read_tasks_per_worker": "data.stream.read_tasks_per_worker",
+        "stream_reads_in_flight_per_worker": "data.stream.reads_in_flight_per_worker",
+        "stream_prefetch_batches": "data.stream.prefetch_blocks",
+        "stream_max_cpus": "data.stream.max_cpus",
+        "stream_object_store_mb": "data.stream.object_store_mb",
+    }
     source: Literal[SOURCES] = "digits"  # type: ignore[valid-type]
     path: str | None = None
     label_column: str = "label"
@@ -68,22 +106,7 @@ class DataConfig(_Section):
     cache: Literal["auto", "memory", "stream"] = "auto"
     # Default (null): a quarter of the cluster's object store memory.
     cache_budget_mb: float | None = Field(None, gt=0)
-    # Streaming: Ray Data read tasks per train worker (parallel reads that overlap training),
-    # batches each worker prefetches, and the CPUs Ray Data may use at once, shared equally by
-    # the workers' streams (null: what the train workers leave free, at least one task's worth
-    # each), so neither side starves the other.
-    stream_read_tasks_per_worker: int = Field(4, ge=1)
-    # Read tasks running at once, per train worker. Each running task is a worker process Ray
-    # must start at the first epoch, which delays the first step on a small machine;
-    # one per train worker keeps up whenever reading a row costs less than training on it.
-    stream_reads_in_flight_per_worker: int = Field(1, ge=1)
-    # Blocks (one read task's piece each, up to a shard) each worker fetches ahead of its
-    # training loop; batches are cut from them in the worker (app/data/feed.py:rebatch).
-    stream_prefetch_batches: int = Field(4, ge=0)
-    stream_max_cpus: float | None = Field(None, gt=0)
-    # Object store memory Ray Data may fill with blocks in flight while streaming, shared
-    # equally by the workers' streams, so memory stays flat however large the data.
-    stream_object_store_mb: float = Field(256, gt=0)
+    stream: StreamConfig = Field(default_factory=lambda: StreamConfig())
     # Generators and image folders.
     num_rows: int = Field(4000, ge=10)
     num_classes: int = Field(4, ge=2, le=64)
@@ -233,7 +256,57 @@ class AutoscalingConfig(_Section):
     look_back_period_s: float = Field(5.0, gt=0)
 
 
+class BatchingConfig(_Section):
+    """`serve.batching`: how a classifier replica batches requests (app/serve/batching.py)."""
+
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # Batches a replica may have in flight at once, and its ONNX Runtime worker threads: a
+    # batch's length groups run side by side, and a batch forms while the previous one runs.
+    max_concurrent_batches: int = Field(2, ge=1)
+    # A batch is split into groups of similar text length: padding at most this many times the
+    # real tokens of a group (0: only equal lengths share a call).
+    max_padding_waste: float = Field(0.5, ge=0)
+    # Whether the requests a batch gathers share ONNX Runtime calls. on: grouped by length;
+    # off: one call per request, spread over the worker threads; auto: the replica measures at
+    # start whether one call on 8 rows costs less than 8 calls on one row plus the thread
+    # hand-offs (a small MLP or CNN gains, a wide Transformer on few cores loses), and chooses.
+    calls: Literal["auto", "on", "off"] = "auto"
+
+
+class GenerationConfig(_Section):
+    """`serve.generation`: a language model's replica (app/serve/lm_server.py)."""
+
+    # Prompt tokens at most (and never beyond the model's window), `max_tokens` a request may
+    # ask for and its default, and generations a replica runs at once (one more is a 503).
+    max_prompt_tokens: int = Field(1024, ge=1)
+    max_tokens: int = Field(512, ge=1)
+    default_max_tokens: int = Field(16, ge=1)
+    max_streams: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _default_fits(self) -> GenerationConfig:
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"serve.generation.default_max_tokens ({self.default_max_tokens}) must not "
+                f"exceed serve.generation.max_tokens ({self.max_tokens})"
+            )
+        return self
+
+
 class ServeConfig(_Section):
+    MOVED = {
+        **{
+            k: f"serve.batching.{k}"
+            for k in ("max_batch_size", "batch_wait_timeout_s", "max_concurrent_batches")
+        },
+        "max_padding_waste": "serve.batching.max_padding_waste",
+        "batch_calls": "serve.batching.calls",
+        **{
+            k: f"serve.generation.{k}"
+            for k in ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_streams")
+        },
+    }
     app_name: str = "models"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -247,20 +320,7 @@ class ServeConfig(_Section):
     # How long the ingress waits for a model replica's answer before replying 504.
     request_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    max_batch_size: int = Field(16, ge=1)
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
-    # Batches a replica may have in flight at once, and its ONNX Runtime worker threads: a
-    # batch's length groups run side by side, and a batch forms while the previous one runs.
-    max_concurrent_batches: int = Field(2, ge=1)
-    # A batch is split into groups of similar text length: padding at most this many times the
-    # real tokens of a group (0: only equal lengths share a call).
-    max_padding_waste: float = Field(0.5, ge=0)
-    # Whether the requests a batch gathers share ONNX Runtime calls. on: grouped by length (as
-    # above); off: one call per request, spread over the worker threads; auto: the replica
-    # measures at start whether one call on 8 rows costs less than 8 calls on one row plus the
-    # thread hand-offs they take (on 2 CPU cores a small MLP or CNN gains, a width-256
-    # Transformer loses), and chooses.
-    batch_calls: Literal["auto", "on", "off"] = "auto"
+    batching: BatchingConfig = Field(default_factory=lambda: BatchingConfig())
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
     replica_cpus: float = Field(0.5, gt=0)
@@ -275,31 +335,20 @@ class ServeConfig(_Section):
     # request is already counted in raytorch_requests_total (model, status) and Serve's own
     # request metrics, and the line costs a measurable share of a small model's request.
     access_log: bool = False
-    # Language models (app/serve/lm_server.py): prompt tokens at most (and never beyond the
-    # model's window), `max_tokens` a request may ask for and its default, and generations a
-    # replica runs at once (one more is answered 503).
-    max_prompt_tokens: int = Field(1024, ge=1)
-    max_tokens: int = Field(512, ge=1)
-    default_max_tokens: int = Field(16, ge=1)
-    max_streams: int = Field(4, ge=1)
+    generation: GenerationConfig = Field(default_factory=lambda: GenerationConfig())
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
 
     @model_validator(mode="after")
     def _batch_fits(self) -> ServeConfig:
         # A replica never holds more than max_ongoing_requests requests, so a larger batch
         # could never fill and would only add wait.
-        if self.max_batch_size > self.max_ongoing_requests:
+        if self.batching.max_batch_size > self.max_ongoing_requests:
             raise ValueError(
-                f"serve.max_batch_size ({self.max_batch_size}) must not exceed "
+                f"serve.batching.max_batch_size ({self.batching.max_batch_size}) must not exceed "
                 f"serve.max_ongoing_requests ({self.max_ongoing_requests})"
             )
         if self.autoscaling.min_replicas > self.autoscaling.max_replicas:
             raise ValueError("serve.autoscaling.min_replicas must not exceed max_replicas")
-        if self.default_max_tokens > self.max_tokens:
-            raise ValueError(
-                f"serve.default_max_tokens ({self.default_max_tokens}) must not exceed "
-                f"serve.max_tokens ({self.max_tokens})"
-            )
         return self
 
 
@@ -459,6 +508,7 @@ def validate(raw: dict[str, Any]) -> Config:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        msg = msg.removeprefix("Value error, ")  # a validator's own message says what is wrong
         if (
             err["type"] != "extra_forbidden"
             and "input" in err

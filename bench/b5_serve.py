@@ -293,9 +293,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             k: cfg[k]
             for k in (
                 "variant",
-                "max_batch_size",
-                "batch_wait_timeout_s",
-                "max_concurrent_batches",
+                "batching",
                 "max_ongoing_requests",
                 "replica_cpus",
             )

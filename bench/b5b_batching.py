@@ -4,7 +4,7 @@ Two halves, per reference model:
 
 1. The ceiling: what one ONNX Runtime call on a batch of 16 saves per row over 16 calls of one,
    on this machine (no Ray, no HTTP: the most batching can pay).
-2. End to end: the project's Serve application with its default batching (serve.max_batch_size
+2. End to end: the project's Serve application with its default batching (serve.batching.max_batch_size
    16, batch_wait_timeout_s 5 ms, 2 batches in flight, length grouping), in Serve's
    high-throughput mode, vs a hand-written one-call-per-request uvicorn + ONNX Runtime server
    (bench.plain_server --one-call: the same validation, no batcher), wrk at 32 connections, 3

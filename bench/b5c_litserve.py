@@ -4,7 +4,7 @@ same requests, driven by wrk.
 - serve: app.serve.app.run_local in a private Ray with Serve's high-throughput mode (HAProxy ->
   the model's replica), one replica, the workload config's serve section (batching on);
 - litserve: bench.lit_server, one LitServe worker with max_batch_size / batch_timeout equal to
-  serve.max_batch_size / serve.batch_wait_timeout_s, the same validation, preprocessor and int8
+  serve.batching.max_batch_size / serve.batching.batch_wait_timeout_s, the same validation, preprocessor and int8
   ONNX Runtime session.
 
 The artifact is $B5C_ARTIFACT, or the issue's Transformer (configs/text.yaml's data and tokenizer,
@@ -107,9 +107,9 @@ def start_lit(artifact: str, cfg: dict[str, Any], port: int, log: Path) -> subpr
         "--port",
         str(port),
         "--max-batch-size",
-        str(cfg["max_batch_size"]),
+        str(cfg["batching"]["max_batch_size"]),
         "--batch-timeout",
-        str(cfg["batch_wait_timeout_s"]),
+        str(cfg["batching"]["batch_wait_timeout_s"]),
     ]
     with open(log, "wb") as f:
         # Its own process group: LitServe's worker processes outlive a terminated parent.
@@ -175,9 +175,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "ratios_rps": ratios,
         "windows_busy": busy_note(quiet),
         "quiet_before_windows": quiet,
-        "serve_config": {
-            k: cfg[k] for k in ("max_batch_size", "batch_wait_timeout_s", "max_concurrent_batches")
-        },
+        "serve_config": {"batching": cfg["batching"]},
     }
     summary = "; ".join(
         f"c={c}: LitServe {s['litserve']['requests_per_s']:.0f} req/s p99 "

@@ -9,8 +9,8 @@ model server (app.serve.app.ModelApp) behind Serve's proxy or HAProxy. Outside a
 `@serve.batch` works as a plain asyncio batcher except for one start-up check that asks for the
 replica context; that check (a warning about max_ongoing_requests) is skipped here.
 
-`--one-call` is B5b's hand-written baseline: serve.batch_calls=off, so no batcher at all, one ONNX
-Runtime call per request on the worker threads (serve.max_concurrent_batches of them), same
+`--one-call` is B5b's hand-written baseline: serve.batching.calls=off, so no batcher at all, one ONNX
+Runtime call per request on the worker threads (serve.batching.max_concurrent_batches of them), same
 validation and answer.
 """
 
@@ -32,7 +32,13 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
     cfg = ServeConfig.model_validate(
-        {**serve_config, **({"batch_calls": "off"} if one_call else {})}
+        {
+            **serve_config,
+            "batching": {
+                **serve_config.get("batching", {}),
+                **({"calls": "off"} if one_call else {}),
+            },
+        }
     )
     server = ModelServer(resolve(resolve_uri(artifact_uri)), cfg)
     models = Models.configured({server.artifact.name: LocalModel(server)}, cfg)

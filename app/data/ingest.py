@@ -214,8 +214,8 @@ def stream_split(
     ranges, not `read_parquet`: Ray Data 2.60's Parquet source lists the files and reads every
     footer again on each execution, in a pool of actors started for it, while the manifest
     already holds each shard's path and row count. One task reads and preprocesses one range,
-    the share cut into `data.stream_read_tasks_per_worker` pieces so that small blocks start
-    flowing while the rest is read; `data.stream_reads_in_flight_per_worker` run at once (each
+    the share cut into `data.stream.read_tasks_per_worker` pieces so that small blocks start
+    flowing while the rest is read; `data.stream.reads_in_flight_per_worker` run at once (each
     running task is a worker process Ray starts at the first epoch and keeps while it is busy).
     """
     import ray.data
@@ -226,7 +226,7 @@ def stream_split(
     ranges = [(storage.filesystem(u)[1], a, b) for u, a, b in rank_ranges(shards, rank, world)]
     pieces = [
         {"path": p, "start": a, "stop": b}
-        for p, a, b in shard_pieces(ranges, d.stream_read_tasks_per_worker)
+        for p, a, b in shard_pieces(ranges, d.stream.read_tasks_per_worker)
     ]
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options = ingest_options(config)
@@ -239,7 +239,7 @@ def stream_split(
         batch_format="numpy",
         batch_size=1,
         num_cpus=d.task_cpus,
-        compute=ray.data.TaskPoolStrategy(size=d.stream_reads_in_flight_per_worker),
+        compute=ray.data.TaskPoolStrategy(size=d.stream.reads_in_flight_per_worker),
     )
 
 
@@ -284,18 +284,18 @@ def ingest_options(config: Config):
     They bound Data's CPUs to this worker's part of what the train workers leave free (at least
     one task's worth), so a fast reader cannot take the trainers' cores and the trainers'
     reservation cannot leave Data with nothing, and its object store use to its part of
-    `data.stream_object_store_mb`, so memory stays flat however large the dataset.
+    `data.stream.object_store_mb`, so memory stays flat however large the dataset.
     """
     import ray
     from ray.data import ExecutionOptions, ExecutionResources
 
     workers = config.train.num_workers
-    limit = config.data.stream_max_cpus
+    limit = config.data.stream.max_cpus
     if limit is None:
         total = ray.cluster_resources().get("CPU", 1.0)
         limit = total - workers * config.train.cpus_per_worker
     cpu = max(limit / workers, config.data.task_cpus)
-    store = config.data.stream_object_store_mb * MIB / workers
+    store = config.data.stream.object_store_mb * MIB / workers
     return ExecutionOptions(
         resource_limits=ExecutionResources.for_limits(cpu=cpu, object_store_memory=store),
         preserve_order=False,

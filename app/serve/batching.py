@@ -1,8 +1,8 @@
 """The batching policy of a classifier replica: which requests share an ONNX Runtime call.
 
 A batch from Serve's `serve.batch` is split into groups of similar length (`padding_groups`:
-padded tokens at most serve.max_padding_waste of the real ones), and the groups are dealt to the
-worker threads (`spread`). Whether requests share calls at all (serve.batch_calls: auto) is
+padded tokens at most serve.batching.max_padding_waste of the real ones), and the groups are dealt to the
+worker threads (`spread`). Whether requests share calls at all (serve.batching.calls: auto) is
 measured once at start (`measure_batch_calls`): on a small CPU one call on many rows of a wide
 Transformer can cost more per row than a call per row.
 """
@@ -74,7 +74,7 @@ def measure_batch_calls(session: Any, batch: dict[str, np.ndarray], trim: bool) 
     """Whether one ONNX Runtime call on the rows of `batch` (text: cut to its longest row) costs
     clearly less than a call per row (text: each cut to its own length) plus the thread
     hand-offs the extra calls take; medians of a few timed rounds. The replica's choice for
-    serve.batch_calls=auto."""
+    serve.batching.calls=auto."""
 
     def median_s(fn: Any, repeats: int = 7) -> float:
         fn()  # warm-up
@@ -124,7 +124,7 @@ def serve_batcher(handler: Any, cfg: ServeConfig) -> Any:
     from ray import serve
 
     return serve.batch(
-        max_batch_size=cfg.max_batch_size,
-        batch_wait_timeout_s=cfg.batch_wait_timeout_s,
-        max_concurrent_batches=cfg.max_concurrent_batches,
+        max_batch_size=cfg.batching.max_batch_size,
+        batch_wait_timeout_s=cfg.batching.batch_wait_timeout_s,
+        max_concurrent_batches=cfg.batching.max_concurrent_batches,
     )(handler)

@@ -39,12 +39,14 @@ def _number(value: Any, field: str, integer: bool) -> float | int:
 def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, Any]:
     """Validated sampling fields of `body` (absent or null: the defaults), as the keyword
     arguments of app.export.generate.SamplingParams. `prefix` names where they sit ("", "parameters.")."""
-    out: dict[str, Any] = {"max_tokens": cfg.default_max_tokens, "temperature": 1.0}
+    out: dict[str, Any] = {"max_tokens": cfg.generation.default_max_tokens, "temperature": 1.0}
     get = {k: body.get(k) for k in SAMPLING_FIELDS}
     if get["max_tokens"] is not None:
         n = _number(get["max_tokens"], f"{prefix}max_tokens", integer=True)
-        if not 1 <= n <= cfg.max_tokens:
-            raise bad(f"{prefix}max_tokens: {n} is outside 1..{cfg.max_tokens} (serve.max_tokens)")
+        if not 1 <= n <= cfg.generation.max_tokens:
+            raise bad(
+                f"{prefix}max_tokens: {n} is outside 1..{cfg.generation.max_tokens} (serve.generation.max_tokens)"
+            )
         out["max_tokens"] = n
     if get["temperature"] is not None:
         t = float(_number(get["temperature"], f"{prefix}temperature", integer=False))

@@ -1,5 +1,5 @@
 """One language model's replica state: a verified artifact's ONNX Runtime session generating
-text (app/export/generate.py), at most `serve.max_streams` generations at once.
+text (app/export/generate.py), at most `serve.generation.max_streams` generations at once.
 
 `generate` is an async generator of typed events (app/serve/types.py), the contract between the
 HTTP routes and the replica (local call or a streaming DeploymentHandle): `Started`, a `Piece`
@@ -44,7 +44,7 @@ class LMServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.variant = cfg.variant
         self.generator = self._generator(self.variant)
-        self.pool = ThreadPoolExecutor(cfg.max_streams, thread_name_prefix="generate")
+        self.pool = ThreadPoolExecutor(cfg.generation.max_streams, thread_name_prefix="generate")
         # What this replica did, for metadata (and the disconnect test): generations running now,
         # finished by reason, and tokens generated in all.
         self.stats: dict[str, int] = {"active": 0, "tokens": 0, "completed": 0, "cancelled": 0}
@@ -52,7 +52,10 @@ class LMServer:
 
     def _generator(self, variant: str) -> Generator:
         return Generator.from_artifact(
-            self.artifact, variant, self.threads, max_prompt_tokens=self.cfg.max_prompt_tokens
+            self.artifact,
+            variant,
+            self.threads,
+            max_prompt_tokens=self.cfg.generation.max_prompt_tokens,
         )
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -78,11 +81,11 @@ class LMServer:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """A generation's events; the request was validated by app.serve.completions."""
-        if self.stats["active"] >= self.cfg.max_streams:
+        if self.stats["active"] >= self.cfg.generation.max_streams:
             raise RequestError(
                 503,
-                f"model {self.artifact.name!r} is running serve.max_streams="
-                f"{self.cfg.max_streams} generations; retry later",
+                f"model {self.artifact.name!r} is running serve.generation.max_streams="
+                f"{self.cfg.generation.max_streams} generations; retry later",
                 retry_after_s=1,
             )
         try:

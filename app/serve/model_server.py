@@ -45,17 +45,17 @@ class ModelServer:
         self.artifact: Artifact = open_artifact(artifact_uri)
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.max_request_rows = cfg.max_request_rows
-        self.max_padding_waste = cfg.max_padding_waste
+        self.max_padding_waste = cfg.batching.max_padding_waste
         self.variant = cfg.variant
         self.session = self.artifact.session(self.variant, self.threads)
         self.trim = takes_any_length(self.session)
         # ONNX Runtime releases the GIL: its calls run on these threads, side by side.
-        self.workers = cfg.max_concurrent_batches
+        self.workers = cfg.batching.max_concurrent_batches
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="onnx")
-        self.batch_setting = cfg.batch_calls
+        self.batch_setting = cfg.batching.calls
         self._choose_batch_calls()
         self.infer_batch = serve_batcher(self._run_batch, cfg)
-        self.batch_wait_timeout_s = cfg.batch_wait_timeout_s
+        self.batch_wait_timeout_s = cfg.batching.batch_wait_timeout_s
         self.in_flight = 0  # validated requests queued for, or inside, a batch
         self._metrics = _ReplicaMetrics(self.artifact.name)
         log.info(
@@ -87,7 +87,7 @@ class ModelServer:
     def _calibration_batch(self, rows: int = 8) -> dict[str, np.ndarray]:
         """Rows like a real batch's: for text (a model that takes any length), lengths spread
         from 0.6x to 1x half the window, which pads a shared call by a quarter of its real
-        tokens, half what serve.max_padding_waste allows by default; every position a token."""
+        tokens, half what serve.batching.max_padding_waste allows by default; every position a token."""
         row = self.artifact.preprocessor.features(self.artifact.preprocessor.sample_rows())
         if MASK not in row:
             return {k: np.repeat(v, rows, axis=0) for k, v in row.items()}

@@ -504,7 +504,7 @@ def feed(
         return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
     d = config.data
     share = stream_split(config, shards, preprocessor, rank, world)
-    return StreamFeed(share, d.stream_prefetch_batches, config.train.shuffle_buffer)
+    return StreamFeed(share, d.stream.prefetch_blocks, config.train.shuffle_buffer)
 
 
 def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:

@@ -34,7 +34,7 @@ SERVE_OVERRIDES = [
     "serve.autoscaling.downscale_delay_s=4",
     "serve.autoscaling.look_back_period_s=2",
     "serve.autoscaling.metrics_interval_s=0.5",
-    "serve.max_batch_size=4",
+    "serve.batching.max_batch_size=4",
     "serve.max_ongoing_requests=4",
     "serve.health_check_period_s=2",
 ]

@@ -39,9 +39,9 @@ TINY = [
     "export.name=tinylm",
     "export.perplexity_rows=16",
     "export.greedy_prompts=4",
-    "serve.max_tokens=480",
-    "serve.max_prompt_tokens=256",
-    "serve.max_streams=2",
+    "serve.generation.max_tokens=480",
+    "serve.generation.max_prompt_tokens=256",
+    "serve.generation.max_streams=2",
     "serve.autoscaling.min_replicas=1",
     "serve.autoscaling.max_replicas=1",
 ]
@@ -182,7 +182,7 @@ def test_streamed_completion_is_sse_and_seeded_sampling_repeats(lm_endpoint):
         ({"temperature": "hot"}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
         ({"stop": [1]}, 400, "stop"),
-        ({"prompt": "é" * 600}, 400, "prompt"),  # over serve.max_prompt_tokens
+        ({"prompt": "é" * 600}, 400, "prompt"),  # over serve.generation.max_prompt_tokens
         ({"model": "nope"}, 404, "nope"),
         ({"frequency_penalty": 1}, 400, "frequency_penalty"),
     ],

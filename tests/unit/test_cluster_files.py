@@ -252,7 +252,7 @@ def test_serve_yaml_is_a_valid_serve_deploy_config() -> None:
     models = [a["args"]["model"] for a in apps if "model" in a["args"]]
     assert models and all(m["name"] and m["artifact"] for m in models)
     serve = ServeConfig.model_validate(apps[0]["args"]["serve"])  # every key is a field
-    assert serve.max_batch_size <= serve.max_ongoing_requests
+    assert serve.batching.max_batch_size <= serve.max_ongoing_requests
     written = copy.deepcopy(apps)
     for app in written:  # the file may leave fields at their defaults; deploy writes them all
         app["args"]["serve"] = ServeConfig.model_validate(app["args"]["serve"]).model_dump(

@@ -111,11 +111,13 @@ def test_bad_value_is_one_line_naming_the_key_and_value(override, key):
 
 
 def test_batch_larger_than_ongoing_requests_is_refused():
-    message = refused("serve.max_batch_size=32", "serve.max_ongoing_requests=16")
-    assert "serve.max_batch_size" in message and "serve.max_ongoing_requests" in message
+    message = refused("serve.batching.max_batch_size=32", "serve.max_ongoing_requests=16")
+    assert "serve.batching.max_batch_size" in message and "serve.max_ongoing_requests" in message
     # Equal is fine.
-    config = load_config(DIGITS_YAML, ["serve.max_batch_size=16", "serve.max_ongoing_requests=16"])
-    assert config.serve.max_batch_size == 16
+    config = load_config(
+        DIGITS_YAML, ["serve.batching.max_batch_size=16", "serve.max_ongoing_requests=16"]
+    )
+    assert config.serve.batching.max_batch_size == 16
 
 
 @pytest.mark.parametrize("source", ["table", "imagefolder"])
@@ -209,3 +211,24 @@ def test_job_cli_bad_override_exits_2_with_one_line(tmp_path, monkeypatch, capsy
 def test_names_that_become_folders_cannot_leave_their_root(config_factory, override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         config_factory(override)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("serve.max_batch_size=8", "serve.batching.max_batch_size"),
+        ("serve.batch_calls=on", "serve.batching.calls"),
+        ("serve.max_streams=2", "serve.generation.max_streams"),
+        ("data.stream_prefetch_batches=2", "data.stream.prefetch_blocks"),
+    ],
+)
+def test_a_key_that_moved_fails_in_one_line_naming_its_new_place(config_factory, old, new):
+    with pytest.raises(ConfigError) as failed:
+        config_factory(old)
+    message = str(failed.value)
+    assert new in message and "\n" not in message
+
+
+def test_grouped_keys_take_overrides_in_their_new_place(config_factory):
+    config = config_factory("serve.batching.max_batch_size=8", "data.stream.prefetch_blocks=2")
+    assert config.serve.batching.max_batch_size == 8 and config.data.stream.prefetch_blocks == 2
