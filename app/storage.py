@@ -191,7 +191,15 @@ def local_path_for(uri: str) -> Iterator[str]:
 
 
 def list_dir(uri: str) -> list[str]:
+    """Entry names in `uri` ([] when it does not exist)."""
     fs, path = filesystem(uri)
+    if is_local(uri):
+        # One readdir: pyarrow's listing also stats each entry, and fails the whole listing
+        # when a concurrent publish renames one away in between.
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     return sorted(os.path.basename(i.path) for i in infos)
 
