@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-timeout", type=float, default=0.005)
     args = p.parse_args(argv)
-    api = ArtifactAPI(args.artifact, args.batching.max_batch_size, args.batch_timeout)
+    api = ArtifactAPI(args.artifact, args.max_batch_size, args.batch_timeout)
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1)
     server.run(
         host="127.0.0.1",
