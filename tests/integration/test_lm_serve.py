@@ -234,3 +234,56 @@ def test_int8_greedy_tokens_are_the_same_alone_and_batched(lm_artifact):
         alone, _ = decoder.step(prompt[None], decoder.empty_cache())
         assert np.abs(alone[0] - prefill[i]).max() < 1e-5
         assert greedy(decoder, prompt.tolist(), 12) == batched[i].tolist()
+
+
+def test_a_whole_completion_whose_client_leaves_has_its_generation_cancelled(lm_endpoint):
+    """Not streamed: the client gives up before the answer; the replica stops generating."""
+    before = generation_stats(lm_endpoint)
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(
+            f"{lm_endpoint}/v1/completions",
+            json={"model": "tinylm", "prompt": "def ", "max_tokens": 480, "temperature": 0.0},
+            timeout=(5, 0.05),  # the client leaves 50 ms in, before the answer
+        )
+    deadline = time.time() + 20
+    while (stats := generation_stats(lm_endpoint))["active"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert stats["active"] == 0
+    assert stats["cancelled"] == before["cancelled"] + 1
+    assert stats["tokens"] - before["tokens"] < 480
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_and_is_replaced(lm_endpoint):
+    """The stream's client gets an end (its connection closes) within a second of the kill,
+    never a hang; Serve starts a replacement that answers again. Runs last in this module."""
+    import signal
+
+    import psutil
+
+    response = completion(lm_endpoint, stream=True, max_tokens=480, temperature=0.0)
+    lines = response.iter_lines(delimiter=b"\n\n")
+    next(lines)
+    [pid] = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "ServeReplica:models-tinylm" in " ".join(p.info["cmdline"] or [])
+    ]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        for _ in lines:  # whatever arrives before the connection closes
+            pass
+    except requests.exceptions.RequestException:
+        pass
+    ended = time.monotonic() - killed
+    assert ended < 1.0, ended
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if completion(lm_endpoint, max_tokens=2).status_code == 200:
+                break
+        except requests.exceptions.RequestException:
+            pass
+        time.sleep(0.5)
+    else:
+        raise AssertionError("no replica answered within 60 s of the kill")
