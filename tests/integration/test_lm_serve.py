@@ -197,6 +197,16 @@ def generation_stats(url: str) -> dict[str, int]:
     return requests.get(f"{url}/v2/models/tinylm", timeout=10).json()["parameters"]["generation"]
 
 
+def assert_cancelled_once(url: str, before: dict[str, int]) -> None:
+    """One more generation was cancelled, before its 480 tokens, and none runs any longer."""
+    deadline = time.time() + 20
+    while (stats := generation_stats(url))["active"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert stats["active"] == 0
+    assert stats["cancelled"] == before["cancelled"] + 1
+    assert stats["tokens"] - before["tokens"] < 480
+
+
 def test_a_client_that_disconnects_stops_its_generation(lm_endpoint):
     before = generation_stats(lm_endpoint)
     # A long greedy generation (the cap, 480 tokens); the client reads one chunk and leaves.
@@ -204,12 +214,7 @@ def test_a_client_that_disconnects_stops_its_generation(lm_endpoint):
     lines = response.iter_lines(delimiter=b"\n\n")
     next(lines)  # the first chunk is there: the generation runs
     response.close()  # the client goes away
-    deadline = time.time() + 20
-    while (stats := generation_stats(lm_endpoint))["active"] and time.time() < deadline:
-        time.sleep(0.2)
-    assert stats["active"] == 0
-    assert stats["cancelled"] == before["cancelled"] + 1
-    assert stats["tokens"] - before["tokens"] < 480
+    assert_cancelled_once(lm_endpoint, before)
 
 
 def test_int8_greedy_tokens_are_the_same_alone_and_batched(lm_artifact):
@@ -245,12 +250,7 @@ def test_a_whole_completion_whose_client_leaves_has_its_generation_cancelled(lm_
             json={"model": "tinylm", "prompt": "def ", "max_tokens": 480, "temperature": 0.0},
             timeout=(5, 0.05),  # the client leaves 50 ms in, before the answer
         )
-    deadline = time.time() + 20
-    while (stats := generation_stats(lm_endpoint))["active"] and time.time() < deadline:
-        time.sleep(0.2)
-    assert stats["active"] == 0
-    assert stats["cancelled"] == before["cancelled"] + 1
-    assert stats["tokens"] - before["tokens"] < 480
+    assert_cancelled_once(lm_endpoint, before)
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_and_is_replaced(lm_endpoint):

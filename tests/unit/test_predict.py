@@ -204,20 +204,7 @@ def test_parts_roll_over_and_the_manifest_verifies(tmp_path):
     shards = writer.close()
     assert [s.rows for s in shards] == [4, 4, 1]
     assert pq.read_table(tmp_path / shards[2].file)["id"].to_pylist() == [8]
-    manifest = PredictionManifest(
-        created="now",
-        artifact="a",
-        model_name="m",
-        model_version="1",
-        variant="int8",
-        input="i",
-        input_format="parquet",
-        id_column="id",
-        on_bad_rows="fail",
-        rows={"input": 9, "output": 9, "rejected": 0},
-        files=shards,
-        rejects=[],
-    )
+    manifest = manifest_of(shards, rows=9)
     manifest.write(str(tmp_path / "manifest.json"))
     assert verify_output(str(tmp_path)).rows["output"] == 9
     with open(tmp_path / shards[0].file, "ab") as f:
@@ -250,11 +237,8 @@ def test_an_existing_output_is_replaced_only_with_overwrite_and_only_a_predict_o
     check_output(str(out), overwrite=True)
 
 
-def run_manifest(out, run: str, rows: int = 3) -> PredictionManifest:
-    """A run's parts written under `<out>/<run>/` and its (uncommitted) manifest."""
-    writer = PartWriter(str(out), run, rows_per_file=2, run=run)
-    writer.write(pa.table({"id": list(range(rows))}))
-    shards = writer.close()
+def manifest_of(shards, rows: int) -> PredictionManifest:
+    """A predict manifest naming `shards` (all predictions, no rejects)."""
     return PredictionManifest(
         created="now",
         artifact="a",
@@ -269,6 +253,14 @@ def run_manifest(out, run: str, rows: int = 3) -> PredictionManifest:
         files=shards,
         rejects=[],
     )
+
+
+def run_manifest(out, run: str, rows: int = 3) -> PredictionManifest:
+    """A run's parts written under `<out>/<run>/` and its (uncommitted) manifest."""
+    writer = PartWriter(str(out), run, rows_per_file=2, run=run)
+    writer.write(pa.table({"id": list(range(rows))}))
+    shards = writer.close()
+    return manifest_of(shards, rows)
 
 
 def test_a_run_counts_only_once_its_manifest_is_in_and_replaces_the_last_one_whole(tmp_path):
