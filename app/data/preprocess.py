@@ -155,6 +155,18 @@ class Preprocessor:
             return ["input_ids"]
         return ["input_ids", "attention_mask"] if self.kind == "text" else ["x"]
 
+    @property
+    def variable_length(self) -> bool:
+        """Whether the model inputs have a sequence axis a batch may cut to its longest row."""
+        return self.kind == "text"
+
+    def raw_input(self) -> dict[str, Any]:
+        """The one raw input tensor a request sends, as schema.json (and the v2 API) name it."""
+        if self.kind == "text":
+            return {"name": "text", "datatype": "BYTES", "shape": [-1]}
+        name = "image" if self.kind == "image" else "features"
+        return {"name": name, "datatype": "FP32", "shape": [-1, self.num_features]}
+
     def sample_rows(self) -> Any:
         """One raw row of the right form (a replica's health check and warm-up)."""
         if self.kind == "text":

@@ -125,7 +125,7 @@ def dynamic_axes(pre: Preprocessor, names: list[str]) -> dict[str, dict[int, str
     batch of short requests to its own longest row instead of `max_length` (the Transformer's
     positions and mask take any length up to it)."""
     axes: dict[str, dict[int, str]] = {n: {0: "batch"} for n in [*names, "logits"]}
-    if pre.kind == "text":
+    if pre.variable_length:
         for name in names:
             axes[name][1] = "sequence"
     return axes
@@ -341,15 +341,10 @@ def sensitivity_hint(report: dict[str, Any]) -> str:
 
 
 def schema_for(pre: Preprocessor, task: str) -> dict[str, Any]:
-    if pre.kind == "text":
-        tensor = {"name": "text", "datatype": "BYTES", "shape": [-1]}
-    else:
-        name = "image" if pre.kind == "image" else "features"
-        tensor = {"name": name, "datatype": "FP32", "shape": [-1, pre.num_features]}
     return {
         "task": task,
         "kind": pre.kind,
-        "inputs": [tensor],
+        "inputs": [pre.raw_input()],
         "outputs": [
             {"name": "label", "datatype": "BYTES", "shape": [-1]},
             {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(pre.labels)]},

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.unit
 def test_text_graph_has_a_free_sequence_axis_and_trimming_changes_nothing(tmp_path):
     torch.manual_seed(0)
     model = TransformerClassifier(vocab_size=50, num_classes=3, dim=16, heads=2, ff_dim=32).eval()
-    text = SimpleNamespace(kind="text", input_names=lambda: ["input_ids", "attention_mask"])
+    text = SimpleNamespace(
+        kind="text", variable_length=True, input_names=lambda: ["input_ids", "attention_mask"]
+    )
     lengths = [5, 9, 3]
     ids = np.zeros((3, 32), np.int64)
     mask = np.zeros((3, 32), np.int64)
