@@ -126,20 +126,47 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # A registered family (cnn, mlp, transformer) or "pkg.module:callable".
-    name: str = "cnn"
+    # A Hugging Face folder as save_pretrained writes it (local path, s3://, a hub cache
+    # snapshot) to fine-tune: its config.json's model_type (gpt2, bert, vit) picks the
+    # architecture and its sizes, so `name` and the size keys below are left out
+    # (app/pretrained.py).
+    pretrained: str | None = None
+    # A registered family (cnn, mlp, transformer, gpt) or "pkg.module:callable"; default cnn.
+    name: str | None = None
     channels: list[int] = Field(default_factory=lambda: [32, 64])
     hidden: list[int] = Field(default_factory=lambda: [128, 64])
     dim: int = Field(64, ge=8)
     layers: int = Field(2, ge=1)
     heads: int = Field(4, ge=1)
     ff_dim: int = Field(128, ge=8)
-    max_length: int = Field(32, ge=4)
+    # Tokens per sequence: longer text is truncated, in training and serving alike (null: 32, or
+    # a pretrained checkpoint's own limit).
+    max_length: int | None = Field(None, ge=4)
     vocab_size: int = Field(2000, ge=32)
     dropout: float = Field(0.1, ge=0, lt=1)
 
+    @property
+    def builder(self) -> str:
+        """The family or callable that builds a from-scratch model."""
+        return self.name or "cnn"
+
+    def sequence_length(self, limit: int | None = None) -> int:
+        """`max_length`, else the checkpoint's `limit`, else 32; never beyond `limit`."""
+        length = self.max_length or limit or 32
+        if limit is not None and length > limit:
+            raise ConfigError(
+                f"config error: model.max_length: {length} exceeds the pretrained model's "
+                f"{limit} positions"
+            )
+        return length
+
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
+        if self.pretrained and self.name:
+            raise ValueError(
+                "model.name: leave it out with model.pretrained (the folder's model_type "
+                "decides the architecture)"
+            )
         if self.dim % self.heads:
             raise ValueError(
                 f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
@@ -170,10 +197,29 @@ class TrainConfig(_Section):
     epochs: int = Field(10, ge=1)
     batch_size: int = Field(64, ge=1)  # per worker
     lr: float = Field(2e-3, gt=0)
+    # AdamW's decoupled weight decay, on weight matrices only: biases, norms' scales (and other
+    # 1-d parameters) are not decayed, as in the BERT and GPT-2 recipes.
     weight_decay: float = Field(0.01, ge=0)
+    # Learning rate: linear warmup over `warmup_steps` optimizer steps (null: `warmup_fraction`
+    # of the run's steps), then `lr_schedule`: constant, linear decay to 0, or cosine decay to
+    # 10% of `lr`.
     warmup_fraction: float = Field(0.05, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
-    grad_accum_steps: int = Field(1, ge=1)
+    warmup_steps: int | None = Field(None, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (of the global gradient norm)
+    grad_accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
+    # At most this many optimizer steps in the whole run (null: `epochs` full epochs); the last
+    # epoch is cut short when it is reached.
+    max_steps: int | None = Field(None, ge=1)
+    # Fine-tuning a pretrained model (model.pretrained): which weights stay frozen: none, the
+    # embeddings, or the whole backbone (only the new classifier head trains).
+    freeze: Literal["none", "embeddings", "backbone"] = "none"
+    # LoRA adapters of this rank on the Linear layers named (by dotted suffix) in
+    # `lora_targets`; the rest of the backbone is frozen. 0: off. Adapters are merged into
+    # the weights at export, so the artifact and serving are unchanged.
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: list[str] = Field(default_factory=lambda: ["query", "value", "attn.qkv"])
     # At most this many optimizer steps per epoch (null: the whole train split). Bounds an
     # epoch on a large corpus: each epoch then trains on a fresh seeded sample of the split.
     max_steps_per_epoch: int | None = Field(None, ge=1)

@@ -101,7 +101,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
                     )
             fp32, bf16 = median(rates["fp32"]), median(rates["bf16"])
             throughput[f"{workload}_batch{bs}"] = {
-                "model": config.model.name,
+                "model": config.model.builder,
                 "fp32_steps_per_s": fp32,
                 "bf16_steps_per_s": bf16,
                 "bf16_speedup": ratio(bf16, fp32),

@@ -74,7 +74,7 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
         return ratio(latency[baseline][key]["p50_ms"], latency["onnx_int8"][key]["p50_ms"])
 
     return {
-        "model": artifact.schema["kind"] + " / " + config.model.name,
+        "model": artifact.schema["kind"] + " / " + config.model.builder,
         "quantization": report["quantization"]["method"],
         "train_epochs": info["epochs"],
         "size_bytes": sizes,

@@ -24,6 +24,7 @@ import pandas as pd
 from app.config import Config, ModelConfig
 from app.data.sources import TEXT_COLUMN, SourceData
 from app.errors import UserError
+from app.pretrained import base_for
 
 if TYPE_CHECKING:
     from app.data.prepare import DatasetManifest
@@ -40,15 +41,22 @@ def tokenize_corpus(
 ) -> tuple[SourceData, dict[str, np.ndarray], dict[str, bytes]]:
     """(token rows, each split's rows, {file name: bytes} to store beside the shards)."""
     texts = data.frame[TEXT_COLUMN]
-    tokenizer = train_tokenizer(texts.iloc[splits["train"]], model.vocab_size)
+    base = base_for(model, "tokens")
+    if base is None:
+        tokenizer = train_tokenizer(texts.iloc[splits["train"]], model.vocab_size)
+    else:  # the pretrained model's own tokenizer: none is trained
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(base.tokenizer_json())
+    block = model.sequence_length(base.max_positions if base else None)
     parts, rows, start = [], {}, 0
     for name, index in splits.items():
         ids = encode_documents(tokenizer, texts.iloc[index].tolist())
-        packed = pack(ids, model.max_length)
+        packed = pack(ids, block)
         if not len(packed):
             raise UserError(
                 f"the {name} split holds {len(ids)} tokens, fewer than one sequence of "
-                f"{model.max_length + 1}: add documents, raise data.val_fraction or lower "
+                f"{block + 1}: add documents, raise data.val_fraction or lower "
                 "model.max_length"
             )
         log.info("prepare: %s: %d tokens -> %d sequences", name, len(ids), len(packed))
@@ -58,12 +66,12 @@ def tokenize_corpus(
     frame = pd.DataFrame({TOKENS_COLUMN: list(np.concatenate(parts))})
     description = {
         **data.description,
-        "tokenizer": "byte-level BPE",
+        "tokenizer": f"{base.uri} (pretrained)" if base else "byte-level BPE",
         "vocab_size": tokenizer.get_vocab_size(),
         "documents_per_split": {name: int(len(index)) for name, index in splits.items()},
     }
     tokens = SourceData(
-        frame, "tokens", [TOKENS_COLUMN], "", description=description, block_size=model.max_length
+        frame, "tokens", [TOKENS_COLUMN], "", description=description, block_size=block
     )
     return tokens, rows, {TOKENIZER_FILE: tokenizer.to_str().encode()}
 
@@ -89,6 +97,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 def encode_documents(tokenizer, texts: list[str]) -> np.ndarray:
     """All documents' token ids in order, each followed by the end-of-text token."""
     eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise UserError(f"the tokenizer has no {EOS} token to separate documents with")
     encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     pieces = [np.asarray([*e.ids, eos], dtype=np.int32) for e in encoded]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
@@ -109,4 +119,5 @@ def dataset_preprocessor(config: Config, manifest: DatasetManifest) -> Preproces
     from app.data.preprocess import Preprocessor
 
     tokenizer = read_dataset_file(config.data_output, manifest, TOKENIZER_FILE).decode()
-    return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer)
+    base = base_for(config.model, "tokens")
+    return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer, base)

@@ -30,6 +30,7 @@ from app import storage
 from app.config import Config
 from app.data.prepare import DatasetManifest, read_manifest, split_files
 from app.data.preprocess import Preprocessor
+from app.pretrained import base_for
 from app.ray_private import data_tasks_running, quiet_data_progress
 from app.tasks.registry import task_for_dataset
 
@@ -174,11 +175,13 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     if task.preprocessor:  # the dataset carries its own (a corpus tokenized at prepare)
         return task.part("preprocessor")(config, manifest)
     files = split_files(output, manifest, "train")
+    base = base_for(config.model, manifest.kind)
     return Preprocessor.fit(
         iter_shards(files),
         manifest.to_json_dict(),  # Preprocessor.fit takes the manifest's JSON form
-        max_length=config.model.max_length,
+        max_length=config.model.sequence_length(base.max_positions if base else None),
         vocab_size=config.model.vocab_size,
+        base=base,
     )
 
 

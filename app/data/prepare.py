@@ -31,6 +31,7 @@ from app import storage
 from app.config import Config
 from app.data.sources import IMAGE_COLUMN, Kind, SourceData, load_source
 from app.errors import UserError
+from app.pretrained import base_for, open_pretrained
 from app.tasks.registry import task_for_source
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class DatasetManifest(storage.Contract):
 
 def prepare(config: Config) -> dict[str, Any]:
     cfg = config.data
+    if config.model.pretrained:  # a bad folder fails before any data is read
+        open_pretrained(config.model.pretrained)
     data = load_source(cfg)
     splits = split_rows(len(data.frame), cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
@@ -96,6 +99,7 @@ def prepare(config: Config) -> dict[str, Any]:
     task = task_for_source(data.kind)
     if task and task.prepare:  # e.g. a corpus: tokenizer + packed token rows, split by document
         data, splits, files = task.part("prepare")(data, splits, config.model)
+    base_for(config.model, data.kind)  # the pretrained model must take this data
     manifest = publish_generation(
         data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations
     )

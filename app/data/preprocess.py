@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from app.errors import UserError
+
+if TYPE_CHECKING:
+    from app.pretrained import Pretrained
 
 LABEL_KEY = "label"  # key of the label index in transformed batches
 PAD, UNK = "[PAD]", "[UNK]"
@@ -36,9 +39,19 @@ class Preprocessor:
 
             tokenizer = Tokenizer.from_str(state["tokenizer"])
             if self.kind == "text":  # a token dataset is packed already: no truncation, no padding
+                pad = state.get("pad_token", PAD)
                 tokenizer.enable_truncation(state["max_length"])
-                tokenizer.enable_padding(length=state["max_length"], pad_id=0, pad_token=PAD)
+                tokenizer.enable_padding(
+                    length=state["max_length"],
+                    pad_id=tokenizer.token_to_id(pad) or 0,
+                    pad_token=pad,
+                )
             self._tokenizer = tokenizer
+        self._images = None
+        if "image_processor" in state:  # a pretrained image model's own resize and normalize
+            from app.data.images import ImageProcessor
+
+            self._images = ImageProcessor(state["image_processor"])
         self._mean = np.asarray(state.get("mean", 0.0), dtype=np.float32)
         self._std = np.asarray(state.get("std", 1.0), dtype=np.float32)
 
@@ -51,8 +64,12 @@ class Preprocessor:
         manifest: dict[str, Any],
         max_length: int = 32,
         vocab_size: int = 2000,
+        base: Pretrained | None = None,
     ) -> Preprocessor:
-        """Fit on the train split, streamed chunk by chunk (one shard at a time, never all rows)."""
+        """Fit on the train split, streamed chunk by chunk (one shard at a time, never all rows).
+
+        With a pretrained `base`, its tokenizer or image processor is adopted (none is trained
+        and no pixel statistics are taken) and its record travels in the state."""
         kind = manifest["kind"]
         features, label_column = manifest["feature_columns"], manifest["label_column"]
         stats = _RunningStats()
@@ -74,9 +91,21 @@ class Preprocessor:
             "feature_columns": features,
             "label_column": label_column,
         }
-        if kind == "text":
+        if base is not None:
+            state["pretrained"] = base.record()
+        if kind == "text" and base is not None:
+            state["max_length"] = max_length
+            state["tokenizer"], state["pad_token"] = base.tokenizer_json(), base.pad_token()
+            for _ in texts():
+                pass
+        elif kind == "text":
             state["max_length"] = max_length
             state["tokenizer"] = _train_tokenizer(texts(), vocab_size)
+        elif kind == "image" and base is not None:
+            state["image_shape"] = manifest["image_shape"]
+            state["image_processor"] = base.image_processor()
+            for _ in texts():
+                pass
         else:
             for _ in texts():
                 pass
@@ -93,20 +122,23 @@ class Preprocessor:
         return cls(state)
 
     @classmethod
-    def for_tokens(cls, manifest: dict[str, Any], tokenizer: str) -> Preprocessor:
+    def for_tokens(
+        cls, manifest: dict[str, Any], tokenizer: str, base: Pretrained | None = None
+    ) -> Preprocessor:
         """A token dataset (app/data/corpus.py) is already tokenized and packed: its preprocessor only
         carries the dataset's tokenizer (for generation) and its sequence length."""
-        return cls(
-            {
-                "version": 1,
-                "kind": "tokens",
-                "feature_columns": manifest["feature_columns"],
-                "label_column": manifest["label_column"],
-                "labels": [],
-                "tokenizer": tokenizer,
-                "block_size": manifest["block_size"],
-            }
-        )
+        state = {
+            "version": 1,
+            "kind": "tokens",
+            "feature_columns": manifest["feature_columns"],
+            "label_column": manifest["label_column"],
+            "labels": [],
+            "tokenizer": tokenizer,
+            "block_size": manifest["block_size"],
+        }
+        if base is not None:
+            state["pretrained"] = base.record()
+        return cls(state)
 
     # --- (de)serialisation -----------------------------------------------------------------
 
@@ -148,6 +180,8 @@ class Preprocessor:
         label = 8  # int64 label index
         if self.kind == "text":
             return 2 * 8 * int(self.state["max_length"]) + label  # int64 ids + mask
+        if self._images is not None:
+            return 4 * int(np.prod(self._images.output_shape)) + label
         return 4 * self.num_features + label  # float32 features
 
     def input_names(self) -> list[str]:
@@ -189,6 +223,9 @@ class Preprocessor:
                 len(texts), -1
             )
             return {"input_ids": ids, "attention_mask": mask}
+        if self._images is not None:
+            pixels = np.asarray(raw, dtype=np.float32).reshape(-1, *self.state["image_shape"])
+            return {"x": self._images(pixels)}
         x = (
             np.asarray(raw, dtype=np.float32).reshape(-1, self.num_features) - self._mean
         ) / self._std

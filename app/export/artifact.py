@@ -59,6 +59,8 @@ class ArtifactManifest(storage.Contract):
     # Lineage, for people and /v1/models; serving needs none of it.
     created: str | None = None
     source_checkpoint: str | None = None
+    # The pretrained folder fine-tuned (model.pretrained): uri, model_type, weights_sha256, license.
+    base_model: dict[str, Any] | None = None
     run_name: str | None = None
     train_metrics: dict[str, float | int] = {}
     workload: str | None = None

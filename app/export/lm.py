@@ -50,7 +50,9 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
 
     model = loaded.model
     if not isinstance(model, GPT):
-        raise UserError(f"{checkpoint_uri}: export of task lm supports model.name gpt only")
+        raise UserError(
+            f"{checkpoint_uri}: export of task lm supports model.name gpt (or a gpt2 model.pretrained) only"
+        )
     verify_dataset(config, ("val",))
     rows = validation_rows(config, loaded, config.export.perplexity_rows)
     with tempfile.TemporaryDirectory() as work:

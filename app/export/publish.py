@@ -70,6 +70,7 @@ def write_metadata(
         version=None,  # set at publish time
         created=datetime.now(timezone.utc).isoformat(),
         source_checkpoint=checkpoint_uri,
+        base_model=base_model(loaded.preprocessor),
         run_name=loaded.config.train.run_name,
         train_metrics=loaded.meta.metrics,
         workload=config.workload,
@@ -84,6 +85,14 @@ def write_metadata(
         files=listed,
     )
     manifest.write(os.path.join(work, art.MANIFEST))
+
+
+def base_model(pre) -> dict[str, Any] | None:
+    """The pretrained folder's provenance (its architecture stays in preprocessor.json)."""
+    record = pre.state.get("pretrained")
+    if not record:
+        return None
+    return {k: record.get(k) for k in ("uri", "model_type", "weights_sha256", "license")}
 
 
 def next_version(registry: str, name: str) -> int:

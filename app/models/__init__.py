@@ -18,6 +18,7 @@ from app.models.cnn import ResNetCNN
 from app.models.gpt import GPT
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
+from app.pretrained import family, open_pretrained
 
 Builder = Callable[[ModelConfig, Preprocessor], nn.Module]
 
@@ -39,7 +40,7 @@ def _transformer(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
         layers=cfg.layers,
         heads=cfg.heads,
         ff_dim=cfg.ff_dim,
-        max_length=cfg.max_length,
+        max_length=cfg.sequence_length(),
         dropout=cfg.dropout,
     )
 
@@ -47,14 +48,14 @@ def _transformer(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
 def _gpt(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     # The vocabulary is the dataset's tokenizer's; its sequences must fit the position table.
     block = pre.block_size
-    if block > cfg.max_length:
+    if block > cfg.sequence_length():
         raise ConfigError(
-            f"config error: model.max_length: {cfg.max_length} is shorter than the dataset's "
+            f"config error: model.max_length: {cfg.sequence_length()} is shorter than the dataset's "
             f"sequences ({block} tokens); prepare the data again with this model.max_length"
         )
     return GPT(
         vocab_size=pre.vocab_size,
-        block_size=cfg.max_length,
+        block_size=cfg.sequence_length(),
         dim=cfg.dim,
         layers=cfg.layers,
         heads=cfg.heads,
@@ -88,12 +89,44 @@ def resolve(name: str) -> Builder:
 
 
 def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
-    expected = ACCEPTS.get(cfg.name)
+    """The model for this data, with fresh weights. A run on a pretrained folder builds the
+    folder's architecture (kept in the preprocessor, so a checkpoint rebuilds it without the
+    folder); `load_pretrained` then copies the folder's weights in."""
+    record = pre.state.get("pretrained")
+    if record:
+        return family(record["model_type"]).part("build")(record["architecture"], pre, cfg)
+    expected = ACCEPTS.get(cfg.builder)
     if expected and expected != pre.kind:
         raise ConfigError(
-            f"config error: model.name: {cfg.name!r} takes {expected} data, but the dataset is {pre.kind}"
+            f"config error: model.name: {cfg.builder!r} takes {expected} data, but the dataset is {pre.kind}"
         )
-    return resolve(cfg.name)(cfg, pre)
+    return resolve(cfg.builder)(cfg, pre)
+
+
+def load_pretrained(model: nn.Module, pre: Preprocessor) -> None:
+    """Copy the base folder's weights into `model` (built by `build_model`): every backbone
+    tensor must be there with its shape; only the new head (and LoRA adapters) stay fresh."""
+    record = pre.state["pretrained"]
+    base = open_pretrained(record["uri"])
+    if base.weights_sha256() != record["weights_sha256"]:
+        raise ConfigError(
+            f"config error: model.pretrained: {record['uri']}: the weights changed since this "
+            "run began (sha256 differs); start a new run"
+        )
+    state = base.family.part("rename")(base.weights())
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape mismatch: torch lists them, the first says enough
+        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+        raise ConfigError(f"config error: model.pretrained: {record['uri']}: {detail}") from None
+    missing = [k for k in result.missing_keys if not (k.startswith("head.") or ".lora_" in k)]
+    if missing or result.unexpected_keys:
+        what = (
+            f"lacks {missing[:3]}"
+            if missing
+            else f"has unknown tensors {result.unexpected_keys[:3]}"
+        )
+        raise ConfigError(f"config error: model.pretrained: {record['uri']}: the weights {what}")
 
 
 def is_conv_net(model: nn.Module) -> bool:

@@ -13,6 +13,7 @@ can feed one new token at a time instead of recomputing the prefix (a KV cache).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +69,11 @@ def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor |
 class Block(nn.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, heads: int, ff_dim: int, dropout: float):
+    def __init__(self, dim: int, heads: int, ff_dim: int, dropout: float, eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = CausalSelfAttention(dim, heads, dropout)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = nn.Sequential(
             nn.Linear(dim, ff_dim),
             nn.GELU(approximate="tanh"),
@@ -98,6 +99,7 @@ class GPT(nn.Module):
         heads: int = 4,
         ff_dim: int | None = None,
         dropout: float = 0.0,
+        eps: float = 1e-5,
     ):
         super().__init__()
         self.block_size = block_size
@@ -105,9 +107,9 @@ class GPT(nn.Module):
         self.positions = nn.Embedding(block_size, dim)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(dim, heads, ff_dim or 4 * dim, dropout) for _ in range(layers)
+            Block(dim, heads, ff_dim or 4 * dim, dropout, eps) for _ in range(layers)
         )
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.LayerNorm(dim, eps=eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tokens.weight  # tied: one matrix embeds and un-embeds
         self._init_weights(layers)
@@ -146,3 +148,55 @@ class GPT(nn.Module):
             x, present = block(x, past[i] if past else None)
             presents.append(present)
         return self.head(self.norm(x)), presents
+
+
+# --- GPT-2 checkpoints (model.pretrained with model_type gpt2, app/pretrained.py) ---------------
+
+
+def from_gpt2(arch: dict[str, Any], pre: Any, cfg: Any) -> GPT:
+    """GPT-2's architecture is this module's: its config.json sizes it."""
+    from app.models.encoder import check_activation
+
+    check_activation(arch, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    dim = arch["n_embd"]
+    return GPT(
+        vocab_size=arch["vocab_size"],
+        block_size=arch["n_positions"],
+        dim=dim,
+        layers=arch["n_layer"],
+        heads=arch["n_head"],
+        ff_dim=arch.get("n_inner") or 4 * dim,
+        dropout=cfg.dropout,
+        eps=arch.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+GPT2_RULES = [
+    (r"wte\.weight", "tokens.weight"),
+    (r"wpe\.weight", "positions.weight"),
+    (r"h\.(\d+)\.ln_1\.(.*)", r"blocks.\1.norm1.\2"),
+    (r"h\.(\d+)\.attn\.c_attn\.(.*)", r"blocks.\1.attn.qkv.\2"),
+    (r"h\.(\d+)\.attn\.c_proj\.(.*)", r"blocks.\1.attn.proj.\2"),
+    (r"h\.(\d+)\.ln_2\.(.*)", r"blocks.\1.norm2.\2"),
+    (r"h\.(\d+)\.mlp\.c_fc\.(.*)", r"blocks.\1.mlp.0.\2"),
+    (r"h\.(\d+)\.mlp\.c_proj\.(.*)", r"blocks.\1.mlp.2.\2"),
+    (r"ln_f\.(.*)", r"norm.\1"),
+]
+# The output head is tied to wte; the attention mask buffers of older checkpoints.
+GPT2_IGNORE = r"lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias)"
+# GPT-2's Conv1D stores [in, out]: transposed into nn.Linear's [out, in].
+CONV1D = r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight"
+
+
+def rename_gpt2(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import re
+
+    from app.models.encoder import renamed
+
+    state = {
+        name: tensor.t().contiguous()
+        if re.fullmatch(CONV1D, name.removeprefix("transformer."))
+        else tensor
+        for name, tensor in state.items()
+    }
+    return renamed(state, ("transformer.",), GPT2_RULES, GPT2_IGNORE)

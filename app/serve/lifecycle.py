@@ -81,6 +81,7 @@ def version_facts(uri: str) -> dict[str, Any]:
     return {
         "created": manifest.created,
         "source_checkpoint": manifest.source_checkpoint,
+        "base_model": manifest.base_model,
         "gate": gate_figures(report),
     }
 

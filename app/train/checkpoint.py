@@ -204,9 +204,12 @@ class LoadedCheckpoint:
             self.preprocessor = Preprocessor.from_json(self.meta.preprocessor)
         load_train_state(folder, origin)  # not needed to export, but a truncated one is damage
         from app.models import build_model
+        from app.models.lora import merge_lora
+        from app.train.finetune import adapt
 
-        self.model = build_model(self.config.model, self.preprocessor)
+        self.model = adapt(build_model(self.config.model, self.preprocessor), self.config.train)
         load_weights(folder, self.model, origin)
+        merge_lora(self.model)  # LoRA adapters folded in: evaluate and export see plain layers
         self.model.eval()
 
 

@@ -44,15 +44,26 @@ class TrainState:
         self.epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
         self.first_step_at: float | None = None  # wall clock of the run's first optimizer step
         self.history: list[dict[str, float | int]] = []  # every epoch's reported metrics
+        self.total_steps = 0  # optimizer steps the whole run takes (the schedule's length)
 
     @classmethod
     def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
+        from app.train.finetune import param_groups
+
         t = config.train
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        warmup = int(t.warmup_fraction * total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total_steps))
+        if t.max_steps:
+            total_steps = min(total_steps, t.max_steps)
+        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
+        warmup = (
+            t.warmup_steps if t.warmup_steps is not None else int(t.warmup_fraction * total_steps)
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, Schedule(t.lr_schedule, warmup, total_steps)
+        )
         scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
-        return cls(model, optimizer, scheduler, scaler, config)
+        state = cls(model, optimizer, scheduler, scaler, config)
+        state.total_steps = total_steps
+        return state
 
     def restore(self, folder: str, rank: int = 0) -> None:
         saved = checkpoint.load_train_state(folder)
@@ -95,15 +106,24 @@ def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
     return min(steps, t.max_steps_per_epoch or steps)
 
 
-def epoch_batches(feed: Any, batch_size: int, seed: int, config: Config) -> Iterable[Any]:
-    """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth
-    (a seeded in-memory pass permutes the whole shard, so every epoch draws from all of it)."""
-    limit = config.train.max_steps_per_epoch
+def epoch_batches(
+    feed: Any, batch_size: int, seed: int, config: Config, steps_done: int = 0
+) -> Iterable[Any]:
+    """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth,
+    and no more than `train.max_steps` leaves (a seeded in-memory pass permutes the whole shard,
+    so every epoch draws from all of it)."""
+    t = config.train
+    limits = [t.max_steps_per_epoch, t.max_steps and max(t.max_steps - steps_done, 0)]
+    limit = min((x for x in limits if x is not None), default=None)
     if limit is None:
         return feed.batches(batch_size, seed=seed)
-    return itertools.islice(
-        feed.batches(batch_size, seed=seed), limit * config.train.grad_accum_steps
-    )
+    return itertools.islice(feed.batches(batch_size, seed=seed), limit * t.grad_accum_steps)
+
+
+def budget_spent(state: TrainState) -> bool:
+    """Whether the run has taken its `train.max_steps` optimizer steps."""
+    limit = state.config.train.max_steps
+    return limit is not None and state.step >= limit
 
 
 def order_seed(seed: int, epoch: int, rank: int) -> int:
@@ -111,16 +131,21 @@ def order_seed(seed: int, epoch: int, rank: int) -> int:
     return seed * 1_000_003 + epoch * 1009 + rank
 
 
-class WarmupCosine:
-    """Linear warmup to the base rate, then cosine decay to 10% of it."""
+class Schedule:
+    """The learning-rate factor: linear warmup to the base rate, then constant, linear decay to
+    0, or cosine decay to 10% of it (`train.lr_schedule`)."""
 
-    def __init__(self, warmup: int, total: int):
-        self.warmup, self.total = warmup, max(total, 1)
+    def __init__(self, kind: str, warmup: int, total: int):
+        self.kind, self.warmup, self.total = kind, warmup, max(total, 1)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "linear":
+            return 1.0 - progress
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -156,8 +181,7 @@ def train_epoch(
         loss_sum += loss.item() * batch_rows
         rows += batch_rows
         if log_every and micro % log_every == 0:
-            rate = rows / (time.perf_counter() - start)
-            log.info("step %d loss %.4f %.0f rows/s", state.step, loss.item(), rate)
+            log_progress(state, loss.item(), rows, micro, time.perf_counter() - start)
         tick = time.perf_counter()
     if micro % t.grad_accum_steps:
         optimizer_step(state)
@@ -172,6 +196,21 @@ def train_epoch(
         "data_wait_fraction": wait_fraction,
         "learning_rate": state.scheduler.get_last_lr()[0],
     }
+
+
+def log_progress(state: TrainState, loss: float, rows: int, micro: int, seconds: float) -> None:
+    """`step 40/200 loss 2.3101 31 rows/s ETA 3m05s`: the ETA at this epoch's step rate."""
+    steps_per_second = micro / state.config.train.grad_accum_steps / max(seconds, 1e-9)
+    left = max(state.total_steps - state.step, 0) / max(steps_per_second, 1e-9)
+    eta = f"{int(left // 60)}m{int(left % 60):02d}s"
+    log.info(
+        "step %d/%d loss %.4f %.0f rows/s ETA %s",
+        state.step,
+        state.total_steps,
+        loss,
+        rows / max(seconds, 1e-9),
+        eta,
+    )
 
 
 def optimizer_step(state: TrainState) -> None:

@@ -27,11 +27,12 @@ from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer, quiet_train_logs
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
-from app.train import checkpoint, parallel, tracking
+from app.train import checkpoint, finetune, parallel, tracking
 from app.train.loop import (
     TrainState,
     all_reduce,
     best_index,
+    budget_spent,
     epoch_batches,
     order_seed,
     should_stop_early,
@@ -100,7 +101,6 @@ def plan_run(config: Config) -> RunPlan:
     """Everything that can fail before a worker starts fails here, with one line."""
     from app.data.ingest import fit_preprocessor, plan_data_path, split_shards
     from app.data.prepare import read_manifest, verify_shards
-    from app.models import build_model
 
     check_precision(config)
     name = config.run_name()
@@ -111,14 +111,39 @@ def plan_run(config: Config) -> RunPlan:
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
     task = run_task(config.train.task, manifest.kind)
     check_metric(config, task)
-    build_model(config.model, preprocessor)  # a model that cannot take this data fails here
+    # A model that cannot take this data, or cannot fit a worker, fails here (built on the meta
+    # device: structure without memory).
+    model = finetune.meta_model(lambda: trainable_model(config, preprocessor))
     mlflow_run = open_mlflow_run(config, name)  # an unreachable backend fails before training
     connect_ray()
+    finetune.check_fits(
+        finetune.memory_per_worker(model, config.train), config.train, memory_per_worker(config)
+    )
     data = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", data.mode, data.reason)
     # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)
+
+
+def trainable_model(config: Config, pre: Preprocessor, base_weights: bool = False) -> nn.Module:
+    """The model as training holds it: built, LoRA adapters added, the pretrained folder's
+    weights copied in (`base_weights`: a fresh run's first start), frozen where asked."""
+    from app.models import build_model, load_pretrained
+
+    model = finetune.adapt(build_model(config.model, pre), config.train)
+    if base_weights and "pretrained" in pre.state:
+        load_pretrained(model, pre)
+    finetune.freeze(model, config.train)
+    return model
+
+
+def memory_per_worker(config: Config) -> float | None:
+    """Bytes of memory one train worker can use: the cluster's Ray memory over the workers."""
+    import ray
+
+    memory = ray.cluster_resources().get("memory")
+    return memory / config.train.num_workers if memory else None
 
 
 def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner: bool) -> Any:
@@ -372,7 +397,7 @@ class Worker:
 def train_loop(loop_config: dict[str, Any]) -> None:
     w = start_worker(loop_config)
     # A resumed run that had already stopped early stays stopped (unless patience was raised).
-    done = should_stop_early(w.state.history, w.config)
+    done = should_stop_early(w.state.history, w.config) or budget_spent(w.state)
     last_epoch = w.state.epoch if done else w.config.train.epochs
     for epoch in range(w.state.epoch + 1, last_epoch + 1):
         if run_epoch(w, epoch):
@@ -384,8 +409,6 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     """Feeds, model (parallelized), optimizer state (resumed if a checkpoint exists), probes."""
     import ray.train
     import ray.train.torch
-
-    from app.models import build_model
 
     config = validate(loop_config["config"])
     t, run_dir = config.train, loop_config["run_dir"]
@@ -406,10 +429,11 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     resumed = ray.train.get_checkpoint()
     if not resumed:  # streamed: Ray Data starts its first pass while the model is built
         train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
-    build = functools.partial(build_model, config.model, preprocessor)
+    build = functools.partial(trainable_model, config, preprocessor)
     # DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the
-    # optimizer is built over what that leaves (under FSDP, this rank's shards).
-    model = parallel.parallelize(build(), t, device)
+    # optimizer is built over what that leaves (under FSDP, this rank's shards). A fresh run
+    # starts from the pretrained folder's weights; a resumed one from its checkpoint.
+    model = parallel.parallelize(build(base_weights=not resumed), t, device)
     total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
     state = TrainState.create(model, config, total_steps)
     if resumed:
@@ -445,11 +469,12 @@ def run_epoch(w: Worker, epoch: int) -> bool:
     """Train, validate, report (a barrier every rank calls); whether the run stops early."""
     t, state = w.config.train, w.state
     maybe_inject_fault(w.config, w.run_dir, w.rank, epoch)
-    batches = epoch_batches(w.train_feed, t.batch_size, order_seed(t.seed, epoch, w.rank), w.config)
+    seed = order_seed(t.seed, epoch, w.rank)
+    batches = epoch_batches(w.train_feed, t.batch_size, seed, w.config, state.step)
     w.probes.before_epoch()
     log_every = t.log_every_steps if w.rank == 0 else 0
     train_stats = train_epoch(state, batches, w.device, log_every, w.task.part("loss"))
-    if epoch < t.epochs:  # the next pass starts while this epoch validates and reports
+    if epoch < t.epochs and not budget_spent(state):  # the next pass overlaps validation
         w.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, w.rank))
     val_stats = w.validate(state.model, w.val_feed.batches(t.batch_size * 4), w.device, t.precision)
     state.epoch = epoch
@@ -484,7 +509,7 @@ def run_epoch(w: Worker, epoch: int) -> bool:
             t.early_stopping_metric,
             t.early_stopping_patience,
         )
-    return stop
+    return stop or budget_spent(state)
 
 
 def feed(

@@ -248,6 +248,7 @@ def test_manifest_keys_on_disk_and_unknown_keys_survive_publishing(built, tmp_pa
     assert set(manifest) == {
         "name",
         "version",
+        "base_model",
         "created",
         "source_checkpoint",
         "run_name",

@@ -1,0 +1,94 @@
+"""Pieces the pretrained encoders (app/models/bert.py, app/models/vit.py) share.
+
+Attention keeps separate `query`, `key` and `value` projections, as the Hugging Face weights
+are laid out (and the names LoRA targets), and is spelled out as matmuls so that the ONNX graph
+is MatMul nodes that int8 quantization handles, matching eager torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        self.heads, self.head_dim = heads, dim // heads
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+
+        def heads(project: nn.Module) -> torch.Tensor:
+            return project(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.query), heads(self.key), heads(self.value)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if bias is not None:
+            scores = scores + bias
+        attn = self.dropout(torch.softmax(scores, dim=-1))
+        return self.out((attn @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def padding_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[batch, 1, 1, keys] additive bias: 0 for a real token, the dtype's minimum for padding."""
+    hidden = 1.0 - attention_mask[:, None, None, :].to(dtype)
+    return hidden * torch.finfo(dtype).min
+
+
+def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the real tokens' states (padding excluded)."""
+    mask = attention_mask.to(x.dtype)[..., None]
+    return (x * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def new_head(dim: int, classes: int, std: float) -> nn.Linear:
+    """The classifier head a pretrained backbone gets: N(0, initializer_range), zero bias."""
+    head = nn.Linear(dim, classes)
+    nn.init.normal_(head.weight, std=std)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def renamed(
+    state: dict[str, torch.Tensor],
+    prefixes: Iterable[str],
+    rules: list[tuple[str, str]],
+    ignore: str,
+) -> dict[str, torch.Tensor]:
+    """A folder's tensors under the module's names: a model prefix (`bert.`) stripped, each
+    name rewritten by the first matching (regex, replacement) rule; names matching `ignore`
+    (heads of the pretraining task, buffers) dropped. An unmatched name is kept as is, so the
+    loader reports it as unexpected."""
+    out = {}
+    for name, tensor in state.items():
+        for prefix in prefixes:
+            name = name.removeprefix(prefix)
+        if re.fullmatch(ignore, name):
+            continue
+        for pattern, replacement in rules:
+            if re.fullmatch(pattern, name):
+                name = re.sub(pattern, replacement, name)
+                break
+        out[name] = tensor
+    return out
+
+
+def check_activation(arch: dict, key: str, supported: tuple[str, ...], default: str) -> None:
+    from app.errors import ConfigError
+
+    value = arch.get(key, default)
+    if value not in supported:
+        raise ConfigError(
+            f"config error: model.pretrained: config.json {key} {value!r} is not supported "
+            f"(supported: {', '.join(supported)})"
+        )

@@ -1,0 +1,118 @@
+"""Vision Transformer (ViT) encoders as an image classifier, in plain `torch.nn`.
+
+Patches embedded by a strided convolution, a class token and learned positions, pre-norm layers
+(x + attention(norm(x)), then x + ffn(norm(x))) and a final norm. The pretrained weights load by
+name (`rename`); the classifier head is new and sits on the pooler's output when the folder has
+pooler weights, else on the mean of the token states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.encoder import Attention, check_activation, new_head, renamed
+
+
+class ViTLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, ff_dim: int, dropout: float, eps: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.ff_in = nn.Linear(dim, ff_dim)
+        self.ff_out = nn.Linear(ff_dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x)))
+        return x + self.dropout(self.ff_out(F.gelu(self.ff_in(self.norm2(x)))))
+
+
+class ViTClassifier(nn.Module):
+    def __init__(
+        self,
+        num_classes: int,
+        image_size: int,
+        patch_size: int,
+        channels: int,
+        dim: int,
+        layers: int,
+        heads: int,
+        ff_dim: int,
+        eps: float = 1e-12,
+        dropout: float = 0.0,
+        pooler: bool = True,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        patches = (image_size // patch_size) ** 2
+        self.patch = nn.Conv2d(channels, dim, patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.positions = nn.Parameter(torch.zeros(1, patches + 1, dim))
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            ViTLayer(dim, heads, ff_dim, dropout, eps) for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.pooler = nn.Linear(dim, dim) if pooler else None
+        self.head = new_head(dim, num_classes, init_std)
+
+    def encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token states [batch, 1 + patches, dim] after the final norm, pooled [batch, dim])."""
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if self.pooler is not None:
+            return x, torch.tanh(self.pooler(x[:, 0]))
+        return x, x.mean(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encode(x)[1])
+
+
+def from_config(arch: dict[str, Any], pre: Any, cfg: Any) -> ViTClassifier:
+    check_activation(arch, "hidden_act", ("gelu",), "gelu")
+    return ViTClassifier(
+        num_classes=len(pre.labels),
+        image_size=arch.get("image_size", 224),
+        patch_size=arch.get("patch_size", 16),
+        channels=arch.get("num_channels", 3),
+        dim=arch["hidden_size"],
+        layers=arch["num_hidden_layers"],
+        heads=arch["num_attention_heads"],
+        ff_dim=arch["intermediate_size"],
+        eps=arch.get("layer_norm_eps", 1e-12),
+        dropout=cfg.dropout,
+        pooler=bool(pre.state["pretrained"].get("has_pooler")),
+        init_std=arch.get("initializer_range", 0.02),
+    )
+
+
+RULES = [
+    (r"embeddings\.cls_token", "cls_token"),
+    (r"embeddings\.position_embeddings", "positions"),
+    (r"embeddings\.patch_embeddings\.projection\.(.*)", r"patch.\1"),
+    (r"encoder\.layer\.(\d+)\.layernorm_before\.(.*)", r"blocks.\1.norm1.\2"),
+    (
+        r"encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.(.*)",
+        r"blocks.\1.attn.\2.\3",
+    ),
+    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.(.*)", r"blocks.\1.attn.out.\2"),
+    (r"encoder\.layer\.(\d+)\.layernorm_after\.(.*)", r"blocks.\1.norm2.\2"),
+    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.(.*)", r"blocks.\1.ff_in.\2"),
+    (r"encoder\.layer\.(\d+)\.output\.dense\.(.*)", r"blocks.\1.ff_out.\2"),
+    (r"layernorm\.(.*)", r"norm.\1"),
+    (r"pooler\.dense\.(.*)", r"pooler.\1"),
+]
+IGNORE = r"classifier\..*|embeddings\.mask_token"
+
+
+def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return renamed(state, ("vit.",), RULES, IGNORE)

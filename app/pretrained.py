@@ -1,0 +1,274 @@
+"""A pretrained Hugging Face folder (`model.pretrained`): architecture, weights, preprocessing and
+provenance, read without transformers.
+
+The folder is what `save_pretrained` writes (or a hub cache snapshot, whose files are symlinks):
+`config.json`, `model.safetensors` or shards listed in `model.safetensors.index.json`, and the
+tokenizer (`tokenizer.json`, or a BERT `vocab.txt`) or image processor
+(`preprocessor_config.json`). Its `model_type` picks a `Family`; each family names, as
+"module:attribute" like the task registry, the plain `torch.nn` module that takes the weights and
+the function that renames them. Nothing from the folder is executed (no remote code) and nothing
+is unpickled: weights are safetensors only.
+
+The run keeps a `record()` of the folder (URI, architecture, weights' sha256, license) inside its
+preprocessor, so checkpoints and artifacts rebuild the model without the folder and name their base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from app import storage
+from app.config import resolve_uri
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+TOKENIZER, VOCAB = "tokenizer.json", "vocab.txt"
+TOKENIZER_CONFIG, IMAGE_PROCESSOR = "tokenizer_config.json", "preprocessor_config.json"
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+CACHE_ENV = "RAYTORCH_PRETRAINED_CACHE"  # where remote folders are downloaded (default ~/.cache)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: the dataset kind it trains on and its parts, as "module:attribute".
+
+    build(architecture: dict, preprocessor, model_config) -> nn.Module (random weights)
+    rename(state: dict of the folder's tensors) -> the module's state dict
+    """
+
+    model_type: str
+    kind: str  # "tokens" (causal LM), "text" or "image" (classifiers)
+    build: str
+    rename: str
+
+    def part(self, name: str) -> Any:
+        module, _, attr = getattr(self, name).partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("gpt2", "tokens", "app.models.gpt:from_gpt2", "app.models.gpt:rename_gpt2"),
+        Family("bert", "text", "app.models.bert:from_config", "app.models.bert:rename"),
+        Family("vit", "image", "app.models.vit:from_config", "app.models.vit:rename"),
+    )
+}
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"config error: model.pretrained: unknown model_type {model_type!r} "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return FAMILIES[model_type]
+
+
+class Pretrained:
+    """An opened, checked folder. Opening reads only `config.json` and lists files."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.local = local_folder(uri)
+        self.config = self._read_config()
+        self.family = self._family()
+        self.weight_files = self._weight_files()
+        self._check_preprocessing()
+
+    def _fail(self, what: str) -> ConfigError:
+        return ConfigError(f"config error: model.pretrained: {self.uri}: {what}")
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.local, name)
+
+    def _read(self, name: str) -> str:
+        with open(self._path(name), encoding="utf-8") as f:
+            return f.read()
+
+    def _has(self, name: str) -> bool:
+        return os.path.isfile(self._path(name))  # follows a snapshot's symlinks
+
+    def _read_config(self) -> dict[str, Any]:
+        if not self._has(CONFIG):
+            raise self._fail(f"missing {CONFIG} (expected a folder written by save_pretrained)")
+        try:
+            config = json.loads(self._read(CONFIG))
+        except (OSError, ValueError) as e:
+            raise self._fail(f"{CONFIG} unreadable ({e})") from None
+        if not isinstance(config, dict):
+            raise self._fail(f"{CONFIG} is not a JSON object")
+        return config
+
+    def _family(self) -> Family:
+        model_type = self.config.get("model_type")
+        if model_type not in FAMILIES and self.config.get("auto_map"):
+            raise self._fail(
+                f"model_type {model_type!r} needs the folder's own code (auto_map), which is never "
+                f"run; supported: {', '.join(sorted(FAMILIES))}"
+            )
+        if model_type not in FAMILIES:
+            raise self._fail(
+                f"unknown model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})"
+            )
+        return FAMILIES[model_type]
+
+    def _weight_files(self) -> list[str]:
+        if self._has(WEIGHTS):
+            return [WEIGHTS]
+        if self._has(INDEX):
+            try:
+                index = json.loads(self._read(INDEX))
+                files = sorted(set(index["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                raise self._fail(f"{INDEX} unreadable ({e})") from None
+            missing = [f for f in files if not self._has(f)]
+            if missing:
+                raise self._fail(f"missing weight shard {missing[0]} listed in {INDEX}")
+            return files
+        pickled = [name for name in PICKLED if self._has(name)]
+        if pickled:
+            raise self._fail(
+                f"holds only pickled weights ({pickled[0]}), which are never unpickled: save it as "
+                "safetensors (model.save_pretrained(folder, safe_serialization=True))"
+            )
+        raise self._fail(f"missing {WEIGHTS} (or {INDEX} and its shards)")
+
+    def _check_preprocessing(self) -> None:
+        if self.family.kind == "image":
+            needed = [IMAGE_PROCESSOR]
+        elif self._has(TOKENIZER) or (self.family.model_type == "bert" and self._has(VOCAB)):
+            return
+        else:
+            needed = [TOKENIZER] + ([VOCAB] if self.family.model_type == "bert" else [])
+        if not any(self._has(name) for name in needed):
+            raise self._fail(f"missing {' or '.join(needed)}")
+
+    # --- what the run takes from the folder ------------------------------------------------
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the checkpoint's position table holds (None: images)."""
+        value = self.config.get("max_position_embeddings", self.config.get("n_positions"))
+        return int(value) if value else None
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer as `tokenizers` serialises it: tokenizer.json as written, or a BERT
+        WordPiece tokenizer built from vocab.txt the way transformers builds its fast one."""
+        if self._has(TOKENIZER):
+            return self._read(TOKENIZER)
+        from tokenizers.implementations import BertWordPieceTokenizer
+
+        lower = bool(self.tokenizer_config().get("do_lower_case", True))
+        tokenizer = BertWordPieceTokenizer(self._path(VOCAB), lowercase=lower)
+        return tokenizer._tokenizer.to_str()
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        if not self._has(TOKENIZER_CONFIG):
+            return {}
+        return json.loads(self._read(TOKENIZER_CONFIG))
+
+    def pad_token(self) -> str:
+        token = self.tokenizer_config().get("pad_token") or "[PAD]"
+        return token["content"] if isinstance(token, dict) else str(token)
+
+    def image_processor(self) -> dict[str, Any]:
+        return json.loads(self._read(IMAGE_PROCESSOR))
+
+    def weights(self) -> dict[str, Any]:
+        """Every tensor of the folder, by its name there (torch tensors, never unpickled)."""
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = {}
+        for name in self.weight_files:
+            state.update(load_file(self._path(name)))
+        return state
+
+    def tensor_names(self) -> list[str]:
+        from safetensors import safe_open
+
+        names: list[str] = []
+        for name in self.weight_files:
+            with safe_open(self._path(name), framework="numpy") as f:
+                names.extend(f.keys())
+        return names
+
+    def weights_sha256(self) -> str:
+        digest = hashlib.sha256()
+        for name in self.weight_files:
+            with open(self._path(name), "rb") as f:
+                while chunk := f.read(storage.CHUNK):
+                    digest.update(chunk)
+        return digest.hexdigest()
+
+    def license(self) -> str | None:
+        """The model card's `license:` (README.md front matter), or config.json's, if any."""
+        if self.config.get("license"):
+            return str(self.config["license"])
+        if not self._has("README.md"):
+            return None
+        match = re.search(r"^license:\s*(\S+)", self._read("README.md"), re.M)
+        return match.group(1) if match else None
+
+    def record(self) -> dict[str, Any]:
+        """What checkpoints and artifacts keep of the folder (`load_record` rebuilds from it)."""
+        return {
+            "uri": self.uri,
+            "model_type": self.family.model_type,
+            "architecture": self.config,
+            "weights_sha256": self.weights_sha256(),
+            "license": self.license(),
+            # The classifier head sits on the pooler when the folder has one (app/models/bert.py).
+            "has_pooler": any(".pooler." in f".{n}" for n in self.tensor_names()),
+        }
+
+
+@functools.lru_cache(maxsize=4)
+def open_pretrained(uri: str) -> Pretrained:
+    return Pretrained(resolve_uri(uri))
+
+
+def base_for(model: Any, dataset_kind: str) -> Pretrained | None:
+    """The run's pretrained folder (`model.pretrained`), checked against the data it trains on."""
+    if not model.pretrained:
+        return None
+    base = open_pretrained(model.pretrained)
+    if base.family.kind != dataset_kind:
+        raise ConfigError(
+            f"config error: model.pretrained: a {base.family.model_type} model trains on "
+            f"{base.family.kind} data, but the dataset is {dataset_kind}"
+        )
+    return base
+
+
+def local_folder(uri: str) -> str:
+    """A local folder holding the files: the folder itself, or a download of a remote one
+    (cached by URI; filled under a temporary name and renamed, so never half there)."""
+    if storage.is_local(uri):
+        path = uri.removeprefix("file://")
+        if not os.path.isdir(path):
+            raise ConfigError(f"config error: model.pretrained: {uri}: no such folder")
+        return path
+    if not storage.exists(storage.join(uri, CONFIG)):
+        raise ConfigError(f"config error: model.pretrained: {uri}: missing {CONFIG}")
+    root = os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/raytorch/pretrained")
+    dest = os.path.join(root, hashlib.sha256(uri.encode()).hexdigest()[:16])
+    if not os.path.isdir(dest):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".download-")
+        storage.download_dir(uri, tmp)
+        with contextlib.suppress(OSError):  # another process finished first: theirs is as good
+            os.rename(tmp, dest)
+    return dest

@@ -1,0 +1,89 @@
+"""What training does differently to a model it fine-tunes: LoRA adapters, frozen weights, weight
+decay by parameter kind, and the memory a worker needs, checked before any worker starts.
+
+All of it reads `train.*` keys and works on any `nn.Module`; the pretrained classes name their
+embeddings (`EMBEDDINGS`) and their new head (`head`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from app.config import TrainConfig
+from app.errors import ConfigError
+from app.models.lora import apply_lora
+
+GIB = 2**30
+
+
+def adapt(model: nn.Module, t: TrainConfig) -> nn.Module:
+    """The structure training adds (LoRA adapters); applied before weights are loaded, so
+    pretrained weights and checkpoints both load into it."""
+    if t.lora_rank:
+        apply_lora(model, t.lora_rank, t.lora_alpha, t.lora_targets)
+    return model
+
+
+def freeze(model: nn.Module, t: TrainConfig) -> None:
+    """Turn off gradients for what `train.freeze` and LoRA keep fixed; a model left with
+    nothing to train is a config error."""
+    if t.lora_rank:  # the adapters and the new head train; the backbone stays
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name or name.startswith("head."))
+    if t.freeze == "backbone":
+        for name, p in model.named_parameters():
+            p.requires_grad_(p.requires_grad and name.startswith("head."))
+    elif t.freeze == "embeddings":
+        embeddings = getattr(model, "EMBEDDINGS", ("embeddings",))
+        for name, p in model.named_parameters():
+            if name.split(".")[0] in embeddings:
+                p.requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"config error: train.freeze: {t.freeze} leaves this model nothing to train "
+            "(it has no new head: a language model keeps its own)"
+        )
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight matrices decay; biases, norms' scales and other 1-d tensors don't."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def memory_per_worker(model: nn.Module, t: TrainConfig) -> dict[str, int]:
+    """Bytes a worker holds for fp32 weights, gradients and AdamW's two moments (FSDP: its
+    shard of each). Activations come on top and depend on batch and sequence length."""
+    share = t.num_workers if t.strategy == "fsdp" else 1
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "weights": 4 * total // share,
+        "gradients": 4 * trainable // share,
+        "optimizer": 8 * trainable // share,
+    }
+
+
+def check_fits(estimate: dict[str, int], t: TrainConfig, available: float | None) -> None:
+    """Refuse a run whose workers cannot hold the model (`available`: bytes per worker)."""
+    need = sum(estimate.values())
+    if available is None or need <= available:
+        return
+    parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.items())
+    raise ConfigError(
+        f"config error: train: each worker needs about {need / GIB:.1f} GiB ({parts}) but has "
+        f"about {available / GIB:.1f} GiB; use train.strategy=fsdp, train.freeze, "
+        "train.lora_rank or fewer train.num_workers"
+    )
+
+
+def meta_model(build) -> nn.Module:
+    """The model's structure without its memory (parameter counts for the estimate)."""
+    with torch.device("meta"):
+        return build()

@@ -1,0 +1,128 @@
+"""Write tiny random-weight Hugging Face folders, one per supported family, as `save_pretrained`
+does: `python -m tests.make_tiny_pretrained OUT_DIR` -> OUT_DIR/{gpt2,bert,vit}.
+
+They stand in for downloaded checkpoints where the hub is out of reach (the test suite, CI):
+same files, same tensor names, small sizes. Needs `transformers` (a dev dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sysconfig
+
+FAMILIES = ("gpt2", "bert", "vit")
+
+
+def gpt2_tokenizer(vocab_size: int = 384):
+    """Byte-level BPE with GPT-2's end-of-text token, trained on some standard-library files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GPT2TokenizerFast
+
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:40]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(files, trainer)
+    return GPT2TokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+
+
+def bert_tokenizer(vocab_size: int = 400):
+    """Lower-cased WordPiece trained on the generated topic text that configs/bert-text.yaml uses."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    from app.config import DataConfig
+    from app.data.sources import load_source
+
+    texts = load_source(DataConfig(source="synthetic_text", num_rows=600)).frame["text"]
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(list(texts), vocab_size=vocab_size, show_progress=False)
+    return BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=True)
+
+
+def make_gpt2(folder: str, seed: int = 0) -> str:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    tokenizer = gpt2_tokenizer()
+    eos = tokenizer.eos_token_id
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_bert(folder: str, seed: int = 0, pooler: bool = True) -> str:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    tokenizer = bert_tokenizer()
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    BertModel(config, add_pooling_layer=pooler).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_vit(folder: str, seed: int = 0, pooler: bool = True) -> str:
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    torch.manual_seed(seed)
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    ViTModel(config, add_pooling_layer=pooler).save_pretrained(folder)
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    return folder
+
+
+MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "vit": make_vit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
+    args = parser.parse_args()
+    for name in args.families:
+        print(MAKERS[name](os.path.join(args.out_dir, name)))
+
+
+if __name__ == "__main__":
+    main()
