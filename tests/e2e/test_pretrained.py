@@ -1,0 +1,143 @@
+"""Pretrained folders through the whole pipeline on the live cluster, one run per family:
+`jobs.pipeline` prepares, fine-tunes, evaluates, exports (int8 gate) and deploys a generated tiny
+GPT-2, BERT and ViT folder, and the endpoint answers. The classifiers train their new head only
+(`train.freeze=backbone`), so the served answer must be exactly what transformers computes from
+the folder's weights and the trained head."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+from tests.e2e.conftest import SERVE, run_job
+from tests.make_tiny_pretrained import MAKERS
+
+pytestmark = pytest.mark.e2e
+CONFIGS = {"gpt2": "gpt2-finetune", "bert": "bert-text", "vit": "vit-images"}
+DATA = {  # small data: each run is seconds of training
+    "gpt2": ["data.path={stdlib}/email/*.py", "data.val_fraction=0.2", "model.max_length=64"],
+    "bert": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
+    "vit": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
+}
+
+
+@pytest.fixture(scope="module")
+def pipelines(cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    runs = {}
+    try:
+        for family, config in CONFIGS.items():
+            folder = MAKERS[family](str(root / "folders" / family))
+            base = [
+                f"--config={REPO / 'configs' / f'{config}.yaml'}",
+                f"model.pretrained={folder}",
+                f"data.output={root}/data/{family}",
+                f"train.storage_path={root}/runs",
+                f"export.registry={root}/registry",
+                f"export.name=pt-{family}",
+                "train.num_workers=1",
+                "train.max_steps=12",
+                "serve.variant=fp32",
+                "serve.autoscaling.max_replicas=1",
+                *DATA[family],
+            ]
+            runs[family] = {"base": base, "folder": folder, "summary": run_job("pipeline", *base)}
+        yield runs
+    finally:  # the other e2e modules expect only their own models on the cluster
+        for family, run in runs.items():
+            run_job("models", *run["base"], "undeploy", f"pt-{family}")
+
+
+def served_probabilities(model: str, tensor: dict) -> np.ndarray:
+    r = requests.post(f"{SERVE}/v2/models/{model}/infer", json={"inputs": [tensor]}, timeout=60)
+    assert r.status_code == 200, r.text
+    outputs = {o["name"]: o for o in r.json()["outputs"]}
+    probs = outputs["probabilities"]
+    return np.asarray(probs["data"], np.float32).reshape(probs["shape"])
+
+
+def trained_head(summary: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    checkpoint = summary["stages"]["train"]["checkpoint"]
+    state = load_file(f"{checkpoint}/model.safetensors")
+    return state["head.weight"], state["head.bias"], state
+
+
+def backbone_unchanged(state: dict, folder: str, rename) -> None:
+    base = rename(load_file(f"{folder}/model.safetensors"))
+    assert set(base) <= set(state)
+    for name, tensor in base.items():
+        assert torch.equal(state[name], tensor), f"{name} moved under train.freeze=backbone"
+
+
+def test_gpt2_folder_is_fine_tuned_and_streams_completions(pipelines):
+    run = pipelines["gpt2"]
+    summary = run["summary"]
+    history = summary["stages"]["train"]["history"]
+    assert history[-1]["step"] == 12
+    sample = summary["sample_request"]
+    assert sample["completion"] and sample["first_token_seconds"] is not None
+    r = requests.post(
+        f"{SERVE}/v1/completions",
+        json={"model": "pt-gpt2", "prompt": "import os\n", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+    models = {m["name"]: m for m in requests.get(f"{SERVE}/v1/models", timeout=10).json()["models"]}
+    lineage = models["pt-gpt2"]["manifest"]["base_model"]
+    assert lineage["uri"] == run["folder"] and lineage["model_type"] == "gpt2"
+    assert len(lineage["weights_sha256"]) == 64
+
+
+def test_bert_folder_with_a_trained_head_answers_as_transformers_computes(pipelines):
+    import transformers as hf
+
+    from app.models.bert import rename
+
+    run = pipelines["bert"]
+    weight, bias, state = trained_head(run["summary"])
+    backbone_unchanged(state, run["folder"], rename)
+    texts = ["w12 topic0_3 w80 without topic1_2", "topic2_5 w3 w9"]
+    probs = served_probabilities(
+        "pt-bert", {"name": "text", "datatype": "BYTES", "shape": [2], "data": texts}
+    )
+    tokenizer = hf.AutoTokenizer.from_pretrained(run["folder"])
+    encoder = hf.BertModel.from_pretrained(run["folder"]).eval()
+    inputs = tokenizer(texts, truncation=True, max_length=64, padding=True, return_tensors="pt")
+    inputs.pop("token_type_ids", None)
+    with torch.no_grad():
+        logits = encoder(**inputs).pooler_output @ weight.T + bias
+    assert np.abs(probs - torch.softmax(logits, -1).numpy()).max() < 1e-3
+
+
+def test_vit_folder_with_a_trained_head_answers_as_transformers_computes(pipelines):
+    import transformers as hf
+
+    from app.models.vit import rename
+
+    run = pipelines["vit"]
+    weight, bias, state = trained_head(run["summary"])
+    backbone_unchanged(state, run["folder"], rename)
+    images = np.random.default_rng(0).integers(0, 256, (2, 32, 32), np.uint8)  # grey, as trained
+    tensor = {
+        "name": "image",
+        "datatype": "FP32",
+        "shape": [2, 32 * 32],
+        "data": images.reshape(2, -1).astype(float).tolist(),
+    }
+    probs = served_probabilities("pt-vit", tensor)
+    processor = hf.ViTImageProcessor.from_pretrained(run["folder"])
+    pixels = processor([np.repeat(i[..., None], 3, -1) for i in images], return_tensors="pt")[
+        "pixel_values"
+    ]
+    encoder = hf.ViTModel.from_pretrained(run["folder"]).eval()
+    with torch.no_grad():
+        logits = encoder(pixel_values=pixels).pooler_output @ weight.T + bias
+    assert np.abs(probs - torch.softmax(logits, -1).numpy()).max() < 1e-3
+    manifest = json.loads(requests.get(f"{SERVE}/v1/models", timeout=10).text)
+    assert any(m["manifest"]["base_model"]["model_type"] == "vit" for m in manifest["models"])
