@@ -28,7 +28,7 @@ from app.errors import GateError
 from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
 from app.export import artifact as art
 from app.export import quantize as q
-from app.export.publish import gate_parity_and_size, publish, write_metadata
+from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
 from app.tasks.registry import run_task
 from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
@@ -47,8 +47,9 @@ def export_classifier(
     config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str
 ) -> dict[str, Any]:
     """Task `classify`: ONNX fp32, int8 within the accuracy gate, verified, then published."""
-    verify_dataset(config, ("train", "val"))  # calibration and the gate read both
     pre, model = loaded.preprocessor, loaded.model
+    check_onnx_fits(model, checkpoint_uri)
+    verify_dataset(config, ("train", "val"))  # calibration and the gate read both
     e = config.export
     with tempfile.TemporaryDirectory() as work:
         fp32_path, int8_path = (

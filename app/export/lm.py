@@ -34,7 +34,7 @@ from app.config import Config
 from app.errors import GateError, UserError
 from app.export import artifact as art
 from app.export.generate import KVDecoder, greedy, past_name, present_name
-from app.export.publish import gate_parity_and_size, publish, write_metadata
+from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
 from app.train.checkpoint import LoadedCheckpoint
@@ -53,6 +53,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         raise UserError(
             f"{checkpoint_uri}: export of task lm supports model.name gpt (or a gpt2 model.pretrained) only"
         )
+    check_onnx_fits(model, checkpoint_uri)
     verify_dataset(config, ("val",))
     rows = validation_rows(config, loaded, config.export.perplexity_rows)
     with tempfile.TemporaryDirectory() as work:

@@ -87,6 +87,21 @@ def write_metadata(
     manifest.write(os.path.join(work, art.MANIFEST))
 
 
+# protobuf's limit on one message: an ONNX file holding its weights inline cannot pass it.
+ONNX_LIMIT_BYTES = 2 * 10**9
+
+
+def check_onnx_fits(model: Any, checkpoint_uri: str) -> None:
+    """Refuse, before exporting, a model whose fp32 weights alone pass 2 GB: the artifact is one
+    self-contained ONNX file per variant (docs/architecture.md, "The artifact")."""
+    size = sum(p.numel() * 4 for p in model.parameters())  # tied weights counted once
+    if size > ONNX_LIMIT_BYTES:
+        raise UserError(
+            f"{checkpoint_uri}: the fp32 ONNX file would hold {size / 1e9:.2f} GB of weights, "
+            "over ONNX's 2 GB single-file limit; the artifact has no external-data form"
+        )
+
+
 def base_model(pre) -> dict[str, Any] | None:
     """The pretrained folder's provenance (its architecture stays in preprocessor.json)."""
     record = pre.state.get("pretrained")

@@ -332,3 +332,14 @@ def test_bad_folders_exit_2_with_one_line(folders, tmp_path, capsys, how, says):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and folder in err[0], err
     assert not os.path.exists(f"{tmp_path}/data")  # refused before any data was written
+
+
+def test_a_model_past_onnx_2gb_is_refused_before_export_naming_the_size():
+    from app.errors import UserError
+    from app.export.publish import check_onnx_fits
+
+    with torch.device("meta"):  # 600M parameters, no memory
+        big = torch.nn.Embedding(600_000_000 // 1024, 1024)
+    with pytest.raises(UserError, match=r"would hold 2\.40 GB of weights, over ONNX's 2 GB"):
+        check_onnx_fits(big, "runs/x/checkpoint")
+    check_onnx_fits(torch.nn.Linear(4, 4), "runs/x/checkpoint")
