@@ -417,12 +417,12 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
     """Model + app.train.loop.TrainState (AdamW, warmup-cosine, scaler) exactly as a worker builds it."""
     import torch
 
-    from app.models import build_model
+    from app.train.finetune import trainable_model
     from app.train.loop import TrainState, steps_per_epoch
 
     t = config.train
     torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.trainer.train_loop
-    model = build_model(config.model, preprocessor)
+    model = trainable_model(config, preprocessor, base_weights=True)
     return TrainState.create(model, config, steps_per_epoch(train_rows, world, config) * t.epochs)
 
 

@@ -30,8 +30,8 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
 
     from app.config import validate
     from app.data.preprocess import Preprocessor
-    from app.tasks.classify import validate_classifier
-    from app.train.loop import order_seed, train_epoch
+    from app.tasks.registry import task_for_dataset
+    from app.train.loop import epoch_batches, order_seed, train_epoch
     from bench.common import inprocess_state
     from bench.torch_data import TorchShard
 
@@ -41,6 +41,8 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pre = Preprocessor.from_json(spec["preprocessor"])
+    task = task_for_dataset(pre.kind)  # the run's loss and validation, as the Ray workers'
+    validate_task = task.validator(spec["reference_metrics"])
     state = inprocess_state(config, pre, spec["train_rows"], world)
     torch.manual_seed(t.seed + rank)
     state.model = torch.nn.parallel.DistributedDataParallel(state.model)
@@ -51,10 +53,9 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     epochs = []
     for epoch in range(1, t.epochs + 1):
         seed = order_seed(t.seed, epoch, rank)  # as app.train.trainer.train_loop
-        stats = train_epoch(state, train.batches(t.batch_size, seed=seed), device)
-        stats.update(
-            validate_classifier(state.model, val.batches(t.batch_size * 4), device, "fp32")
-        )
+        batches = epoch_batches(train, t.batch_size, seed, config, state.step)
+        stats = train_epoch(state, batches, device, loss_fn=task.part("loss"))
+        stats.update(validate_task(state.model, val.batches(t.batch_size * 4), device, "fp32"))
         epochs.append(stats)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"epochs": epochs, "first": state.first_step_at}))
@@ -67,12 +68,15 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
     from app.config import dump
     from app.data.ingest import fit_preprocessor
     from app.data.prepare import read_manifest
+    from app.tasks.registry import task_for_dataset
     from app.train.loop import steady_median
 
     manifest = read_manifest(config.data_output)
+    pre = fit_preprocessor(config, manifest)
     spec = {
         "config": dump(config),
-        "preprocessor": fit_preprocessor(config, manifest).to_json(),
+        "preprocessor": pre.to_json(),
+        "reference_metrics": task_for_dataset(pre.kind).reference_metrics(config, manifest, pre),
         "train_rows": manifest["rows"]["train"],
         "train_files": train_files(config, manifest, "train"),
         "val_files": train_files(config, manifest, "val"),
@@ -92,7 +96,7 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
         "data_wait_fraction": steady_median(waits),
         "data_wait_history": waits,
         "first_step_at": result["first"],
-        "metrics": {"val_accuracy": result["epochs"][-1]["val_accuracy"]},
+        "metrics": {k: v for k, v in result["epochs"][-1].items() if k.startswith("val_")},
     }
 
 

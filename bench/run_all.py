@@ -72,6 +72,14 @@ BENCHMARKS = {
     # B11 spawns its own 2 gloo ranks (plain torch.distributed, no Ray).
     "B11": ("bench.b11_fsdp_memory", "sharded training memory: FSDP vs DDP", False, 300, 120),
     "B12": ("bench.b12_compile", "torch.compile vs eager training steps on CPU", False, 600, 240),
+    "B13": (
+        "bench.b13_gpt2_train",
+        "fine-tuning GPT-2 small: jobs.train on Ray vs plain DDP",
+        True,
+        2400,
+        300,
+    ),
+    "B14": ("bench.b14_gpt2_int8", "GPT-2 small int8 vs fp32 ONNX", True, 2400, 300),
     # B10 starts its own private Ray (Serve and Ray Data in one cluster, one after the other).
     "B10": (
         "bench.b10_predict",

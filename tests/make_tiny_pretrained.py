@@ -54,19 +54,22 @@ def bert_tokenizer(vocab_size: int = 400):
     return BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=True)
 
 
-def make_gpt2(folder: str, seed: int = 0) -> str:
+TINY_GPT2 = {"n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2}
+
+
+def make_gpt2(folder: str, seed: int = 0, sizes: dict | None = None, vocab: int = 384) -> str:
+    """`sizes`: GPT2Config keys (default tiny; `{}` is GPT-2 small: 124M parameters with the
+    50257-row embedding, whatever the tokenizer's own `vocab`)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    tokenizer = gpt2_tokenizer()
+    tokenizer = gpt2_tokenizer(vocab)
     eos = tokenizer.eos_token_id
+    sizes = TINY_GPT2 if sizes is None else sizes
     config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=128,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
+        **({"vocab_size": len(tokenizer)} if sizes is TINY_GPT2 else {}),
+        **sizes,
         bos_token_id=eos,
         eos_token_id=eos,
     )

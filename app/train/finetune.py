@@ -12,11 +12,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.config import TrainConfig
+from app.config import Config, TrainConfig
 from app.errors import ConfigError
 from app.models.lora import apply_lora
 
 GIB = 2**30
+
+
+def trainable_model(config: Config, pre: Any, base_weights: bool = False) -> nn.Module:
+    """The model as training holds it: built, LoRA adapters added, the pretrained folder's
+    weights copied in (`base_weights`: a fresh run's first start), frozen where asked."""
+    from app.models import build_model, load_pretrained
+
+    model = adapt(build_model(config.model, pre), config.train)
+    if base_weights and "pretrained" in pre.state:
+        load_pretrained(model, pre)
+    freeze(model, config.train)
+    return model
 
 
 def adapt(model: nn.Module, t: TrainConfig) -> nn.Module:

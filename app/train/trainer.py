@@ -113,7 +113,7 @@ def plan_run(config: Config) -> RunPlan:
     check_metric(config, task)
     # A model that cannot take this data, or cannot fit a worker, fails here (built on the meta
     # device: structure without memory).
-    model = finetune.meta_model(lambda: trainable_model(config, preprocessor))
+    model = finetune.meta_model(lambda: finetune.trainable_model(config, preprocessor))
     mlflow_run = open_mlflow_run(config, name)  # an unreachable backend fails before training
     connect_ray()
     finetune.check_fits(
@@ -124,18 +124,6 @@ def plan_run(config: Config) -> RunPlan:
     # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)
-
-
-def trainable_model(config: Config, pre: Preprocessor, base_weights: bool = False) -> nn.Module:
-    """The model as training holds it: built, LoRA adapters added, the pretrained folder's
-    weights copied in (`base_weights`: a fresh run's first start), frozen where asked."""
-    from app.models import build_model, load_pretrained
-
-    model = finetune.adapt(build_model(config.model, pre), config.train)
-    if base_weights and "pretrained" in pre.state:
-        load_pretrained(model, pre)
-    finetune.freeze(model, config.train)
-    return model
 
 
 def memory_per_worker(config: Config) -> float | None:
@@ -429,7 +417,7 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     resumed = ray.train.get_checkpoint()
     if not resumed:  # streamed: Ray Data starts its first pass while the model is built
         train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
-    build = functools.partial(trainable_model, config, preprocessor)
+    build = functools.partial(finetune.trainable_model, config, preprocessor)
     # DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the
     # optimizer is built over what that leaves (under FSDP, this rank's shards). A fresh run
     # starts from the pretrained folder's weights; a resumed one from its checkpoint.
