@@ -343,3 +343,61 @@ def test_a_model_past_onnx_2gb_is_refused_before_export_naming_the_size():
     with pytest.raises(UserError, match=r"would hold 2\.40 GB of weights, over ONNX's 2 GB"):
         check_onnx_fits(big, "runs/x/checkpoint")
     check_onnx_fits(torch.nn.Linear(4, 4), "runs/x/checkpoint")
+
+
+def test_a_hub_cache_snapshot_of_symlinks_loads_like_the_folder(folders, tmp_path):
+    """The hub's cache layout: files are content-addressed blobs, the snapshot holds symlinks."""
+    repo = tmp_path / "models--org--tiny-bert"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(folders["bert"]))):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(os.path.join(folders["bert"], name), blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    model, pre = loaded(str(snapshot))
+    reference, _ = loaded(folders["bert"])
+    assert (
+        pre.state["pretrained"]["weights_sha256"]
+        == open_pretrained(folders["bert"]).weights_sha256()
+    )
+    inputs = {k: torch.from_numpy(v) for k, v in pre.features(TEXTS).items()}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs), reference(**inputs))
+
+
+def test_sharded_safetensors_load_and_hash_every_shard(folders, tmp_path):
+    reference = hf.GPT2LMHeadModel.from_pretrained(folders["gpt2"])
+    sharded = tmp_path / "gpt2-sharded"
+    reference.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(folders["gpt2"], name), sharded / name)
+    base = open_pretrained(str(sharded))
+    assert len(base.weight_files) > 1 and "model.safetensors.index.json" in os.listdir(sharded)
+    model, _ = loaded(str(sharded))
+    ids = torch.arange(20).reshape(2, 10)
+    with torch.no_grad():
+        assert torch.allclose(model(ids), reference.eval()(ids).logits, atol=1e-4)
+
+
+def test_a_folder_on_s3_is_downloaded_once_and_loads_like_the_local_one(
+    folders, tmp_path, monkeypatch
+):
+    from app import storage
+    from tests.s3_server import moto_s3
+
+    monkeypatch.setenv("RAYTORCH_PRETRAINED_CACHE", str(tmp_path / "cache"))
+    with moto_s3() as bucket:
+        uri = f"{bucket}/models/bert"
+        for name in os.listdir(folders["bert"]):
+            storage.upload_file(os.path.join(folders["bert"], name), f"{uri}/{name}")
+        open_pretrained.cache_clear()
+        model, pre = loaded(uri)
+        assert pre.state["pretrained"]["uri"] == uri
+        assert len(os.listdir(tmp_path / "cache")) == 1  # one download, under a stable name
+        open_pretrained.cache_clear()
+        assert open_pretrained(uri).local == open_pretrained.__wrapped__(uri).local
+    reference, _ = loaded(folders["bert"])
+    inputs = {k: torch.from_numpy(v) for k, v in pre.features(TEXTS).items()}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs), reference(**inputs))
