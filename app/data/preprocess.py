@@ -47,6 +47,7 @@ class Preprocessor:
                     pad_token=pad,
                 )
             self._tokenizer = tokenizer
+            self._max_chars = text_char_bound(tokenizer, state.get("max_length"))
         self._images = None
         if "image_processor" in state:  # a pretrained image model's own resize and normalize
             from app.data.images import ImageProcessor
@@ -216,7 +217,7 @@ class Preprocessor:
             return {"input_ids": np.asarray(raw, dtype=np.int64)}
         if self.kind == "text":
             assert self._tokenizer is not None
-            texts = [str(t) for t in raw]
+            texts = [str(t)[: self._max_chars] for t in raw]
             encoded = self._tokenizer.encode_batch(texts)
             ids = np.asarray([e.ids for e in encoded], dtype=np.int64).reshape(len(texts), -1)
             mask = np.asarray([e.attention_mask for e in encoded], dtype=np.int64).reshape(
@@ -263,6 +264,17 @@ class Preprocessor:
         if self.label_column in batch:
             out[LABEL_KEY] = self.label_indices(batch[self.label_column])
         return out
+
+
+def text_char_bound(tokenizer: Any, max_length: int | None) -> int | None:
+    """Characters of a text kept before tokenizing: twice what `max_length` tokens of the
+    vocabulary's longest token (plus a space) can span. Tokenizing normalizes and splits the
+    whole string before truncating, so a 4 MiB text would cost seconds; cut first, in training
+    and serving alike, it costs nothing and ordinary text is never cut short of its tokens."""
+    if not max_length:
+        return None
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return 2 * max_length * (longest + 1)
 
 
 class _RunningStats:

@@ -230,3 +230,21 @@ def test_digits_preprocessor_from_prepared_shards(config_factory):
     assert pre.state["mean"] == pytest.approx(pixels.mean())
     out = pre.transform_batch(as_batch(train.iloc[:5]))
     assert out["x"].shape == (5, 1, 8, 8)
+
+
+def test_text_is_cut_before_tokenizing_without_changing_its_tokens():
+    """A 4 MiB text is never tokenized whole (its cost is its first few thousand characters),
+    and the cut never changes the ids of the max_length tokens that are kept."""
+    import time
+
+    from app.data.preprocess import text_char_bound
+
+    pre = Preprocessor.fit(iter(text_chunks()), TEXT_MANIFEST, max_length=16, vocab_size=100)
+    bound = text_char_bound(pre.tokenizer, 16)
+    long_text = "the cat sat   on the mat " * 4000  # 100k characters
+    assert bound is not None and bound < 10_000 < len(long_text)
+    whole = pre.tokenizer.encode(long_text)  # the same truncating tokenizer, uncut input
+    assert pre.features([long_text])["input_ids"][0].tolist() == whole.ids
+    start = time.perf_counter()
+    pre.features(["the dog " * (2**19)])  # 4 MiB
+    assert time.perf_counter() - start < 1.0  # a loose bound; tokenizing it whole takes seconds
