@@ -84,15 +84,19 @@ class DataConfig(_Section):
     }
     source: Literal[SOURCES] = "digits"  # type: ignore[valid-type]
     path: str | None = None
-    label_column: str = "label"
+    label_column: str = "label"  # the column holding each row's label (table sources)
     feature_columns: list[str] | None = None
     text_column: str | None = None
     labels: list[str] | None = None  # declared label set; rows outside it are refused
-    val_fraction: float = Field(0.2, gt=0, lt=1)
-    test_fraction: float = Field(0.0, ge=0, lt=1)
+    val_fraction: float = Field(
+        0.2, gt=0, lt=1
+    )  # share of rows (documents, for a corpus) held out for validation
+    test_fraction: float = Field(
+        0.0, ge=0, lt=1
+    )  # share held out for jobs.evaluate alone (0: it scores val)
     seed: int = 0
-    output: str = "outputs/data/{workload}"
-    rows_per_shard: int = Field(1000, ge=1)
+    output: str = "outputs/data/{workload}"  # where prepared shards go (a path or URI)
+    rows_per_shard: int = Field(1000, ge=1)  # rows per Parquet shard
     # Dataset generations kept after a prepare: the new one and the ones before it, which jobs
     # still reading through an older manifest may need (app/data/prepare.py).
     keep_generations: int = Field(2, ge=1)
@@ -187,16 +191,18 @@ class TrainConfig(_Section):
     task: str | None = None
     # Default "<workload>-<timestamp>-<6 hex>"; an existing one resumes. A folder name, never a path.
     run_name: str | None = Field(None, pattern=NAME_PATTERN)
-    storage_path: str = "outputs/runs"
-    num_workers: int = Field(2, ge=1)
+    storage_path: str = "outputs/runs"  # where runs and checkpoints go (a path or URI)
+    num_workers: int = Field(2, ge=1)  # Ray Train workers (DDP or FSDP ranks)
     use_gpu: bool = False
     # Fractional CPUs so Ray Data's read/map tasks still fit beside the workers on 2 cores.
     cpus_per_worker: float = Field(0.5, gt=0)
-    gpus_per_worker: float = Field(1.0, ge=0)
+    gpus_per_worker: float = Field(1.0, ge=0)  # GPUs each worker asks for when train.use_gpu
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = "PACK"
-    epochs: int = Field(10, ge=1)
+    epochs: int = Field(
+        10, ge=1
+    )  # passes over the train split (each bounded by max_steps_per_epoch)
     batch_size: int = Field(64, ge=1)  # per worker
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0)  # AdamW's peak learning rate
     # AdamW's decoupled weight decay, on weight matrices only: biases, norms' scales (and other
     # 1-d parameters) are not decayed, as in the BERT and GPT-2 recipes.
     weight_decay: float = Field(0.01, ge=0)
@@ -233,11 +239,11 @@ class TrainConfig(_Section):
     # <run>/profile/rank<k>.json (Chrome trace format: Perfetto, chrome://tracing); 0: off.
     profile_steps: int = Field(0, ge=0)
     seed: int = 0
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1)  # torch intra-op threads per worker
     # Streamed data: rows pooled and permuted before batches are cut (app/data/feed.py:rebatch);
     # 0 keeps each block's order. The in-memory path permutes the whole shard every epoch.
     shuffle_buffer: int = Field(2000, ge=0)
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)  # best checkpoints kept by checkpoint_metric
     # `async` uploads while the next epoch trains (worth it for large checkpoints to remote
     # storage). `sync` by default: on CPU workers the async upload thread competes with the
     # training thread for the whole epoch, while a small checkpoint to local disk takes ms.
@@ -246,7 +252,7 @@ class TrainConfig(_Section):
     # it polls, and a worker's next report waits for that, so Ray's default (2 s) makes every
     # short epoch last 2 s. An explicit RAY_TRAIN_HEALTH_CHECK_INTERVAL_S wins.
     controller_poll_s: float = Field(0.2, gt=0)
-    checkpoint_metric: str = "val_accuracy"
+    checkpoint_metric: str = "val_accuracy"  # ranks checkpoints; any metric the task reports
     checkpoint_mode: Literal["max", "min"] = "max"
     # Stop once `early_stopping_metric` has not improved (by more than `early_stopping_min_delta`)
     # for this many epochs; null trains all `epochs`. Decided on the all-reduced metric, so every
@@ -255,7 +261,9 @@ class TrainConfig(_Section):
     early_stopping_metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
-    max_failures: int = Field(0, ge=-1)
+    max_failures: int = Field(
+        0, ge=-1
+    )  # worker group restarts from the latest checkpoint (-1: no limit)
     fail_at: FaultInjection | None = None
     # Progress line every N optimizer steps inside an epoch (long streamed epochs); 0: one
     # line per epoch only.
@@ -263,9 +271,9 @@ class TrainConfig(_Section):
 
 
 class ExportConfig(_Section):
-    registry: str = "outputs/registry"
+    registry: str = "outputs/registry"  # where artifacts are published (a path or URI)
     name: str | None = Field(None, pattern=NAME_PATTERN)  # default: the workload name
-    opset: int = Field(17, ge=13)
+    opset: int = Field(17, ge=13)  # ONNX opset of the exported graphs
     quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static (batch-independent)
     calibration_batches: int = Field(32, ge=1)  # of 32 train rows, spread over the split
     # Percentage points int8 may lose against fp32 (never less than one validation sample);
@@ -276,9 +284,11 @@ class ExportConfig(_Section):
     # while this bound holds.
     max_size_ratio: float | None = Field(None, gt=0)
     max_fp32_layers: int = Field(2, ge=0)
-    parity_tolerance: float = Field(1e-3, gt=0)
-    parity_rows: int = Field(256, ge=1)
-    latency_repeats: int = Field(30, ge=3)
+    parity_tolerance: float = Field(
+        1e-3, gt=0
+    )  # largest |ONNX fp32 - torch| logit difference allowed
+    parity_rows: int = Field(256, ge=1)  # val rows the parity check and calibration sample use
+    latency_repeats: int = Field(30, ge=3)  # timed calls per batch size in the report
     # Language models (task lm, app/export/lm.py): int8 perplexity may exceed fp32's by this
     # fraction on `perplexity_rows` val sequences, and along fp32's greedy continuation of
     # `greedy_prompts` val prompts (`greedy_prompt_tokens` each, `greedy_tokens` tokens) int8
@@ -293,13 +303,19 @@ class ExportConfig(_Section):
 
 
 class AutoscalingConfig(_Section):
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(2, ge=1)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
-    metrics_interval_s: float = Field(1.0, gt=0)
-    look_back_period_s: float = Field(5.0, gt=0)
+    min_replicas: int = Field(1, ge=0)  # replicas per model at least
+    max_replicas: int = Field(2, ge=1)  # replicas per model at most
+    target_ongoing_requests: float = Field(
+        2.0, gt=0
+    )  # Serve scales toward this many requests in flight per replica
+    upscale_delay_s: float = Field(
+        5.0, ge=0
+    )  # how long load must stay high before a replica is added
+    downscale_delay_s: float = Field(
+        30.0, ge=0
+    )  # how long load must stay low before one is removed
+    metrics_interval_s: float = Field(1.0, gt=0)  # how often replicas report their load
+    look_back_period_s: float = Field(5.0, gt=0)  # the window the load is averaged over
 
 
 class BatchingConfig(_Section):
@@ -353,9 +369,9 @@ class ServeConfig(_Section):
             for k in ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_streams")
         },
     }
-    app_name: str = "models"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    app_name: str = "models"  # the Serve application routing to every model
+    host: str = "127.0.0.1"  # where Serve's HTTP proxy listens
+    port: int = Field(8000, ge=1, le=65535)  # Serve's HTTP port
     variant: Literal["fp32", "int8"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
     # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
@@ -365,18 +381,18 @@ class ServeConfig(_Section):
     max_request_rows: int = Field(1024, ge=1)
     # How long the ingress waits for a model replica's answer before replying 504.
     request_timeout_s: float = Field(30.0, gt=0)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get a 413
     batching: BatchingConfig = Field(default_factory=lambda: BatchingConfig())
-    max_ongoing_requests: int = Field(16, ge=1)
-    max_queued_requests: int = Field(64, ge=-1)
-    replica_cpus: float = Field(0.5, gt=0)
-    replica_gpus: float = Field(0.0, ge=0)
-    ingress_cpus: float = Field(0.25, gt=0)
-    ingress_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(16, ge=1)  # requests a model replica holds at once
+    max_queued_requests: int = Field(64, ge=-1)  # waiting beyond that get a 503 (-1: unbounded)
+    replica_cpus: float = Field(0.5, gt=0)  # CPUs per model replica
+    replica_gpus: float = Field(0.0, ge=0)  # GPUs per model replica
+    ingress_cpus: float = Field(0.25, gt=0)  # CPUs per replica of the routing application
+    ingress_replicas: int = Field(1, ge=1)  # replicas of the routing application
     # The ingress only parses and forwards, so it can hold many requests at once; Serve's
     # default (5) would make it the bottleneck.
     ingress_max_ongoing_requests: int = Field(256, ge=1)
-    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_period_s: float = Field(10.0, gt=0)  # Serve's replica health check period
     # Serve's per-request access log line in each model replica's log. Off by default: every
     # request is already counted in raytorch_requests_total (model, status) and Serve's own
     # request metrics, and the line costs a measurable share of a small model's request.
@@ -410,11 +426,11 @@ class PredictConfig(_Section):
     # The actor pool autoscales from one actor to `max_actors`; each builds its ONNX Runtime
     # session once. Fractional CPUs leave room for the read tasks on a small machine.
     max_actors: int = Field(2, ge=1)
-    actor_cpus: float = Field(0.5, gt=0)
+    actor_cpus: float = Field(0.5, gt=0)  # CPUs per predict actor
     threads: int = Field(1, ge=1)  # ONNX Runtime intra-op threads per actor
     # null: a GPU per actor (`gpus_per_actor`) when the cluster has GPUs, else CPU.
     use_gpu: bool | None = None
-    gpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(1.0, gt=0)  # GPUs per predict actor when on GPU
     variant: Literal["fp32", "int8"] | None = None  # null: what `serve.variant` serves
     rows_per_file: int = Field(1_000_000, ge=1)  # rows per output Parquet file
 
@@ -442,14 +458,18 @@ class SearchDimension(_Section):
 class TuneSection(_Section):
     """`jobs.tune`: dotted config keys searched with Ray Tune, trials stopped early by ASHA."""
 
-    space: dict[str, SearchDimension] = Field(min_length=1)
-    num_trials: int = Field(4, ge=1)
+    space: dict[str, SearchDimension] = Field(
+        min_length=1
+    )  # dotted config key -> its search dimension
+    num_trials: int = Field(4, ge=1)  # trials sampled from `space`
     metric: str = "val_accuracy"  # any metric the training loop reports each epoch
     mode: Literal["min", "max"] = "max"
     # Trials running at once; each is a whole Train run (train.num_workers workers).
     max_concurrent_trials: int = Field(1, ge=1)
     grace_period: int = Field(2, ge=1)  # epochs every trial runs before ASHA may stop it
-    reduction_factor: float = Field(2.0, gt=1)
+    reduction_factor: float = Field(
+        2.0, gt=1
+    )  # ASHA keeps 1 / reduction_factor of trials at each rung
     seed: int = 0
 
     @model_validator(mode="after")
@@ -463,7 +483,9 @@ class TuneSection(_Section):
 
 
 class Config(_Section):
-    workload: str = Field("digits", pattern=NAME_PATTERN)
+    workload: str = Field(
+        "digits", pattern=NAME_PATTERN
+    )  # names the data, runs and artifact; default: the config file's name
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

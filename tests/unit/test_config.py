@@ -9,6 +9,7 @@ import pytest
 from app.config import ROOT_ENV, Config, dump, load_config, validate
 from app.errors import ConfigError
 from jobs import prepare as prepare_job
+from tests.conftest import REPO
 from tests.unit.unit_helpers import DIGITS_YAML, run_main
 
 pytestmark = pytest.mark.unit
@@ -232,3 +233,14 @@ def test_a_key_that_moved_fails_in_one_line_naming_its_new_place(config_factory,
 def test_grouped_keys_take_overrides_in_their_new_place(config_factory):
     config = config_factory("serve.batching.max_batch_size=8", "data.stream.prefetch_blocks=2")
     assert config.serve.batching.max_batch_size == 8 and config.data.stream.prefetch_blocks == 2
+
+
+def test_the_config_reference_lists_every_key_as_the_code_declares_it():
+    """docs/config.md is written from app/config.py (`python -m tests.config_reference`): a key
+    added, removed or re-commented without regenerating it fails here."""
+    from tests.config_reference import all_keys, render
+
+    reference = (REPO / "docs" / "config.md").read_text()
+    assert reference == render(), "regenerate: python -m tests.config_reference > docs/config.md"
+    assert all(f"| `{key}` |" in reference for key in all_keys())
+    assert "docs/config.md" in (REPO / "README.md").read_text()
