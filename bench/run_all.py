@@ -80,6 +80,7 @@ BENCHMARKS = {
         300,
     ),
     "B14": ("bench.b14_gpt2_int8", "GPT-2 small int8 vs fp32 ONNX", True, 2400, 300),
+    "B16": ("bench.b16_flood", "a flood of 4 MiB bad bodies vs replica memory", True, 600, 240),
     # B10 starts its own private Ray (Serve and Ray Data in one cluster, one after the other).
     "B10": (
         "bench.b10_predict",

@@ -60,7 +60,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         fp32 = os.path.join(work, art.MODEL_FILES["fp32"])
         int8 = os.path.join(work, art.MODEL_FILES["int8"])
         export_kv_onnx(model, fp32, config.export.opset)
-        quantize_weight_only(fp32, int8)
+        quantize_weight_only(fp32, int8, int8_compute=True)
         report = verify_lm(config, model, fp32, int8, rows)
         gate_lm(report, config)
         Path(work, TOKENIZER_FILE).write_text(loaded.preprocessor.tokenizer.to_str())
@@ -226,6 +226,7 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
         "quantization": {
             "method": "weight_only",
             "weight_bits": 8,
+            "compute": "int8",  # each row's activation blocks quantized in the kernel
             "block_size": WEIGHT_BLOCK,
             "ops": ["MatMul", "Gather"],
             "batch_independent": True,  # activations stay fp32: no per-call scales

@@ -95,19 +95,26 @@ def quantize(
     )
 
 
-def quantize_weight_only(fp32: str, int8: str, exclude: list[str] | None = None) -> None:
-    """int8 weights, activations left in fp32 (onnxruntime's weight-only `MatMulNBits`, 8 bits,
-    symmetric blocks of WEIGHT_BLOCK along each weight's input dimension), embedding tables too
-    (`quantize_embeddings`). No activation is scaled per call, so a row's result depends on that row alone."""
+def quantize_weight_only(
+    fp32: str, int8: str, exclude: list[str] | None = None, int8_compute: bool = False
+) -> None:
+    """int8 weights (onnxruntime's weight-only `MatMulNBits`, 8 bits, symmetric blocks of
+    WEIGHT_BLOCK along each weight's input dimension), embedding tables too
+    (`quantize_embeddings`). Activations: fp32 arithmetic on the dequantized blocks, or with
+    `int8_compute` each row's blocks quantized to int8 in the kernel (MLAS's int8 path; for
+    one-token decoding the fp32 path dequantizes whole weights per call and runs several times
+    slower than fp32 ONNX). Either way no scale spans rows, so a row's result depends on that
+    row alone."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
     ops = ("MatMul",)
     axes = (("MatMul", 0),)
+    level = 4 if int8_compute else 1  # onnxruntime's accuracy_level: 4 = int8, 1 = fp32
     config = nbits.DefaultWeightOnlyQuantConfig(
         block_size=WEIGHT_BLOCK,
         is_symmetric=True,
-        accuracy_level=1,  # fp32 arithmetic on the dequantized blocks
+        accuracy_level=level,
         bits=8,
         op_types_to_quantize=ops,
         quant_axes=axes,
@@ -117,7 +124,7 @@ def quantize_weight_only(fp32: str, int8: str, exclude: list[str] | None = None)
         bits=8,
         block_size=WEIGHT_BLOCK,
         is_symmetric=True,
-        accuracy_level=1,
+        accuracy_level=level,
         nodes_to_exclude=exclude or None,
         op_types_to_quantize=ops,
         quant_axes=axes,

@@ -691,3 +691,102 @@ def test_models_list_undeploy_and_prune_against_the_live_cluster(served):
         assert pruned["deleted"] == {"digits": []}  # v2 is the newest and latest, v1 is live
     finally:
         os.environ.pop(TEST_API_KEY_ENV, None)
+
+
+def alive_actor_pids(class_name: str) -> list[int]:
+    """Pids of the cluster's live actors of a class (`ServeController`, or a replica class such
+    as `ServeReplica:models:Index`), through Ray's state API in a subprocess."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import job_env
+
+    code = (
+        "import json, ray\n"
+        "from ray.util.state import list_actors\n"
+        "ray.init(logging_level='ERROR')\n"
+        f"actors = list_actors(filters=[('state', '=', 'ALIVE'), ('class_name', '=', {class_name!r})])\n"
+        "print(json.dumps([a.pid for a in actors]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=job_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_serve_controller_killed_under_load_loses_no_request(served):
+    """The controller only manages: with it dead, the proxy and replicas keep answering, and
+    Ray restarts it (a detached actor) with the applications as they were."""
+    x, _ = val_rows(served["root"], 4)
+    [old] = alive_actor_pids("ServeController")
+    with Load(x, threads=3, pause=0.01) as load:
+        time.sleep(1)
+        os.kill(old, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(
+            lambda: [p for p in alive_actor_pids("ServeController") if p != old],
+            90,
+            1,
+            "a new controller",
+        )
+        back_in = time.monotonic() - killed_at
+        answered = sum(load.pids.values())
+        wait_for(lambda: sum(load.pids.values()) > answered + 20, 30, 0.2, "answers after")
+    print(
+        f"controller killed: a new one alive after {back_in:.1f} s; {sum(load.pids.values())} answers, {load.failures} failures"
+    )
+    assert load.failures == 0, load.errors[:5]
+    assert running_replicas() >= 1  # `serve status` answers: the new controller took over
+    assert back_in < 60
+
+
+def test_index_replica_killed_under_load_is_replaced_and_answers_resume(served):
+    """Routes on the index application (v1 predict, /v1/models) are unanswerable while its only
+    replica is gone; Serve starts another and they resume. Failures stay inside that window and
+    fail fast; none is a wrong answer. (Two index replicas, `serve.ingress_replicas: 2`, avoid
+    the window.)"""
+    x, _ = val_rows(served["root"], 4)
+    url = f"{SERVE}/v1/models/digits:predict"
+    expected = requests.post(url, json={"instances": x.tolist()}, timeout=30).json()["predictions"]
+    [victim] = alive_actor_pids("ServeReplica:models:Index")
+    outcomes: list[tuple[float, int | str, float]] = []  # (sent, status or error, seconds)
+    wrong, stop = [0], threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                r = requests.post(url, json={"instances": x.tolist()}, timeout=30)
+                outcomes.append((start, r.status_code, time.monotonic() - start))
+                wrong[0] += r.status_code == 200 and r.json()["predictions"] != expected
+            except requests.RequestException as e:
+                outcomes.append((start, type(e).__name__, time.monotonic() - start))
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        def resumed() -> bool:
+            return any(s > killed_at + 0.5 and code == 200 for s, code, _ in outcomes[-10:])
+
+        wait_for(resumed, 60, 0.2, "answers from a replacement index replica")
+        recovered_in = time.monotonic() - killed_at
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    failed = [(s - killed_at, code, secs) for s, code, secs in outcomes if code != 200]
+    print(
+        f"index replica killed: answers resumed after {recovered_in:.1f} s; {len(failed)} failures"
+    )
+    assert wrong[0] == 0
+    assert recovered_in < 30
+    assert all(-1 < at < recovered_in + 1 and secs < 31 for at, _, secs in failed), failed[:5]
+    assert alive_actor_pids("ServeReplica:models:Index") not in ([], [victim])
