@@ -14,22 +14,16 @@ epoch's optimizer steps; median of 3 repeats. Goal: Ray / DDP <= 1.05.
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.b1_train import launch
+from bench.b1_train import side_by_side
 from bench.common import (
     Bench,
-    bench_config,
     bench_main,
-    ensure_prepared,
     median,
     private_ray,
     ratio,
-    wait_for_quiet,
 )
 
 WHAT = "fine-tuning GPT-2 small (124M): python -m jobs.train (Ray) vs plain PyTorch DDP"
@@ -56,32 +50,6 @@ def gpt2_folder(work: Path, smoke: bool) -> str:
     return str(folder)
 
 
-def one_repeat(work: Path, overrides: list[str], repeat: int, address: str, quiet_s: float):
-    config = bench_config(work, "gpt2-finetune", *overrides)
-    ensure_prepared(config)
-    args = [
-        "--config",
-        "configs/gpt2-finetune.yaml",
-        f"data.output={config.data_output}",
-        f"train.storage_path={config.storage_path}",
-        "train.log_every_steps=0",
-        *overrides,
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ADDRESS=address)
-    runs = {}
-    for side in ("ddp", "ray"):
-        load = wait_for_quiet(quiet_s)
-        summary = work / f"b13-{side}-{repeat}.json"
-        if side == "ray":
-            run_name = f"b13-{repeat}-{int(time.time())}"
-            cmd = [sys.executable, "-m", "jobs.train", *args, f"train.run_name={run_name}"]
-        else:
-            cmd = [sys.executable, "-m", "bench.ddp_train", *args]
-        runs[side] = launch([*cmd, "--summary-file", str(summary)], summary, env)
-        runs[side]["load_average_1m_before"] = load
-    return runs
-
-
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     bench = Bench("B13", "<= 1.05", WHAT, out, smoke)
     folder = gpt2_folder(work, smoke)
@@ -89,9 +57,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     if smoke:
         overrides += ["train.epochs=2", "train.max_steps_per_epoch=2", "model.max_length=64"]
     steps = 2 if smoke else STEPS
+    quiet = 0.0 if smoke else 240.0
     with private_ray() as ray_info:
         repeats = [
-            one_repeat(work, overrides, r, ray_info["address"], 0.0 if smoke else 240.0)
+            side_by_side(work, "gpt2-finetune", overrides, "b13", r, ray_info["address"], quiet)
             for r in range(1 if smoke else 3)
         ]
     step_s = {

@@ -96,7 +96,19 @@ def launch_once(cmd: list[str], summary: Path, env: dict[str, str]) -> dict[str,
 def one_repeat(
     work: Path, case: str, overrides: list[str], repeat: int, address: str, quiet_s: float
 ) -> dict[str, Any]:
-    workload = CASES[case]
+    return side_by_side(work, CASES[case], overrides, f"b1-{case}", repeat, address, quiet_s)
+
+
+def side_by_side(
+    work: Path,
+    workload: str,
+    overrides: list[str],
+    tag: str,
+    repeat: int,
+    address: str,
+    quiet_s: float,
+) -> dict[str, Any]:
+    """One repeat: plain DDP, then `jobs.train` on Ray, each after a quiet window."""
     config = bench_config(work, workload, *overrides)
     ensure_prepared(config)
     args = [
@@ -111,9 +123,9 @@ def one_repeat(
     runs = {}
     for side in ("ddp", "ray"):
         load = wait_for_quiet(quiet_s)
-        summary = work / f"{case}-{side}-{repeat}.json"
+        summary = work / f"{tag}-{side}-{repeat}.json"
         if side == "ray":
-            run_name = f"b1-{case}-{repeat}-{int(time.time())}"
+            run_name = f"{tag}-{repeat}-{int(time.time())}"
             cmd = [sys.executable, "-m", "jobs.train", *args, f"train.run_name={run_name}"]
         else:
             cmd = [sys.executable, "-m", "bench.ddp_train", *args]

@@ -1,4 +1,4 @@
-"""python -m jobs.models [--config C] [section.key=value ...] list | undeploy NAME | prune --keep N [--force]
+"""python -m jobs.models [--config C] [section.key=value ...] list | undeploy NAME [NAME ...] | prune --keep N [--force]
 
 The registry's models and versions (with their gate reports and which version is live), taking a
 model off Serve without touching the others, and deleting old versions (never `latest` or the
@@ -20,8 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-file", help="also write the JSON summary to this file")
     actions = p.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="models, versions, gate reports, latest and live version")
-    undeploy = actions.add_parser("undeploy", help="remove one model from the Serve application")
-    undeploy.add_argument("name")
+    undeploy = actions.add_parser("undeploy", help="take models off Serve (one config update)")
+    undeploy.add_argument("names", nargs="+", metavar="name")
     prune = actions.add_parser("prune", help="delete old versions, keeping the newest N")
     prune.add_argument("--keep", type=int, required=True)
     prune.add_argument("--model", help="only this model (default: every model)")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.action == "list":
             summary = lifecycle.list_models(config)
         elif args.action == "undeploy":
-            summary = lifecycle.undeploy(config, args.name)
+            summary = lifecycle.undeploy(config, args.names)
         else:
             summary = lifecycle.prune(config, args.keep, args.model, args.force)
         emit(summary, args.summary_file)

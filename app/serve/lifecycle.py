@@ -144,9 +144,10 @@ def served_version(uri: str, url: str, name: str, api_key_env: str) -> str:
     return serving_version(url, name, api_key_env)
 
 
-def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Take `name`'s Serve application away; the other models' applications do not change, so
-    Serve leaves their replicas alone (the index is updated to list the rest)."""
+def undeploy(config: Config, names: list[str], timeout_s: float = 120.0) -> dict[str, Any]:
+    """Take these models' Serve applications away, in one config update; the other models'
+    applications do not change, so Serve leaves their replicas alone (the index is updated to
+    list the rest)."""
     from app.errors import UserError
     from app.ray_runtime import connect_ray
     from app.serve.app import model_app_name
@@ -167,17 +168,21 @@ def undeploy(config: Config, name: str, timeout_s: float = 120.0) -> dict[str, A
         client = serve_client()
         apps = current_apps(client.get_serve_details())
         served = served_models(apps, cfg)
-        if name not in served:
+        missing = [n for n in names if n not in served]
+        if missing:
             listing = ", ".join(sorted(served)) or "none"
-            raise UserError(f"{name} is not deployed (serving: {listing})")
-        client.deploy_applications(serve_config(cfg, without_model(apps, cfg, name)))
+            raise UserError(f"{missing[0]} is not deployed (serving: {listing})")
+        for name in names:
+            apps = without_model(apps, cfg, name)
+        client.deploy_applications(serve_config(cfg, apps))
         deadline = time.monotonic() + timeout_s
-        state = wait_for_app(client, model_app_name(cfg, name), False, deadline)
-    if state != "absent":
-        raise UserError(f"{name}: its application is still {state} after {timeout_s:g}s")
-    log.info("undeploy: %s removed", name)
-    remaining = sorted(n for n in served if n != name)
-    return {"stage": "models", "action": "undeploy", "model": name, "models": remaining}
+        for name in names:
+            state = wait_for_app(client, model_app_name(cfg, name), False, deadline)
+            if state != "absent":
+                raise UserError(f"{name}: its application is still {state} after {timeout_s:g}s")
+    log.info("undeploy: %s removed", ", ".join(names))
+    remaining = sorted(n for n in served if n not in names)
+    return {"stage": "models", "action": "undeploy", "undeployed": names, "models": remaining}
 
 
 # --- pruning ------------------------------------------------------------------------------------

@@ -94,6 +94,30 @@ def run_job(stage: str, *args: str, timeout: float = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_jobs(jobs: dict[str, tuple[str, list[str]]], timeout: float = 600) -> dict[str, dict]:
+    """Several `python -m jobs.<stage> ...` at once; each one's summary, by key. Any failure
+    fails the lot, naming the job, once all have ended."""
+    procs = {
+        key: subprocess.Popen(
+            [PY, "-m", f"jobs.{stage}", *args],
+            cwd=REPO,
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key, (stage, args) in jobs.items()
+    }
+    outputs = {key: proc.communicate(timeout=timeout) for key, proc in procs.items()}
+    failed = {k: p.returncode for k, p in procs.items() if p.returncode != 0}
+    if failed:
+        key = next(iter(failed))
+        raise AssertionError(
+            f"jobs.{jobs[key][0]} ({key}) exited {failed[key]}:\n{outputs[key][1][-3000:]}"
+        )
+    return {key: json.loads(out.strip().splitlines()[-1]) for key, (out, _) in outputs.items()}
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

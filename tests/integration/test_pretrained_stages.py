@@ -64,6 +64,7 @@ def test_gpt2_fsdp_bf16_run_resumes_from_its_shards_and_exports(folders, workspa
     assert exported["report"]["perplexity"]["int8"] > 1
 
 
+@pytest.mark.slow
 def test_bert_lora_run_exports_merged_adapters_and_jobs_predict_scores_text(
     folders, workspace, tmp_path
 ):

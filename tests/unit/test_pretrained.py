@@ -401,3 +401,28 @@ def test_a_folder_on_s3_is_downloaded_once_and_loads_like_the_local_one(
     inputs = {k: torch.from_numpy(v) for k, v in pre.features(TEXTS).items()}
     with torch.no_grad():
         assert torch.equal(model(**inputs), reference(**inputs))
+
+
+def test_a_lora_checkpoint_loads_merged_for_evaluation_and_export(folders, tmp_path):
+    """`LoadedCheckpoint` rebuilds the model from the checkpoint alone (the folder's record),
+    adds the adapters so their tensors load, and merges them: plain Linear layers, same output."""
+    from app.config import validate
+    from app.train import checkpoint
+
+    config = validate(
+        {
+            "model": {"pretrained": folders["bert"]},
+            "train": {"lora_rank": 4, "lora_targets": ["query"]},
+        }
+    )
+    model, pre = loaded(folders["bert"], lora_rank=4, lora_targets=["query"])
+    for layer in model.modules():
+        if isinstance(layer, LoRALinear):
+            torch.nn.init.normal_(layer.lora_b, std=0.1)
+    meta = {"config": config.model_dump(mode="json"), "epoch": 1, "step": 1, "metrics": {}}
+    checkpoint.save(str(tmp_path), model, {}, meta | {"preprocessor": pre.to_json()})
+    restored = checkpoint.LoadedCheckpoint(str(tmp_path))
+    assert not any(isinstance(m, LoRALinear) for m in restored.model.modules())
+    inputs = {k: torch.from_numpy(v) for k, v in pre.features(TEXTS).items()}
+    with torch.no_grad():
+        assert torch.allclose(restored.model(**inputs), model(**inputs), atol=1e-5)
