@@ -4,20 +4,20 @@ The digits app on a private Serve (default limits: 4 MiB bodies, 16 ongoing and 
 requests per model replica) takes 32 connections sending 4 MiB bodies that claim huge shapes or
 hold millions of empty rows (v2 to the model's application, v1 through the index), while one
 good client sends one-row requests. Measured: the bad requests' time to their 4xx (p50, p99),
-the good client's p50 alone and during the flood, and the peak resident memory of the model
-replica and the index replica (VmRSS from /proc, sampled every 50 ms) against their idle size.
+the good client's p50 alone and during the flood, and the peak memory (PSS, sampled every 50
+ms) of the model replica and the index replica against their size at rest.
 Goals: a bad body is refused in under 50 ms at p50; the good client's p50 under the flood within
 2x of its p50 alone (both processes share the 2 cores with the load generator itself).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.b5_serve import request_body
+from bench.b8_memory import PeakMemory
 from bench.common import Bench, bench_config, bench_main, ensure_artifact, free_port, private_ray
 from bench.load import LoadGenerator, summarize, wait_ready
 
@@ -40,48 +40,15 @@ def empty_rows_body(size: int = 4 * MIB - 4096) -> bytes:
     return head + b",".join([b"[]"] * count) + b"]}"
 
 
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-class MemorySampler:
-    def __init__(self, pids: dict[str, int]):
-        self.pids, self.peak = pids, {name: rss_mib(pid) for name, pid in pids.items()}
-        self.idle = dict(self.peak)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for name, pid in self.pids.items():
-                self.peak[name] = max(self.peak[name], rss_mib(pid))
-            time.sleep(0.05)
-
-    def __enter__(self) -> MemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def replica_pids() -> dict[str, int]:
-    from ray.util.state import list_actors
-
-    found = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        if actor.class_name == "ServeReplica:models:Index":
-            found["index"] = actor.pid
-        elif actor.class_name.startswith("ServeReplica:models-digits:"):
-            found["model"] = actor.pid
-    return found
+def replicas(by_kind: dict[str, int]) -> dict[str, float]:
+    """The model and index replicas' sizes in MiB, out of a by-process-role table."""
+    out = {}
+    for kind, size in by_kind.items():
+        if "ServeReplica:models-digits" in kind:
+            out["model"] = size / MIB
+        elif "ServeReplica:models:" in kind:
+            out["index"] = size / MIB
+    return out
 
 
 def good_client(url: str, body: bytes, seconds: float) -> dict[str, Any]:
@@ -137,8 +104,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             run_local(models, config.serve.model_dump(mode="json"))
             wait_ready(base, 120)
             alone = good_client(f"{base}/v2/models/digits/infer", good, seconds / 2)
-            pids = replica_pids()
-            with MemorySampler(pids) as memory:
+            with PeakMemory(interval=0.05) as memory:
+                time.sleep(0.5)  # a first sample of every process at rest
                 result = flood(base, good, seconds)
         finally:
             serve.shutdown()
@@ -147,24 +114,24 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "good_client_alone": alone,
         **result,
         "good_p50_ratio_flood_vs_alone": ratio,
-        "rss_mib": {"idle": memory.idle, "peak": memory.peak},
+        "pss_mib": {"idle": replicas(memory.first_by_kind), "peak": replicas(memory.max_by_kind)},
         "flood_seconds": seconds,
         "ray": ray_info,
         "method": (
             "32 closed-loop connections (16 v2 bodies claiming [999999999, 64], 16 v1 bodies "
             "of empty rows, 4 MiB each) and one good connection (one digits row, v2) for the "
-            "flood's duration; the good client alone for half as long before. RSS of the model "
+            "flood's duration; the good client alone for half as long before. PSS of the model "
             "and index replica processes sampled every 50 ms."
         ),
     }
     met = bool(result["bad_p50_ms"] < 50 and ratio <= 2.0)
-    peak = memory.peak
+    peak, idle = replicas(memory.max_by_kind), replicas(memory.first_by_kind)
     summary = (
         f"bad bodies refused p50 {result['bad_p50_ms']:.1f} ms p99 {result['bad_p99_ms']:.1f} ms "
         f"({result['bad_requests']} requests); good p50 {alone['p50_ms']:.2f} ms alone vs "
-        f"{result['good_client']['p50_ms']:.2f} ms under flood (x{ratio:.2f}); peak RSS model "
-        f"{peak.get('model', float('nan')):.0f} MiB (idle {memory.idle.get('model', float('nan')):.0f}), "
-        f"index {peak.get('index', float('nan')):.0f} MiB (idle {memory.idle.get('index', float('nan')):.0f})"
+        f"{result['good_client']['p50_ms']:.2f} ms under flood (x{ratio:.2f}); peak PSS model "
+        f"replica {peak.get('model', 0):.0f} MiB (at rest {idle.get('model', 0):.0f}), index "
+        f"{peak.get('index', 0):.0f} MiB (at rest {idle.get('index', 0):.0f})"
     )
     return bench.result("bad_body_refusal_p50_ms", result["bad_p50_ms"], met, details, summary)
 

@@ -45,12 +45,15 @@ def pss_bytes(pid: int) -> int:
 
 
 class PeakMemory:
-    """Samples the PSS of this process tree in a background thread; `peak` in bytes, and
-    `peak_by_kind`: where that peak sat, summed per process role (what to fix when it grows)."""
+    """Samples the PSS of this process tree in a background thread; `peak` in bytes,
+    `peak_by_kind`: where that peak sat, summed per process role (what to fix when it grows),
+    and each role's own first and largest sample (`first_by_kind`, `max_by_kind`)."""
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peak, self.samples = interval, 0, 0
         self.peak_by_kind: dict[str, int] = {}
+        self.first_by_kind: dict[str, int] = {}
+        self.max_by_kind: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -60,6 +63,9 @@ class PeakMemory:
             for pid, kind in process_tree(os.getpid()).items():
                 by_kind[kind] = by_kind.get(kind, 0) + pss_bytes(pid)
             total = sum(by_kind.values())
+            for kind, size in by_kind.items():
+                self.first_by_kind.setdefault(kind, size)
+                self.max_by_kind[kind] = max(self.max_by_kind.get(kind, 0), size)
             if total > self.peak:
                 self.peak, self.peak_by_kind = total, by_kind
             self.samples += 1

@@ -60,7 +60,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         fp32 = os.path.join(work, art.MODEL_FILES["fp32"])
         int8 = os.path.join(work, art.MODEL_FILES["int8"])
         export_kv_onnx(model, fp32, config.export.opset)
-        quantize_weight_only(fp32, int8, int8_compute=True)
+        quantize_weight_only(fp32, int8)
         report = verify_lm(config, model, fp32, int8, rows)
         gate_lm(report, config)
         Path(work, TOKENIZER_FILE).write_text(loaded.preprocessor.tokenizer.to_str())

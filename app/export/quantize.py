@@ -96,15 +96,15 @@ def quantize(
 
 
 def quantize_weight_only(
-    fp32: str, int8: str, exclude: list[str] | None = None, int8_compute: bool = False
+    fp32: str, int8: str, exclude: list[str] | None = None, int8_compute: bool = True
 ) -> None:
     """int8 weights (onnxruntime's weight-only `MatMulNBits`, 8 bits, symmetric blocks of
     WEIGHT_BLOCK along each weight's input dimension), embedding tables too
-    (`quantize_embeddings`). Activations: fp32 arithmetic on the dequantized blocks, or with
-    `int8_compute` each row's blocks quantized to int8 in the kernel (MLAS's int8 path; for
-    one-token decoding the fp32 path dequantizes whole weights per call and runs several times
-    slower than fp32 ONNX). Either way no scale spans rows, so a row's result depends on that
-    row alone."""
+    (`quantize_embeddings`). Arithmetic: by default int8, each row's activation blocks
+    quantized in the kernel (MLAS's int8 path); `int8_compute=False` keeps fp32 arithmetic on
+    dequantized blocks, a path that dequantizes whole weights per call and runs slower than fp32
+    ONNX (GPT-2 small decoded 7x slower, a BERT-base row 2.4x). Either way no scale spans rows,
+    so a row's result depends on that row alone."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
@@ -240,14 +240,21 @@ def layer_sensitivity(
 
 
 class _Reader:
-    """onnxruntime's CalibrationDataReader over a fixed list of batches (rewindable)."""
+    """onnxruntime's CalibrationDataReader over a fixed list of batches (rewindable), one row
+    per call: its MinMax calibration holds every intermediate tensor of a call alive (about
+    1 GiB per row for ViT-base, so 32-row calls ran out of 24 GiB), and per-row minima and
+    maxima fold into the batch's exactly."""
 
     def __init__(self, batches: list[Inputs]):
         self._batches = batches
-        self._it = iter(batches)
+        self.rewind()
 
     def get_next(self) -> Inputs | None:
         return next(self._it, None)
 
     def rewind(self) -> None:
-        self._it = iter(self._batches)
+        self._it = (
+            {name: value[i : i + 1] for name, value in batch.items()}
+            for batch in self._batches
+            for i in range(len(next(iter(batch.values()))))
+        )

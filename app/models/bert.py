@@ -17,6 +17,7 @@ from torch import nn
 from app.models.encoder import (
     Attention,
     check_activation,
+    encoder_sizes,
     masked_mean,
     new_head,
     padding_bias,
@@ -101,21 +102,12 @@ class BertClassifier(nn.Module):
 
 
 def from_config(arch: dict[str, Any], pre: Any, cfg: Any) -> BertClassifier:
-    check_activation(arch, "hidden_act", ("gelu",), "gelu")
     check_activation(arch, "position_embedding_type", ("absolute",), "absolute")
     return BertClassifier(
         vocab_size=arch["vocab_size"],
-        num_classes=len(pre.labels),
-        dim=arch["hidden_size"],
-        layers=arch["num_hidden_layers"],
-        heads=arch["num_attention_heads"],
-        ff_dim=arch["intermediate_size"],
         max_positions=arch.get("max_position_embeddings", 512),
         type_vocab_size=arch.get("type_vocab_size", 2),
-        eps=arch.get("layer_norm_eps", 1e-12),
-        dropout=cfg.dropout,
-        pooler=bool(pre.state["pretrained"].get("has_pooler")),
-        init_std=arch.get("initializer_range", 0.02),
+        **encoder_sizes(arch, pre, cfg),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,6 +82,23 @@ def renamed(
                 break
         out[name] = tensor
     return out
+
+
+def encoder_sizes(arch: dict[str, Any], pre: Any, cfg: Any) -> dict[str, Any]:
+    """What BERT and ViT configs name alike (the same config.json keys): the keyword
+    arguments both classifiers take, the new head and the pooler choice included."""
+    check_activation(arch, "hidden_act", ("gelu",), "gelu")
+    return {
+        "num_classes": len(pre.labels),
+        "dim": arch["hidden_size"],
+        "layers": arch["num_hidden_layers"],
+        "heads": arch["num_attention_heads"],
+        "ff_dim": arch["intermediate_size"],
+        "eps": arch.get("layer_norm_eps", 1e-12),
+        "dropout": cfg.dropout,
+        "pooler": bool(pre.state["pretrained"].get("has_pooler")),
+        "init_std": arch.get("initializer_range", 0.02),
+    }
 
 
 def check_activation(arch: dict, key: str, supported: tuple[str, ...], default: str) -> None:

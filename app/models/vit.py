@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.encoder import Attention, check_activation, new_head, renamed
+from app.models.encoder import Attention, encoder_sizes, new_head, renamed
 
 
 class ViTLayer(nn.Module):
@@ -78,20 +78,11 @@ class ViTClassifier(nn.Module):
 
 
 def from_config(arch: dict[str, Any], pre: Any, cfg: Any) -> ViTClassifier:
-    check_activation(arch, "hidden_act", ("gelu",), "gelu")
     return ViTClassifier(
-        num_classes=len(pre.labels),
         image_size=arch.get("image_size", 224),
         patch_size=arch.get("patch_size", 16),
         channels=arch.get("num_channels", 3),
-        dim=arch["hidden_size"],
-        layers=arch["num_hidden_layers"],
-        heads=arch["num_attention_heads"],
-        ff_dim=arch["intermediate_size"],
-        eps=arch.get("layer_norm_eps", 1e-12),
-        dropout=cfg.dropout,
-        pooler=bool(pre.state["pretrained"].get("has_pooler")),
-        init_std=arch.get("initializer_range", 0.02),
+        **encoder_sizes(arch, pre, cfg),
     )
 
 

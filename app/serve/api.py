@@ -62,17 +62,17 @@ async def request_error(request: Request, exc: Exception):
     assert isinstance(exc, RequestError)
     request_id = getattr(request.state, "request_id", "-")
     log.info("request %s: %d %s", request_id, exc.status, exc.message)
-    return error(exc.status, exc.message, exc.retry_after_s)
+    return error(exc.status, exc.message, exc.retry_after_s, request.url.path)
 
 
 async def http_error(request: Request, exc: Exception):
     assert isinstance(exc, StarletteHTTPException)
-    return error(exc.status_code, str(exc.detail))
+    return error(exc.status_code, str(exc.detail), path=request.url.path)
 
 
 async def validation_error(request: Request, exc: Exception):
     assert isinstance(exc, RequestValidationError)
-    return error(400, str(exc.errors()[0].get("msg", "invalid request")))
+    return error(400, str(exc.errors()[0].get("msg", "invalid request")), path=request.url.path)
 
 
 def _observer(models: Models, metrics: Any):

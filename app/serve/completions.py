@@ -2,8 +2,10 @@
 (a `RequestError` naming the field), and the response and Server-Sent-Event encodings.
 
 - `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
-  `temperature`, `top_k`, `top_p`, `stop`, `seed`, `stream` (other OpenAI fields are refused by
-  name rather than silently ignored).
+  `temperature`, `top_k`, `top_p`, `stop`, `seed`, `stream`, `stream_options.include_usage`
+  (other OpenAI fields are refused by name rather than silently ignored).
+- `POST /v1/chat/completions`: the same subset with `messages` (rendered by `chat_prompt`) and
+  `max_completion_tokens`.
 - `POST /v2/models/{name}/generate` and `/generate_stream`: Triton's generate extension,
   `{"text_input": ..., "parameters": {max_tokens, temperature, ...}}` -> `text_output`.
 """
@@ -101,27 +103,77 @@ class Completion:
     model: str
     stream: bool
     request: GenerationRequest
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+
+
+# `user`, `n` at 1 and `logprobs` null change nothing; anything else would be ignored.
+OPENAI_FIELDS = ("model", "stream", "stream_options", "user", "n", "logprobs", *SAMPLING_FIELDS)
 
 
 def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
     """The body of `POST /v1/completions`."""
     request = _object(body)
-    # `user`, `n` at 1 and `logprobs` null change nothing; anything else would be ignored.
-    known = ("model", "prompt", "stream", "user", "n", "logprobs", *SAMPLING_FIELDS)
-    _unknown(request, known)
+    _unknown(request, ("prompt", *OPENAI_FIELDS))
+    prompt = prompt_text(request.get("prompt"), "prompt")
+    return _completion(request, prompt, sampling(request, "", cfg))
+
+
+def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
+    """The body of `POST /v1/chat/completions`: `messages` rendered into one prompt."""
+    request = _object(body)
+    _unknown(request, ("messages", "max_completion_tokens", *OPENAI_FIELDS))
+    if request.get("max_completion_tokens") is not None:
+        if request.get("max_tokens") is not None:
+            raise bad("max_completion_tokens: give it or max_tokens, not both")
+        request = {**request, "max_tokens": request["max_completion_tokens"]}
+    return _completion(request, chat_prompt(request.get("messages")), sampling(request, "", cfg))
+
+
+def _completion(request: dict[str, Any], prompt: str, params: dict[str, Any]) -> Completion:
     model = request.get("model")
     if not isinstance(model, str) or not model:
         raise bad(f"model: expected a model name (string), got {json_type(model)}")
     if request.get("n") not in (None, 1):
         raise bad("n: only 1 completion per request is supported")
-    if request.get("logprobs") is not None:
+    if request.get("logprobs") not in (None, False):
         raise bad("logprobs: not supported")
-    prompt = prompt_text(request.get("prompt"), "prompt")
+    stream = flag(request.get("stream"), "stream")
     return Completion(
-        model,
-        flag(request.get("stream"), "stream"),
-        GenerationRequest(prompt, sampling(request, "", cfg)),
+        model, stream, GenerationRequest(prompt, params), stream_usage(request, stream)
     )
+
+
+def stream_usage(request: dict[str, Any], stream: bool) -> bool:
+    options = request.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad("stream_options: only with stream: true")
+    if not isinstance(options, dict):
+        raise bad(f"stream_options: expected an object, got {json_type(options)}")
+    _unknown(options, ("include_usage",), "stream_options.")
+    return flag(options.get("include_usage"), "stream_options.include_usage")
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt(messages: Any) -> str:
+    """The plain chat template (the artifact's tokenizer carries none): each message as
+    `<role>: <content>` on its own line, then `assistant:` for the model to continue."""
+    if not isinstance(messages, list) or not messages:
+        raise bad(f"messages: expected a non-empty list, got {json_type(messages)}")
+    lines = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(f"{where}: expected an object, got {json_type(message)}")
+        _unknown(message, ("role", "content", "name"), f"{where}.")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}"[:200])
+        lines.append(f"{role}: {prompt_text(content, f'{where}.content')}")
+    return "\n".join([*lines, "assistant:"])
 
 
 def parse_generate(body: bytes, cfg: ServeConfig) -> GenerationRequest:
@@ -169,30 +221,55 @@ def sse(event: dict[str, Any]) -> bytes:
 class CompletionEncoder:
     """OpenAI `text_completion` objects for one request: streamed chunks or the whole answer."""
 
-    def __init__(self, model: str):
-        self.model = model
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+    prefix, kind = "cmpl", "text_completion"
+
+    def __init__(self, model: str, include_usage: bool = False):
+        self.model, self.include_usage = model, include_usage
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def _object(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _object(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": kind or self.kind,
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-            ],
+            "choices": choices,
         }
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._object(text, None)
+    def _choice(self, text: str, finish_reason: str | None, whole: bool) -> dict[str, Any]:
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
 
-    def last_chunk(self, end: Finished) -> dict[str, Any]:
-        return {**self._object("", end.finish_reason), "usage": end.usage()}
+    def chunk(self, text: str) -> dict[str, Any]:
+        return self._object([self._choice(text, None, whole=False)])
+
+    def last_chunks(self, end: Finished) -> list[dict[str, Any]]:
+        """The chunk with the finish reason, then with stream_options.include_usage OpenAI's
+        usage chunk (no choices, the request's usage); without it the finish chunk carries the
+        usage itself, as this API always has."""
+        last = self._object([self._choice("", end.finish_reason, whole=False)])
+        if not self.include_usage:
+            return [{**last, "usage": end.usage()}]
+        return [last, {**self._object([]), "usage": end.usage()}]
 
     def whole(self, text: str, end: Finished) -> dict[str, Any]:
-        return {**self._object(text, end.finish_reason), "usage": end.usage()}
+        return {
+            **self._object([self._choice(text, end.finish_reason, whole=True)], self.whole_kind),
+            "usage": end.usage(),
+        }
+
+    whole_kind = "text_completion"
+
+
+class ChatEncoder(CompletionEncoder):
+    """OpenAI `chat.completion` (whole) and `chat.completion.chunk` (streamed) objects."""
+
+    prefix, kind, whole_kind = "chatcmpl", "chat.completion.chunk", "chat.completion"
+
+    def _choice(self, text: str, finish_reason: str | None, whole: bool) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        key = "message" if whole else "delta"
+        return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
 
 
 def triton_answer(model: str, version: str, text: str, end: Finished | None) -> dict[str, Any]:

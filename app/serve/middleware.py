@@ -30,10 +30,22 @@ PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
 ASGIApp = Callable[..., Any]
 
 
-def error(status: int, message: str, retry_after_s: int | None = None) -> JSONResponse:
-    """Every error answer: a JSON body naming the problem."""
+def error(
+    status: int, message: str, retry_after_s: int | None = None, path: str = ""
+) -> JSONResponse:
+    """Every error answer: a JSON body naming the problem; on OpenAI's routes in OpenAI's
+    shape (`{"error": {"message", "type", "param", "code"}}`), which its clients parse."""
     headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    body: dict[str, Any] = {"error": message}
+    if path.endswith(OPENAI_ROUTES):
+        field = message.split(":", 1)[0] if ":" in message else None
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        param = field if field and " " not in field else None
+        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def is_loopback(host: str) -> bool:

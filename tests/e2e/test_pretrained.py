@@ -7,6 +7,7 @@ the folder's weights and the trained head."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -122,6 +123,20 @@ def test_bert_folder_with_a_trained_head_answers_as_transformers_computes(pipeli
     with torch.no_grad():
         logits = encoder(**inputs).pooler_output @ weight.T + bias
     assert np.abs(probs - torch.softmax(logits, -1).numpy()).max() < 1e-3
+
+    # A text near the 4 MiB body limit is cut to what max_length tokens can span before it is
+    # tokenized: answered at once, as its first 64 tokens are.
+    huge = texts[0] + " w3" * 1_300_000
+    start = time.perf_counter()
+    got = served_probabilities(
+        "pt-bert", {"name": "text", "datatype": "BYTES", "shape": [1], "data": [huge]}
+    )
+    assert time.perf_counter() - start < 1.0  # a loose bound (tokenizing it whole takes seconds)
+    short = " ".join(huge.split()[:80])
+    want = served_probabilities(
+        "pt-bert", {"name": "text", "datatype": "BYTES", "shape": [1], "data": [short]}
+    )
+    assert np.abs(got - want).max() < 1e-6
 
 
 def test_vit_folder_with_a_trained_head_answers_as_transformers_computes(pipelines):

@@ -190,7 +190,8 @@ def test_streamed_completion_is_sse_and_seeded_sampling_repeats(lm_endpoint):
 def test_bad_fields_get_a_4xx_naming_them(lm_endpoint, fields, status, named):
     response = completion(lm_endpoint, **fields)
     assert response.status_code == status
-    assert named in response.json()["error"]
+    error = response.json()["error"]  # OpenAI's error shape on its routes
+    assert named in error["message"] and error["type"] == "invalid_request_error"
 
 
 def generation_stats(url: str) -> dict[str, int]:
@@ -287,3 +288,80 @@ def test_a_replica_killed_mid_stream_ends_the_stream_and_is_replaced(lm_endpoint
         time.sleep(0.5)
     else:
         raise AssertionError("no replica answered within 60 s of the kill")
+
+
+# --- OpenAI's own Python client against the endpoint ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_client(lm_endpoint):
+    import openai
+
+    return openai.OpenAI(base_url=f"{lm_endpoint}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_completions_whole_and_streamed_with_usage(openai_client):
+    whole = openai_client.completions.create(
+        model="tinylm", prompt="def ", max_tokens=12, temperature=0
+    )
+    text = whole.choices[0].text
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
+    chunks = list(
+        openai_client.completions.create(
+            model="tinylm",
+            prompt="def ",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text  # greedy: the same
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # OpenAI's usage chunk
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_openai_client_chat_completions_whole_and_streamed(openai_client):
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def "},
+    ]
+    whole = openai_client.chat.completions.create(
+        model="tinylm", messages=messages, max_completion_tokens=10, temperature=0
+    )
+    message = whole.choices[0].message
+    assert whole.object == "chat.completion" and message.role == "assistant" and message.content
+    stream = openai_client.chat.completions.create(
+        model="tinylm", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta.content or "" for c in stream]
+    assert "".join(deltas) == message.content
+
+
+def test_openai_client_stop_cuts_and_a_seed_repeats(openai_client):
+    def complete(**fields):
+        return openai_client.completions.create(
+            model="tinylm", prompt="import ", max_tokens=16, **fields
+        ).choices[0]
+
+    greedy = complete(temperature=0).text
+    stop = greedy[len(greedy) // 2 :][:3]  # a piece from its second half
+    assert stop.strip(), greedy
+    cut = complete(temperature=0, stop=[stop])
+    assert cut.text == greedy[: greedy.index(stop)] and cut.finish_reason == "stop"
+    first, second = (complete(temperature=1.0, seed=11).text for _ in range(2))
+    assert first == second
+
+
+def test_openai_client_gets_a_400_naming_a_parameter_that_would_change_the_output(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model="tinylm", prompt="def ", presence_penalty=0.5)
+    assert "presence_penalty" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(
+            model="tinylm", messages=[{"role": "user", "content": "hi"}], tools=[]
+        )
+    assert "tools" in str(info.value)

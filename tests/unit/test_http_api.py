@@ -537,7 +537,7 @@ def test_an_unknown_json_key_is_a_400_that_echoes_it_safely(monkeypatch, key):
         "/v1/completions", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
-    message = r.json()["error"]
+    message = r.json()["error"]["message"]  # OpenAI's error shape on its routes
     assert "not supported" in message and "\n" not in message and len(message) < 1000
     message.encode("utf-8")  # no lone surrogate comes back
 
@@ -572,7 +572,9 @@ def test_a_whole_completion_whose_replica_dies_is_a_503(monkeypatch):
     monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
     api = create_api(ServeConfig(), Models({"m": DyingLM()}, 5))
     r = TestClient(api).post("/v1/completions", json={"model": "m", "prompt": "hi"})
-    assert r.status_code == 503 and "unavailable mid-generation" in r.json()["error"], r.text
+    error = r.json()["error"]
+    assert r.status_code == 503 and "unavailable mid-generation" in error["message"], r.text
+    assert error["type"] == "server_error"
 
 
 def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch):
@@ -612,3 +614,26 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
     ) in called
     assert len(called) <= 6, sorted(called)
     assert len({module for module, _ in called}) <= 3, sorted(called)
+
+
+def test_chat_messages_are_rendered_and_refused_by_field(monkeypatch):
+    from app.serve.completions import chat_prompt
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert chat_prompt(messages) == "system: Be brief.\nuser: hi\nassistant:"
+    c = client(monkeypatch)
+    for body, field in [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"model": "m", "messages": messages, "tools": []}, '"tools"'),
+        (
+            {"model": "m", "messages": messages, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+    ]:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith(f"{field}:"), error
+        assert error["type"] == "invalid_request_error"

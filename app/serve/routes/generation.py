@@ -1,4 +1,5 @@
-"""Text generation: OpenAI's `POST /v1/completions` and Triton's generate extension
+"""Text generation: OpenAI's `POST /v1/completions` and `/v1/chat/completions`, and Triton's
+generate extension
 (`POST /v2/models/{name}/generate` and `/generate_stream`). A streamed answer is Server-Sent
 Events; the first event is awaited before the 200, so a refusal is a plain error answer."""
 
@@ -14,7 +15,10 @@ from fastapi.responses import StreamingResponse
 from app.serve.clients import close_events, unavailable_errors
 from app.serve.completions import (
     DONE,
+    ChatEncoder,
+    Completion,
     CompletionEncoder,
+    parse_chat,
     parse_completion,
     parse_generate,
     sse,
@@ -31,9 +35,22 @@ Events = AsyncIterator[GenerationEvent]
 @router.post("/v1/completions")
 async def completions(request: Request):
     completion = parse_completion(await body(request), config(request))
+    return await openai_answer(request, completion, CompletionEncoder)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    completion = parse_chat(await body(request), config(request))
+    return await openai_answer(request, completion, ChatEncoder)
+
+
+async def openai_answer(
+    request: Request, completion: Completion, encoding: type[CompletionEncoder]
+):
+    """One OpenAI completion, whole or as Server-Sent Events ending in `[DONE]`."""
     name = completion.model
     _, events = await models(request).generate(name, completion.request)
-    encoder = CompletionEncoder(name)
+    encoder = encoding(name, completion.include_usage)
     if not completion.stream:
         text, end = await collect(name, events)
         return encoder.whole(text, end)
@@ -43,7 +60,8 @@ async def completions(request: Request):
             if isinstance(event, Piece):
                 yield sse(encoder.chunk(event.text))
             elif isinstance(event, Finished):
-                yield sse(encoder.last_chunk(event))
+                for chunk in encoder.last_chunks(event):
+                    yield sse(chunk)
         yield DONE
 
     return event_stream(events, chunks())
