@@ -4,8 +4,9 @@
 #   tests/run.sh --all    make test-all: the same plus the `slow` ones
 #   tests/run.sh ARGS...  plain pytest arguments (one pytest run)
 #
-# Unit first (seconds, no Ray: a broken build fails fast), then the integration tier (private
-# local Rays), then the e2e tier (a cluster from cluster/start.sh on the standard ports).
+# The unit tier (no Ray, about half a minute of one core) runs beside the integration tier
+# (private local Rays, mostly waiting on process start-ups), then the e2e tier (a cluster from
+# cluster/start.sh on the standard ports) runs alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest --durations=15)
@@ -23,10 +24,16 @@ fi
 MARK=(-m "not slow")
 if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
-"${PYTEST[@]}" "${MARK[@]}" tests/unit || { check $?; exit 1; }
-
+unit_log=$(mktemp)
+"${PYTEST[@]}" "${MARK[@]}" tests/unit > "$unit_log" 2>&1 &
+unit_pid=$!
 "${PYTEST[@]}" "${MARK[@]}" tests/integration
 integration=$?
+wait "$unit_pid"
+unit=$?
+cat "$unit_log"
+rm -f "$unit_log"
+check "$unit" || { echo "unit tier failed (exit $unit)" >&2; exit 1; }
 "${PYTEST[@]}" "${MARK[@]}" tests/e2e
 e2e=$?
 failed=0

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO
-from tests.e2e.conftest import SERVE, run_job, run_jobs
+from tests.e2e.conftest import SERVE, run_jobs
 from tests.make_tiny_pretrained import MAKERS
 
 pytestmark = pytest.mark.e2e
@@ -32,36 +32,32 @@ DATA = {  # small data: each run is seconds of training
 def pipelines(cluster, tmp_path_factory):
     """The three pipelines run at once (as three users would submit them): each spends most of
     its time starting processes and waiting on Ray, so together they take little more than one.
-    Small CPU shares let all three train and serve beside the models already deployed."""
+    Small CPU shares let all three train and serve beside the models already deployed; they
+    stay deployed (`pt-*`), as any other live models would."""
     root = tmp_path_factory.mktemp("pretrained")
     runs = {}
-    try:
-        for family, config in CONFIGS.items():
-            folder = MAKERS[family](str(root / "folders" / family))
-            base = [
-                f"--config={REPO / 'configs' / f'{config}.yaml'}",
-                f"model.pretrained={folder}",
-                f"data.output={root}/data/{family}",
-                f"train.storage_path={root}/runs",
-                f"export.registry={root}/registry",
-                f"export.name=pt-{family}",
-                "train.num_workers=1",
-                "train.max_steps=12",
-                "serve.variant=fp32",
-                "serve.autoscaling.max_replicas=1",
-                "train.cpus_per_worker=0.25",
-                "serve.replica_cpus=0.25",
-                *DATA[family],
-            ]
-            runs[family] = {"base": base, "folder": folder}
-        summaries = run_jobs({family: ("pipeline", run["base"]) for family, run in runs.items()})
-        for family, summary in summaries.items():
-            runs[family]["summary"] = summary
-        yield runs
-    finally:  # the other e2e modules expect only their own models on the cluster
-        if runs:
-            names = [f"pt-{family}" for family in runs]
-            run_job("models", *next(iter(runs.values()))["base"], "undeploy", *names)
+    for family, config in CONFIGS.items():
+        folder = MAKERS[family](str(root / "folders" / family))
+        base = [
+            f"--config={REPO / 'configs' / f'{config}.yaml'}",
+            f"model.pretrained={folder}",
+            f"data.output={root}/data/{family}",
+            f"train.storage_path={root}/runs",
+            f"export.registry={root}/registry",
+            f"export.name=pt-{family}",
+            "train.num_workers=1",
+            "train.max_steps=12",
+            "serve.variant=fp32",
+            "serve.autoscaling.max_replicas=1",
+            "train.cpus_per_worker=0.25",
+            "serve.replica_cpus=0.25",
+            *DATA[family],
+        ]
+        runs[family] = {"base": base, "folder": folder}
+    summaries = run_jobs({family: ("pipeline", run["base"]) for family, run in runs.items()})
+    for family, summary in summaries.items():
+        runs[family]["summary"] = summary
+    return runs
 
 
 def served_probabilities(model: str, tensor: dict) -> np.ndarray:

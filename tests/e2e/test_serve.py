@@ -652,7 +652,7 @@ def test_s3_registry_export_deploy_and_infer(served, s3_bucket):
     finally:
         os.environ.pop(TEST_API_KEY_ENV, None)
     assert deployed["artifact"] == exported["artifact"] and deployed["version"] == "1"
-    assert deployed["models"] == ["digits", "digits-s3"]
+    assert {"digits", "digits-s3"} <= set(deployed["models"])  # beside any other live models
 
     x, _ = val_rows(served["root"], 20)
     artifact = open_artifact(latest)
@@ -682,7 +682,8 @@ def test_models_list_undeploy_and_prune_against_the_live_cluster(served):
         assert digits["versions"][0]["gate"]["int8_accuracy"] > 0.9
 
         undeployed = run_job("models", *served["base"], "undeploy", "digits-s3")
-        assert undeployed["models"] == ["digits"]
+        # digits keeps serving (other modules' models, pretrained ones, may be live too)
+        assert "digits" in undeployed["models"] and "digits-s3" not in undeployed["models"]
         r = requests.post(
             f"{SERVE}/v2/models/digits-s3/infer",
             json=v2_body(val_rows(served["root"], 1)[0]),
