@@ -52,6 +52,7 @@ class Family:
     kind: str  # "tokens" (causal LM), "text" or "image" (classifiers)
     build: str
     rename: str
+    preprocessing: tuple[str, ...]  # the files, any one of which carries its preprocessing
 
     def part(self, name: str) -> Any:
         module, _, attr = getattr(self, name).partition(":")
@@ -61,9 +62,23 @@ class Family:
 FAMILIES = {
     f.model_type: f
     for f in (
-        Family("gpt2", "tokens", "app.models.gpt:from_gpt2", "app.models.gpt:rename_gpt2"),
-        Family("bert", "text", "app.models.bert:from_config", "app.models.bert:rename"),
-        Family("vit", "image", "app.models.vit:from_config", "app.models.vit:rename"),
+        Family(
+            "gpt2", "tokens", "app.models.gpt:from_gpt2", "app.models.gpt:rename_gpt2", (TOKENIZER,)
+        ),
+        Family(
+            "bert",
+            "text",
+            "app.models.bert:from_config",
+            "app.models.bert:rename",
+            (TOKENIZER, VOCAB),  # older BERT folders have only vocab.txt
+        ),
+        Family(
+            "vit",
+            "image",
+            "app.models.vit:from_config",
+            "app.models.vit:rename",
+            (IMAGE_PROCESSOR,),
+        ),
     )
 }
 
@@ -147,12 +162,7 @@ class Pretrained:
         raise self._fail(f"missing {WEIGHTS} (or {INDEX} and its shards)")
 
     def _check_preprocessing(self) -> None:
-        if self.family.kind == "image":
-            needed = [IMAGE_PROCESSOR]
-        elif self._has(TOKENIZER) or (self.family.model_type == "bert" and self._has(VOCAB)):
-            return
-        else:
-            needed = [TOKENIZER] + ([VOCAB] if self.family.model_type == "bert" else [])
+        needed = self.family.preprocessing
         if not any(self._has(name) for name in needed):
             raise self._fail(f"missing {' or '.join(needed)}")
 
