@@ -131,8 +131,9 @@ def test_a_rows_answer_through_the_replica_does_not_depend_on_its_batch_mates(se
 
 def test_requests_claiming_huge_shapes_are_refused_fast_while_others_are_answered(served):
     """A 0.3 MB body claiming 30,000 dims of 999,999,999 (it once took the replica's event loop
-    1.7 s to multiply them out) is refused at the first dim past its limit, while a concurrent
-    client keeps being answered."""
+    1.7 s to multiply them out) is refused at the first dim past its limit, and 4 MiB bodies of
+    two million numbers or a million empty rows (80 ms and 380 ms to parse whole) before they
+    are parsed, while a concurrent client keeps being answered."""
     import json
     import threading
 
@@ -144,17 +145,25 @@ def test_requests_claiming_huge_shapes_are_refused_fast_while_others_are_answere
         while not stop.is_set():
             good.append(infer(x).status_code)
 
+    huge_dims = {"name": "image", "shape": [1] + [999_999_999] * 30_000, "data": [1]}
+    bodies = [
+        ("/v2/models/digits/infer", json.dumps({"inputs": [{**huge_dims, "datatype": t}]}))
+        for t in ("FP32", "BYTES")
+    ]
+    numbers = ",".join(["0"] * 2_000_000)
+    tensor = (
+        f'{{"name": "image", "datatype": "FP32", "shape": [999999999, 64], "data": [{numbers}]}}'
+    )
+    bodies.append(("/v2/models/digits/infer", f'{{"inputs": [{tensor}]}}'))
+    empty_rows = ",".join(["[]"] * 1_000_000)
+    bodies.append(("/v1/models/digits:predict", f'{{"instances": [{empty_rows}]}}'))
     thread = threading.Thread(target=steady)
     thread.start()
     try:
         timings = []
-        for datatype in ("FP32", "BYTES"):
-            tensor = {"name": "image", "datatype": datatype, "shape": [1] + [999_999_999] * 30_000}
-            body = json.dumps({"inputs": [{**tensor, "data": [1]}]}).encode()
+        for path, body in bodies:
             start = time.monotonic()
-            r = requests.post(
-                f"{SERVE}/v2/models/digits/infer", data=body, headers=JSON, timeout=30
-            )
+            r = requests.post(f"{SERVE}{path}", data=body.encode(), headers=JSON, timeout=30)
             timings.append(time.monotonic() - start)
             assert r.status_code in (400, 413) and "error" in r.json(), r.text
     finally:

@@ -157,6 +157,31 @@ def test_limits_errors_and_overload(monkeypatch):
     assert r.headers["retry-after"] == "1"
 
 
+def test_a_body_of_more_values_than_the_rows_allowed_is_refused_before_it_is_parsed(monkeypatch):
+    """A million empty rows (4 MiB, under the body limit) would take 380 ms to parse and 86 MiB
+    of Python objects: refused from the first chunks, the parser never called, no model call."""
+    import app.serve.protocol as protocol
+
+    parsed: list[int] = []
+    real = protocol.json.loads
+    # The json module is shared (the test client parses answers with it): count big parses.
+    monkeypatch.setattr(
+        protocol.json, "loads", lambda b, **kw: parsed.append(len(b) > 2**20) or real(b, **kw)
+    )
+    c = client(monkeypatch)
+    empty_rows = b'{"instances": [' + b",".join([b"[]"] * 1_000_000) + b"]}"
+    r = c.post("/v1/models/m:predict", content=empty_rows)
+    assert r.status_code == 413 and "JSON values" in r.json()["error"], r.text
+    numbers = b",".join([b"0"] * 1_000_000)
+    huge = (
+        b'{"inputs": [{"name": "features", "datatype": "FP32", "shape": [999999999, 2], "data": ['
+    )
+    r = c.post("/v2/models/m/infer", content=huge + numbers + b"]}]}")
+    assert r.status_code == 413 and "JSON values" in r.json()["error"], r.text
+    assert not any(parsed)
+    assert c.post("/v1/models/m:predict", json={"instances": [[1, 2]] * 1024}).status_code == 200
+
+
 def test_text_rows_are_counted_after_flattening(monkeypatch):
     c = client(monkeypatch, max_request_rows=1024)
     r = c.post("/v2/models/m/infer", json=v2("BYTES", [1, 5000], ["a"] * 5000))

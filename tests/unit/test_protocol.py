@@ -280,6 +280,78 @@ def test_huge_claimed_dims_are_refused_without_multiplying_them_out():
     assert err.status == 413
 
 
+DIGITS_INPUTS = [{"name": "image", "datatype": "FP32", "shape": [-1, 64]}]
+BAD_BODIES = {
+    # 2 million numbers under a huge claimed shape (80 ms to parse)
+    "huge-shape": b'{"inputs": [{"name": "image", "datatype": "FP32", "shape": [999999999, 64], '
+    + b'"data": ['
+    + b",".join([b"0"] * 2_000_000)
+    + b"]}]}",
+    # a million empty rows (380 ms to parse, 86 MiB of Python objects)
+    "empty-rows": b'{"instances": [' + b",".join([b"[]"] * 1_000_000) + b"]}",
+    "tiny-strings": b'{"instances": [' + b",".join([b'"a"'] * 1_000_000) + b"]}",
+}
+
+
+def arrive(body: bytes, max_items: int, chunk: int = 65536) -> int:
+    """Feeds `body` to an ItemGuard in chunks; the bytes that had arrived when it refused."""
+    from app.serve.protocol import ItemGuard
+
+    guard, received = ItemGuard(max_items), bytearray()
+    for start in range(0, len(body), chunk):
+        received += body[start : start + chunk]
+        try:
+            guard.arrived(received, body[start : start + chunk])
+        except RequestError as e:
+            assert e.status == 413 and f"holds more than {max_items} JSON values" in e.message
+            return len(received)
+    guard.done(received)
+    return len(received)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BODIES))
+def test_a_body_holding_more_values_than_the_models_rows_can_is_refused_as_it_arrives(name):
+    from app.serve.protocol import max_json_items
+
+    body = BAD_BODIES[name]
+    max_items = max_json_items(DIGITS_INPUTS, 1024)
+    assert arrive(body, max_items) < len(body) / 4  # refused with most of it still to come
+
+
+def well_formed_bodies() -> list[bytes]:
+    one_array_a_value = {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": [1024, 64],
+                "data": [[[float(v)] for v in range(64)] for _ in range(1024)],
+                "parameters": {"note": "a, b, [c], {d}"},
+            }
+        ],
+        "outputs": [{"name": "label"}, {"name": "probabilities"}],
+    }
+    named = {"instances": [{f"c{i}": 1.0 for i in range(64)} for _ in range(1024)]}
+    # Commas and brackets inside strings are text, not values, even cut short mid-string.
+    texts = {"instances": ['say "a, b", [c] {d} \\' * 400] * 1024}
+    return [json.dumps(body).encode() for body in (one_array_a_value, named, texts)]
+
+
+@pytest.mark.parametrize("chunk", [65536, 7, 1 << 30])
+def test_the_largest_well_formed_bodies_pass_the_item_bound_however_they_arrive(chunk):
+    from app.serve.protocol import max_json_items
+
+    digits_items = max_json_items(DIGITS_INPUTS, 1024)
+    text_items = max_json_items(TEXT["inputs"], 1024)
+    bodies = well_formed_bodies()
+    for body, max_items in zip(bodies, [digits_items, digits_items, text_items], strict=True):
+        if chunk == 7 and len(body) > 2**20:
+            body = body[: 2**20]  # seven bytes at a time: the first MiB is enough
+        assert arrive(body, max_items, chunk) == len(body)
+    # A row of no fixed size (a language model's tokens) is not bounded this way.
+    assert max_json_items([{"name": "t", "datatype": "INT64", "shape": [-1, -1]}], 1024) is None
+
+
 def test_dims_too_large_to_print_are_a_400_naming_the_dim():
     body = (
         b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1'

@@ -6,6 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
+from app.serve.clients import INFO_FRESH_S
 from app.serve.protocol import decode_v1
 from app.serve.routes.common import body, config, models
 from app.serve.types import InferRequest
@@ -23,8 +24,9 @@ async def list_models(request: Request):
 @router.post("/v1/models/{name}:predict")
 async def predict(name: str, request: Request):
     m = models(request)
-    m.get(name)
-    instances = decode_v1(await body(request), config(request).max_request_rows)
+    max_rows = config(request).max_request_rows
+    info = await m.info(name, INFO_FRESH_S)  # the schema bounds what is parsed
+    instances = decode_v1(await body(request, inputs=info.inputs), max_rows)
     result = await m.infer(name, InferRequest(instances=instances))
     names = result.label_names
     return {

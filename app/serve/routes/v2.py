@@ -73,10 +73,11 @@ async def model_ready(name: str, request: Request, version: str | None = None):
 @router.post("/v2/models/{name}/versions/{version}/infer")
 async def infer(name: str, request: Request, version: str | None = None):
     m = models(request)
-    if version is not None:  # an unknown version is a 404 before any model runs
-        await live_version(m, name, version, INFO_FRESH_S)
+    info = await m.info(name, INFO_FRESH_S)  # its schema bounds what is parsed
+    if version is not None and version != info.version:  # a 404 before any model runs
+        raise not_deployed(name, version, info.version)
     header_length = request.headers.get(BINARY_HEADER)
-    raw = await body(request, binary=header_length is not None)
+    raw = await body(request, binary=header_length is not None, inputs=info.inputs)
     parsed = decode_v2(raw, header_length, m.max_request_rows)
     result = await m.infer(name, parsed.request)
     if version is not None and version != result.version:  # redeployed meanwhile
