@@ -25,23 +25,16 @@ ID = "B11"
 GOAL = "FSDP parameter + gradient + optimizer bytes per rank <= 0.55x DDP's (2 ranks)"
 WHAT = "sharded training memory: FSDP vs DDP bytes per rank, 2 gloo ranks"
 WORLD = 2
-FULL = {"dim": 256, "layers": 4, "heads": 4, "ff_dim": 1024, "vocab": 8000, "steps": 8}
-SMOKE = {"dim": 128, "layers": 2, "heads": 4, "ff_dim": 256, "vocab": 1000, "steps": 3}
+# TransformerClassifier's sizes, and the training steps measured.
+FULL = {"dim": 256, "layers": 4, "heads": 4, "ff_dim": 1024, "vocab_size": 8000, "steps": 8}
+SMOKE = {"dim": 128, "layers": 2, "heads": 4, "ff_dim": 256, "vocab_size": 1000, "steps": 3}
 
 
 def build(size: dict[str, int]):
     from app.models.transformer import TransformerClassifier
 
-    return TransformerClassifier(
-        vocab_size=size["vocab"],
-        num_classes=4,
-        dim=size["dim"],
-        layers=size["layers"],
-        heads=size["heads"],
-        ff_dim=size["ff_dim"],
-        max_length=32,
-        dropout=0.0,
-    )
+    sizes = {k: v for k, v in size.items() if k != "steps"}
+    return TransformerClassifier(num_classes=4, max_length=32, dropout=0.0, **sizes)
 
 
 def _worker(rank: int, port: int, strategy: str, size: dict[str, int], out: str) -> None:
@@ -62,7 +55,7 @@ def _worker(rank: int, port: int, strategy: str, size: dict[str, int], out: str)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meter = MemoryMeter(model, optimizer)
     g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, size["vocab"], (16, 32), generator=g)
+    ids = torch.randint(0, size["vocab_size"], (16, 32), generator=g)
     mask, labels = torch.ones_like(ids), torch.randint(0, 4, (16,), generator=g)
     times = []
     for _ in range(size["steps"]):
@@ -90,7 +83,7 @@ def measure(strategy: str, size: dict[str, int], work: Path) -> dict[str, Any]:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    bench = Bench(ID, GOAL, WHAT, out, smoke)
+    bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
     size = SMOKE if smoke else FULL
     parameters = sum(p.numel() for p in build(size).parameters())
     load = wait_for_quiet(0.0 if smoke else 120.0)
@@ -113,13 +106,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "world_size": WORLD,
             "load_average_at_start": load,
             **results,
-            "method": __doc__.split("\n\n", 1)[1].strip(),
         },
         summary,
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

@@ -81,7 +81,7 @@ def measure(dropout: float, batch: Any, smoke: bool) -> dict[str, Any]:
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     import torch
 
-    bench = Bench(ID, GOAL, WHAT, out, smoke)
+    bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (32, 32), generator=g)
@@ -105,13 +105,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "torch_threads": 1,
             "batch_rows": 32,
             "load_average_at_start": load,
-            "method": __doc__.split("\n\n", 1)[1].strip(),
         },
         summary,
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

@@ -138,7 +138,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     return bench.result("int8_size_ratio_and_decode_speedup", size_ratio, met, details, summary)
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

@@ -12,13 +12,12 @@ p50 within 2x of its p50 alone (the load generator shares the 2 cores).
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.b5_serve import request_body
-from bench.b8_memory import pss_bytes
+from bench.b8_memory import PeakMemory
 from bench.common import Bench, bench_config, bench_main, ensure_artifact, free_port, private_ray
 from bench.load import LoadGenerator, summarize, wait_ready
 
@@ -57,30 +56,6 @@ def replica_pids() -> dict[str, int]:
         elif title.startswith("ray::ServeReplica:models-digits:"):
             found["model"] = int(entry.name)
     return found
-
-
-class PeakPss:
-    """Each named process's PSS (MiB) at the start and its largest, sampled every 50 ms."""
-
-    def __init__(self, pids: dict[str, int]):
-        self.pids = pids
-        self.first = {name: pss_bytes(pid) / MIB for name, pid in pids.items()}
-        self.peak = dict(self.first)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            for name, pid in self.pids.items():
-                self.peak[name] = max(self.peak[name], pss_bytes(pid) / MIB)
-
-    def __enter__(self) -> PeakPss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def good_client(url: str, body: bytes, seconds: float) -> dict[str, Any]:
@@ -138,17 +113,20 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             wait_ready(base, 120)
             alone = good_client(f"{base}/v2/models/digits/infer", good, seconds / 2)
             result = flood(base, good, seconds, connections=1)  # one bad client a kind
-            with PeakPss(replica_pids()) as memory:
+            pids = {pid: name for name, pid in replica_pids().items()}
+            with PeakMemory(interval=0.05, processes=lambda: pids) as memory:
                 flooded = flood(base, good, seconds, connections=16)
         finally:
             serve.shutdown()
     ratio = result["good_client"]["p50_ms"] / alone["p50_ms"]
+    idle = {name: size / MIB for name, size in memory.first_by_kind.items()}
+    peak = {name: size / MIB for name, size in memory.max_by_kind.items()}
     details = {
         "good_client_alone": alone,
         **result,
         "good_p50_ratio_flood_vs_alone": ratio,
         "flood_16_connections_a_kind": flooded,
-        "pss_mib_under_flood": {"at_rest": memory.first, "peak": memory.peak},
+        "pss_mib_under_flood": {"at_rest": idle, "peak": peak},
         "flood_seconds": seconds,
         "ray": ray_info,
         "method": (
@@ -159,7 +137,6 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         ),
     }
     met = bool(result["bad_p50_ms"] < 50 and ratio <= 2.0)
-    peak, idle = memory.peak, memory.first
     summary = (
         f"bad bodies refused p50 {result['bad_p50_ms']:.1f} ms p99 {result['bad_p99_ms']:.1f} ms "
         f"({result['bad_requests']} requests); good p50 {alone['p50_ms']:.2f} ms alone vs "
@@ -172,7 +149,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     return bench.result("bad_body_refusal_p50_ms", result["bad_p50_ms"], met, details, summary)
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

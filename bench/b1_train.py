@@ -228,7 +228,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

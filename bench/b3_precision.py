@@ -148,7 +148,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     return bench.result("bf16_vs_fp32_train_steps_per_s", headline, met, details, summary)
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

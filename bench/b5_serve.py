@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from bench.common import (
     median,
     quiet_window,
     ratio,
+    server_command,
 )
 from bench.load import wait_ready, wrk_run
 
@@ -105,27 +105,26 @@ def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 def start_plain(
     artifact: str, cfg: dict[str, Any], port: int, log: Path, one_call: bool = False
 ) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.plain_server",
-        "--artifact",
-        artifact,
-        "--port",
-        str(port),
-        "--serve-json",
-        json.dumps(cfg),
-        *(["--one-call"] if one_call else []),
-    ]
+    extra = ["--one-call"] if one_call else []
+    cmd = server_command("bench.plain_server", artifact, port, cfg, *extra)
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
 
 
 def start_ht_child(
-    artifact: str, cfg: dict[str, Any], port: int, scratch: str, log: Path, name: str = "digits"
+    artifact: str,
+    cfg: dict[str, Any],
+    port: int,
+    scratch: str,
+    log: Path,
+    name: str = "digits",
+    root: Path = REPO,
 ) -> subprocess.Popen:
+    """bench.serve_child from the source tree `root` (first on the PYTHONPATH of the child, its
+    Ray and its replicas)."""
     env = {k: v for k, v in os.environ.items() if k not in ("BENCH_RAY_ADDRESS", "RAY_ADDRESS")}
     env.update(HT_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     # HAProxy's files go to a folder of our own, not the shared /tmp/haproxy-serve default.
     env.update(
         {
@@ -140,28 +139,11 @@ def start_ht_child(
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         }
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.serve_child",
-        "--artifact",
-        artifact,
-        "--port",
-        str(port),
-        "--serve-json",
-        json.dumps(cfg),
-        "--name",
-        name,
-    ]
+    cmd = server_command("bench.serve_child", artifact, port, cfg, "--name", name)
     with open(log, "wb") as err:
+        pipe = subprocess.PIPE  # READY comes on stdout; closing stdin stops the child
         return subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
+            cmd, cwd=root, env=env, stdin=pipe, stdout=pipe, stderr=err, text=True
         )
 
 
@@ -317,7 +299,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

@@ -63,7 +63,8 @@ SERVED = {
     "text_transformer_256": ("text", TEXT256, "text256"),
 }
 BATCH = 16
-TEXT = {"dim": 256, "layers": 4, "heads": 4, "ff_dim": 512, "max_length": 128, "vocab": 1000}
+# TransformerClassifier's sizes for the text model.
+TEXT = {"dim": 256, "layers": 4, "heads": 4, "ff_dim": 512, "max_length": 128, "vocab_size": 1000}
 
 
 def models() -> dict[str, tuple[Any, dict[str, Any]]]:
@@ -72,16 +73,7 @@ def models() -> dict[str, tuple[Any, dict[str, Any]]]:
     from app.models.mlp import MLP
     from app.models.transformer import TransformerClassifier
 
-    text = TransformerClassifier(
-        vocab_size=TEXT["vocab"],
-        num_classes=4,
-        dim=TEXT["dim"],
-        layers=TEXT["layers"],
-        heads=TEXT["heads"],
-        ff_dim=TEXT["ff_dim"],
-        max_length=TEXT["max_length"],
-        dropout=0.0,
-    )
+    text = TransformerClassifier(num_classes=4, dropout=0.0, **TEXT)
     return {
         "digits_cnn": (ResNetCNN(1, 10, widths=[32, 64]), {"x": {0: "batch"}}),
         "tabular_mlp": (MLP(30, 2, hidden=[256, 128]), {"x": {0: "batch"}}),
@@ -142,7 +134,7 @@ def requests_for(name: str, n: int, rng: np.random.Generator) -> list[dict[str, 
     out = []
     for length in rng.integers(20, 121, n):
         ids = np.zeros((1, TEXT["max_length"]), np.int64)
-        ids[0, :length] = rng.integers(1, TEXT["vocab"], length)
+        ids[0, :length] = rng.integers(1, TEXT["vocab_size"], length)
         out.append({"input_ids": ids, "attention_mask": (ids > 0).astype(np.int64)})
     return out
 
@@ -275,7 +267,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

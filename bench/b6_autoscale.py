@@ -190,7 +190,5 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     return bench.result("seconds_to_second_replica_serving", scale_s, met, details, summary)
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

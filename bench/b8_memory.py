@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,16 @@ def pss_bytes(pid: int) -> int:
 
 
 class PeakMemory:
-    """Samples the PSS of this process tree in a background thread; `peak` in bytes,
-    `peak_by_kind`: where that peak sat, summed per process role (what to fix when it grows),
-    and each role's own first and largest sample (`first_by_kind`, `max_by_kind`)."""
+    """Samples the PSS of processes (this process tree, or those `processes` names: pid ->
+    role) in a background thread; `peak` in bytes, `peak_by_kind`: where that peak sat, summed
+    per role (what to fix when it grows), and each role's own first and largest sample
+    (`first_by_kind`, `max_by_kind`)."""
 
-    def __init__(self, interval: float = 0.2):
+    def __init__(
+        self, interval: float = 0.2, processes: Callable[[], dict[int, str]] | None = None
+    ):
         self.interval, self.peak, self.samples = interval, 0, 0
+        self.processes = processes or (lambda: process_tree(os.getpid()))
         self.peak_by_kind: dict[str, int] = {}
         self.first_by_kind: dict[str, int] = {}
         self.max_by_kind: dict[str, int] = {}
@@ -60,7 +65,7 @@ class PeakMemory:
     def _run(self) -> None:
         while not self._stop.is_set():
             by_kind: dict[str, int] = {}
-            for pid, kind in process_tree(os.getpid()).items():
+            for pid, kind in self.processes().items():
                 by_kind[kind] = by_kind.get(kind, 0) + pss_bytes(pid)
             total = sum(by_kind.values())
             for kind, size in by_kind.items():
@@ -159,7 +164,7 @@ def prepare_elsewhere(config) -> None:
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    bench = Bench(ID, GOAL, WHAT, out, smoke)
+    bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
     base = 1000 if smoke else 40000
     sizes = {}
     for scale in (1, 10):
@@ -181,12 +186,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "peak_memory_ratio_10x_vs_1x",
         growth,
         bool(growth <= 1.2),
-        {"sizes": sizes, "method": __doc__.split("\n\n", 1)[1].strip()},
+        {"sizes": sizes},
         summary,
     )
 
 
-main = bench_main(run, __doc__)
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, __doc__)()

@@ -257,12 +257,15 @@ class Bench:
     what: str
     out: str
     smoke: bool
+    doc: str | None = None  # the module's docstring: its second paragraph on is the method
     started: float = field(default_factory=time.perf_counter)
 
     def result(
         self, metric: str, value: float | None, met: bool | None, details: dict, summary: str
     ) -> dict[str, Any]:
         """Write `<out>/<id>.json` (smoke or full, with the run's elapsed time) and return it."""
+        if self.doc and "\n\n" in self.doc:
+            details = {**details, "method": self.doc.split("\n\n", 1)[1].strip()}
         return write_result(
             self.id,
             metric,
@@ -285,6 +288,21 @@ def print_result(record: dict[str, Any]) -> None:
 
 
 # --- command line ------------------------------------------------------------------------------
+
+
+def server_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark's server child takes (bench.plain_server, bench.serve_child)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--serve-json", default="{}")
+    return p
+
+
+def server_command(module: str, artifact: str, port: int, cfg: dict, *extra: str) -> list[str]:
+    """The command line that starts `module` (a server child) on `artifact` at `port`."""
+    args = ["--artifact", artifact, "--port", str(port), "--serve-json", json.dumps(cfg)]
+    return [sys.executable, "-m", module, *args, *extra]
 
 
 def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:

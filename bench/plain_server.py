@@ -16,9 +16,10 @@ validation and answer.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
+
+from bench.common import server_parser
 
 
 def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = False):
@@ -48,10 +49,7 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
 def main(argv=None) -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--artifact", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--serve-json", default="{}")
+    p = server_parser(__doc__)
     p.add_argument("--one-call", action="store_true", help="no batching: one call per request")
     args = p.parse_args(argv)
     api = build(args.artifact, json.loads(args.serve_json), args.one_call)

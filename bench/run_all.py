@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import (
@@ -32,64 +33,24 @@ from bench.common import (
     write_result,
 )
 
-# id -> (module, what, needs Ray, timeout full s, timeout smoke s)
-BENCHMARKS = {
-    # B1 also writes B9 (start-up), measured on the same runs.
-    "B1": (
-        "bench.b1_train",
-        "training: jobs.train on Ray vs plain DDP (cached and streamed); B9 start-up",
-        True,
-        1800,
-        240,
-    ),
-    "B2": (
-        "bench.b2_ingest",
-        "ingest: Ray Data and the worker cache vs DataLoader",
-        True,
-        600,
-        150,
-    ),
-    "B3": ("bench.b3_precision", "precision: bf16 vs fp32 on CPU", False, 240, 120),
-    "B4": ("bench.b4_quant", "quantization: ONNX int8 vs fp32 vs torch eager", False, 300, 150),
-    "B5a": (
-        "bench.b5_serve",
-        "serving overhead: Ray Serve vs plain uvicorn (wrk)",
-        False,
-        600,
-        300,
-    ),
-    "B5b": (
-        "bench.b5b_batching",
-        "batching: ceiling per model, Serve batched vs plain one call per request (wrk)",
-        False,
-        1500,
-        900,
-    ),
-    "B5c": ("bench.b5c_litserve", "serving: Ray Serve vs LitServe (wrk)", False, 900, 400),
-    "B6": ("bench.b6_autoscale", "autoscaling: time to a second replica", True, 240, 150),
-    # B8 starts a private Ray per data size (its memory is measured from this process tree).
-    "B8": ("bench.b8_memory", "streaming memory: peak at 10x the data", False, 900, 180),
-    # B11 spawns its own 2 gloo ranks (plain torch.distributed, no Ray).
-    "B11": ("bench.b11_fsdp_memory", "sharded training memory: FSDP vs DDP", False, 300, 120),
-    "B12": ("bench.b12_compile", "torch.compile vs eager training steps on CPU", False, 600, 240),
-    "B13": (
-        "bench.b13_gpt2_train",
-        "fine-tuning GPT-2 small: jobs.train on Ray vs plain DDP",
-        True,
-        2400,
-        300,
-    ),
-    "B14": ("bench.b14_gpt2_int8", "GPT-2 small int8 vs fp32 ONNX", True, 2400, 300),
-    "B16": ("bench.b16_flood", "a flood of 4 MiB bad bodies vs replica memory", True, 600, 240),
-    # B10 starts its own private Ray (Serve and Ray Data in one cluster, one after the other).
-    "B10": (
-        "bench.b10_predict",
-        "batch inference: jobs.predict vs the online endpoint",
-        False,
-        900,
-        300,
-    ),
-}
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str
+    what: str
+    needs_ray: bool
+    timeout_s: int
+    smoke_timeout_s: int
+
+
+def load_benchmarks() -> dict[str, Benchmark]:
+    import yaml
+
+    table = yaml.safe_load(Path(__file__).with_name("benchmarks.yaml").read_text())
+    return {bid: Benchmark(**entry) for bid, entry in table.items()}
+
+
+BENCHMARKS = load_benchmarks()
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -137,17 +98,17 @@ def last_line(log: Path, prefix: str) -> str | None:
 def run_one(
     bid: str, args: argparse.Namespace, work: Path, env: dict[str, str]
 ) -> tuple[bool, float]:
-    module, what, _, timeout_full, timeout_smoke = BENCHMARKS[bid]
-    timeout = timeout_smoke if args.smoke else timeout_full
+    bench = BENCHMARKS[bid]
+    timeout = bench.smoke_timeout_s if args.smoke else bench.timeout_s
     log = work / "logs" / f"{bid}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", module, "--out", args.out, "--work", str(work)] + (
+    cmd = [sys.executable, "-m", bench.module, "--out", args.out, "--work", str(work)] + (
         ["--smoke"] if args.smoke else []
     )
     result_file = Path(args.out) / f"{bid}.json"
     before = result_file.stat().st_mtime if result_file.exists() else None
     start = time.perf_counter()
-    print(f"== {bid} {what} ...", flush=True)
+    print(f"== {bid} {bench.what} ...", flush=True)
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
@@ -172,7 +133,7 @@ def run_one(
             False,
             {"error": error, "log_tail": tail},
             args.out,
-            what=what,
+            what=bench.what,
             summary=f"FAILED: {error}",
             mode="smoke" if args.smoke else "full",
             elapsed_s=elapsed,
@@ -204,7 +165,7 @@ def main(argv=None) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ok_all, times = True, {}
     with workspace(args.work) as work:
-        shared_ray = any(BENCHMARKS[i][2] for i in args.ids)
+        shared_ray = any(BENCHMARKS[i].needs_ray for i in args.ids)
         if shared_ray:
             address, init_s = start_shared_ray()
             env.update({RAY_ADDRESS_ENV: address, RAY_INIT_S_ENV: f"{init_s:.3f}"})

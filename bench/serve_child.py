@@ -10,18 +10,16 @@ process that starts Ray: B5 starts this module with those variables set. It prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
+from bench.common import server_parser
+
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--artifact", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--serve-json", default="{}")
+    p = server_parser(__doc__)
     p.add_argument("--name", default="digits", help="the model's name (the artifact's)")
     args = p.parse_args(argv)
 

@@ -5,10 +5,8 @@ from app.data.prepare import prepare
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("prepare", "Turn a data source into Parquet shards plus a manifest.").parse_args(
-        argv
-    )
-    run_job(args, prepare)
+    p = parser("prepare", "Turn a data source into Parquet shards plus a manifest.")
+    run_job(p.parse_args(argv), prepare)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ from app.train.tune import tune
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("tune", "Search hyperparameters; each trial is a full training run.").parse_args(
-        argv
-    )
-    run_job(args, tune)
+    p = parser("tune", "Search hyperparameters; each trial is a full training run.")
+    run_job(p.parse_args(argv), tune)
 
 
 if __name__ == "__main__":

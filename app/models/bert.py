@@ -18,6 +18,7 @@ from app.models.encoder import (
     Attention,
     check_activation,
     encoder_sizes,
+    layer_rules,
     masked_mean,
     new_head,
     padding_bias,
@@ -116,12 +117,7 @@ RULES = [
     (r"embeddings\.position_embeddings\.(.*)", r"embeddings.positions.\1"),
     (r"embeddings\.token_type_embeddings\.(.*)", r"embeddings.token_types.\1"),
     (r"embeddings\.LayerNorm\.(.*)", r"embeddings.norm.\1"),
-    (r"encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)\.(.*)", r"blocks.\1.attn.\2.\3"),
-    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.(.*)", r"blocks.\1.attn.out.\2"),
-    (r"encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.(.*)", r"blocks.\1.norm1.\2"),
-    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.(.*)", r"blocks.\1.ff_in.\2"),
-    (r"encoder\.layer\.(\d+)\.output\.dense\.(.*)", r"blocks.\1.ff_out.\2"),
-    (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.(.*)", r"blocks.\1.norm2.\2"),
+    *layer_rules("attention.self", "attention.output.LayerNorm", "output.LayerNorm"),
     (r"pooler\.dense\.(.*)", r"pooler.\1"),
 ]
 # The pretraining heads (masked LM, next sentence), an old classifier, and buffers.

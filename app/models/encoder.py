@@ -60,6 +60,33 @@ def new_head(dim: int, classes: int, std: float) -> nn.Linear:
     return head
 
 
+def block_rules(blocks: str, names: dict[str, str]) -> list[tuple[str, str]]:
+    """Rename rules for a stack of blocks: `<blocks>.N.<name>.*` -> `blocks.N.<ours>.*` for
+    each (name, ours) of `names` (dotted names, not patterns)."""
+    stack = re.escape(blocks) + r"\.(\d+)\."
+    return [
+        (stack + re.escape(name) + r"\.(.*)", rf"blocks.\1.{ours}.\2")
+        for name, ours in names.items()
+    ]
+
+
+def layer_rules(attention: str, norm1: str, norm2: str) -> list[tuple[str, str]]:
+    """Hugging Face's encoder layers (`encoder.layer.N.*`, shared by BERT and ViT) ->
+    `blocks.N.*`; the families differ in the attention's path and the names of the two norms."""
+    projections = {f"{attention}.{p}": f"attn.{p}" for p in ("query", "key", "value")}
+    return block_rules(
+        "encoder.layer",
+        {
+            **projections,
+            "attention.output.dense": "attn.out",
+            norm1: "norm1",
+            "intermediate.dense": "ff_in",
+            "output.dense": "ff_out",
+            norm2: "norm2",
+        },
+    )
+
+
 def renamed(
     state: dict[str, torch.Tensor],
     prefixes: Iterable[str],

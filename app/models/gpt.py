@@ -171,17 +171,15 @@ def from_gpt2(arch: dict[str, Any], pre: Any, cfg: Any) -> GPT:
     )
 
 
-GPT2_RULES = [
-    (r"wte\.weight", "tokens.weight"),
-    (r"wpe\.weight", "positions.weight"),
-    (r"h\.(\d+)\.ln_1\.(.*)", r"blocks.\1.norm1.\2"),
-    (r"h\.(\d+)\.attn\.c_attn\.(.*)", r"blocks.\1.attn.qkv.\2"),
-    (r"h\.(\d+)\.attn\.c_proj\.(.*)", r"blocks.\1.attn.proj.\2"),
-    (r"h\.(\d+)\.ln_2\.(.*)", r"blocks.\1.norm2.\2"),
-    (r"h\.(\d+)\.mlp\.c_fc\.(.*)", r"blocks.\1.mlp.0.\2"),
-    (r"h\.(\d+)\.mlp\.c_proj\.(.*)", r"blocks.\1.mlp.2.\2"),
-    (r"ln_f\.(.*)", r"norm.\1"),
-]
+# GPT-2's block names -> the project's (app/models/gpt.py:Block).
+GPT2_BLOCK = {
+    "ln_1": "norm1",
+    "attn.c_attn": "attn.qkv",
+    "attn.c_proj": "attn.proj",
+    "ln_2": "norm2",
+    "mlp.c_fc": "mlp.0",
+    "mlp.c_proj": "mlp.2",
+}
 # The output head is tied to wte; the attention mask buffers of older checkpoints.
 GPT2_IGNORE = r"lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias)"
 # GPT-2's Conv1D stores [in, out]: transposed into nn.Linear's [out, in].
@@ -191,7 +189,7 @@ CONV1D = r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight"
 def rename_gpt2(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     import re
 
-    from app.models.encoder import renamed
+    from app.models.encoder import block_rules, renamed
 
     state = {
         name: tensor.t().contiguous()
@@ -199,4 +197,10 @@ def rename_gpt2(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else tensor
         for name, tensor in state.items()
     }
-    return renamed(state, ("transformer.",), GPT2_RULES, GPT2_IGNORE)
+    rules = [
+        (r"wte\.weight", "tokens.weight"),
+        (r"wpe\.weight", "positions.weight"),
+        *block_rules("h", GPT2_BLOCK),
+        (r"ln_f\.(.*)", r"norm.\1"),
+    ]
+    return renamed(state, ("transformer.",), rules, GPT2_IGNORE)

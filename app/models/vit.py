@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.encoder import Attention, encoder_sizes, new_head, renamed
+from app.models.encoder import Attention, encoder_sizes, layer_rules, new_head, renamed
 
 
 class ViTLayer(nn.Module):
@@ -90,15 +90,7 @@ RULES = [
     (r"embeddings\.cls_token", "cls_token"),
     (r"embeddings\.position_embeddings", "positions"),
     (r"embeddings\.patch_embeddings\.projection\.(.*)", r"patch.\1"),
-    (r"encoder\.layer\.(\d+)\.layernorm_before\.(.*)", r"blocks.\1.norm1.\2"),
-    (
-        r"encoder\.layer\.(\d+)\.attention\.attention\.(query|key|value)\.(.*)",
-        r"blocks.\1.attn.\2.\3",
-    ),
-    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.(.*)", r"blocks.\1.attn.out.\2"),
-    (r"encoder\.layer\.(\d+)\.layernorm_after\.(.*)", r"blocks.\1.norm2.\2"),
-    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.(.*)", r"blocks.\1.ff_in.\2"),
-    (r"encoder\.layer\.(\d+)\.output\.dense\.(.*)", r"blocks.\1.ff_out.\2"),
+    *layer_rules("attention.attention", "layernorm_before", "layernorm_after"),
     (r"layernorm\.(.*)", r"norm.\1"),
     (r"pooler\.dense\.(.*)", r"pooler.\1"),
 ]

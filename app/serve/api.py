@@ -22,7 +22,7 @@ from app import __version__
 from app.config import ServeConfig
 from app.serve.clients import Models
 from app.serve.metric_buffer import process_buffer
-from app.serve.middleware import Admit, FullPath, Observe, api_key, error
+from app.serve.middleware import Admit, FullPath, Observe, api_key, error, request_id
 from app.serve.routes import generation, v1, v2
 from app.serve.types import RequestError
 
@@ -40,8 +40,12 @@ def create_api(
     `under_serve`: the app runs in a Serve replica, whose own middleware echoes the request id."""
     api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
     api.state.models, api.state.config = models, cfg
-    for router in (v2.router, v1.router, generation.router):
-        api.include_router(router)
+    # Each route on the app itself (FastAPI matches an included router through a wrapper of its
+    # own on every request), the POST routes first: a request is matched against each route in
+    # turn, and inference is nearly all of the traffic (no two routes overlap).
+    routes = [route for r in (v2.router, v1.router, generation.router) for route in r.routes]
+    for route in sorted(routes, key=lambda route: "POST" not in route.methods):
+        api.add_api_route(route.path, route.endpoint, methods=route.methods, name=route.name)
     api.add_api_route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     api.add_exception_handler(RequestError, request_error)
     api.add_exception_handler(StarletteHTTPException, http_error)
@@ -60,8 +64,7 @@ async def not_found(path: str):
 
 async def request_error(request: Request, exc: Exception):
     assert isinstance(exc, RequestError)
-    request_id = getattr(request.state, "request_id", "-")
-    log.info("request %s: %d %s", request_id, exc.status, exc.message)
+    log.info("request %s: %d %s", request_id(request.scope), exc.status, exc.message)
     return error(exc.status, exc.message, exc.retry_after_s, request.url.path)
 
 

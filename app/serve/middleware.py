@@ -125,6 +125,13 @@ class Admit:
         return None
 
 
+def request_id(scope: Any) -> str:
+    """The request's id for log lines: the one Observe echoes, else the client's or Serve's
+    `x-request-id`, else "-"."""
+    state = scope.get("state") or {}
+    return state.get("request_id") or Headers(scope=scope).get("x-request-id") or "-"
+
+
 class Observe:
     """Request id (`x-request-id`, echoed unless Serve's own middleware does), request metrics,
     and a JSON 500 for a crash before the answer began."""
@@ -142,9 +149,8 @@ class Observe:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        tag = [(b"x-request-id", request_id.encode("latin-1"))] if self.echo_request_id else []
+        # An id of our own only where we echo it (under Serve, Serve's middleware does).
+        tag = self._request_id_header(scope) if self.echo_request_id else []
         answer: dict[str, Any] = {}  # status and latency, once the answer starts
 
         async def send_tagged(message: MutableMapping[str, Any]) -> None:
@@ -159,10 +165,16 @@ class Observe:
         except Exception:
             if answer:  # the answer has begun: nothing else can be sent (the server logs it)
                 raise
-            log.exception("request %s failed", request_id)
+            log.exception("request %s failed", request_id(scope))
             await error(500, "internal error; see the replica log")(scope, receive, send_tagged)
         finally:
             # A request cancelled before it was answered (the client went away) is not counted:
             # it has no status of ours, and Serve counts it (499) itself.
             if self.observe is not None and answer:
                 self.observe(scope, answer["status"], answer["ms"])
+
+    @staticmethod
+    def _request_id_header(scope: Any) -> list[tuple[bytes, bytes]]:
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        return [(b"x-request-id", rid.encode("latin-1"))]

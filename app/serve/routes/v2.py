@@ -70,8 +70,18 @@ async def model_ready(name: str, request: Request, version: str | None = None):
 
 
 @router.post("/v2/models/{name}/infer")
+async def infer_live(name: str, request: Request):
+    return await infer(name, request)
+
+
 @router.post("/v2/models/{name}/versions/{version}/infer")
-async def infer(name: str, request: Request, version: str | None = None):
+async def infer_version(name: str, version: str, request: Request):
+    return await infer(name, request, version)
+
+
+async def infer(name: str, request: Request, version: str | None = None) -> Response:
+    """Both infer routes (a separate route each: with an optional `version` parameter, FastAPI
+    would read it from the query string of every unversioned request)."""
     m = models(request)
     info = await m.info(name, INFO_FRESH_S)  # its schema bounds what is parsed
     if version is not None and version != info.version:  # a 404 before any model runs
