@@ -30,7 +30,9 @@ class LoadGenerator:
         max_requests: int = 100_000,
         headers: dict[str, str] | None = None,
         timeout_s: float = 30.0,
+        interval_s: float = 0.0,
     ):
+        """`interval_s`: each connection starts a request at most that often (0: closed loop)."""
         host = urlparse(url).hostname
         if host not in LOOPBACK:
             raise ValueError(f"load is only ever sent to loopback, not {host!r}")
@@ -41,7 +43,7 @@ class LoadGenerator:
             max_requests,
         )
         self.headers = {"Content-Type": "application/json", **(headers or {})}
-        self.timeout_s = timeout_s
+        self.timeout_s, self.interval_s = timeout_s, interval_s
         # (start, end, status, replica) per request; list.append is atomic under the GIL.
         self.records: list[tuple[float, float, int, str | None]] = []
         self._sent = 0
@@ -70,6 +72,7 @@ class LoadGenerator:
             except requests.RequestException:
                 status, replica = -1, None
             self.records.append((start, time.perf_counter(), status, replica))
+            self._stop.wait(max(0.0, start + self.interval_s - time.perf_counter()))
         session.close()
 
     def start(self) -> LoadGenerator:
