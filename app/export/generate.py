@@ -15,6 +15,7 @@ back until it cannot.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,9 @@ class PromptError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. `temperature` 0 is greedy (argmax); `top_k` 0 and `top_p` 1
-    are off; `seed` makes sampling reproducible (None: fresh entropy per generation)."""
+    are off; `seed` makes sampling reproducible (None: fresh entropy per generation);
+    `presence_penalty` and `frequency_penalty` lower the logit of each token already generated,
+    once and once per time (OpenAI's definition), greedy decoding included."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -52,6 +55,18 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def penalized(self, logits: np.ndarray, counts: dict[int, int]) -> np.ndarray:
+        """`logits` less the penalties for the tokens generated so far (`counts`: id -> times)."""
+        if not counts or (self.presence_penalty == 0 and self.frequency_penalty == 0):
+            return logits
+        ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
+        times = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        out = logits.astype(np.float64)
+        out[ids] -= self.presence_penalty + self.frequency_penalty * times
+        return out
 
 
 # --- the model step ------------------------------------------------------------------------------
@@ -284,13 +299,14 @@ class Generator:
         # Tokens the position table still has room for after the prompt.
         budget = min(params.max_tokens, self.block_size - len(prompt))
         logits, cache = self.decoder.step(np.asarray([prompt]), self.decoder.empty_cache())
-        reason = "length"
+        reason, counts = "length", collections.Counter[int]()
         while out.completion_tokens < budget:
-            token = sample(logits[0, -1], params, rng)
+            token = sample(params.penalized(logits[0, -1], counts), params, rng)
             if token == self.eos_id:
                 reason = "stop"
                 break
             out.completion_tokens += 1
+            counts[token] += 1
             piece = stops.feed(text.add(token))
             if piece:
                 yield piece

@@ -2,10 +2,11 @@
 (a `RequestError` naming the field), and the response and Server-Sent-Event encodings.
 
 - `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
-  `temperature`, `top_k`, `top_p`, `stop`, `seed`, `stream`, `stream_options.include_usage`
-  (other OpenAI fields are refused by name rather than silently ignored).
-- `POST /v1/chat/completions`: the same subset with `messages` (rendered by `chat_prompt`) and
-  `max_completion_tokens`.
+  `temperature`, `top_k`, `top_p`, `stop`, `seed`, the penalties, `n`, `echo`, `stream`,
+  `stream_options.include_usage` (other OpenAI fields are refused by name rather than silently
+  ignored).
+- `POST /v1/chat/completions`: the same subset, `echo` aside, with `messages` (rendered by
+  `chat_prompt`) and `max_completion_tokens`.
 - `POST /v2/models/{name}/generate` and `/generate_stream`: Triton's generate extension,
   `{"text_input": ..., "parameters": {max_tokens, temperature, ...}}` -> `text_output`.
 """
@@ -15,14 +16,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import ServeConfig
 from app.serve.protocol import json_type, parse_json
 from app.serve.types import Finished, GenerationRequest, bad
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed")
+PENALTIES = ("presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed", *PENALTIES)
 MAX_STOP_STRINGS = 4  # as OpenAI
 MIN_TEMPERATURE = 1e-6
 DONE = b"data: [DONE]\n\n"
@@ -72,6 +74,12 @@ def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, A
             raise bad(f"{prefix}seed: {out['seed']} is negative")
     if get["stop"] is not None:
         out["stop"] = stop_strings(get["stop"], f"{prefix}stop")
+    for name in PENALTIES:
+        if get[name] is not None:
+            value = float(_number(get[name], f"{prefix}{name}", integer=False))
+            if not -2 <= value <= 2:
+                raise bad(f"{prefix}{name}: {value:g} is outside -2..2")
+            out[name] = value
     return out
 
 
@@ -104,18 +112,32 @@ class Completion:
     stream: bool
     request: GenerationRequest
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    n: int = 1  # completions of the prompt, each a generation (and a stream slot) of its own
+    echo: bool = False  # the answer's text starts with the prompt
+
+    def requests(self) -> list[GenerationRequest]:
+        """One generation request per completion; with a seed, completion i samples with
+        seed + i (reproducible, and not n copies of one answer)."""
+        seed = self.request.params.get("seed")
+        return [
+            self.request
+            if i == 0 or seed is None
+            else replace(self.request, params={**self.request.params, "seed": seed + i})
+            for i in range(self.n)
+        ]
 
 
-# `user`, `n` at 1 and `logprobs` null change nothing; anything else would be ignored.
+# `user` and `logprobs` null change nothing; anything else would be ignored.
 OPENAI_FIELDS = ("model", "stream", "stream_options", "user", "n", "logprobs", *SAMPLING_FIELDS)
 
 
 def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
     """The body of `POST /v1/completions`."""
     request = _object(body)
-    _unknown(request, ("prompt", *OPENAI_FIELDS))
+    _unknown(request, ("prompt", "echo", *OPENAI_FIELDS))
     prompt = prompt_text(request.get("prompt"), "prompt")
-    return _completion(request, prompt, sampling(request, "", cfg))
+    completion = _completion(request, prompt, cfg)
+    return replace(completion, echo=flag(request.get("echo"), "echo"))
 
 
 def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
@@ -126,21 +148,23 @@ def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
         if request.get("max_tokens") is not None:
             raise bad("max_completion_tokens: give it or max_tokens, not both")
         request = {**request, "max_tokens": request["max_completion_tokens"]}
-    return _completion(request, chat_prompt(request.get("messages")), sampling(request, "", cfg))
+    return _completion(request, chat_prompt(request.get("messages")), cfg)
 
 
-def _completion(request: dict[str, Any], prompt: str, params: dict[str, Any]) -> Completion:
+def _completion(request: dict[str, Any], prompt: str, cfg: ServeConfig) -> Completion:
     model = request.get("model")
     if not isinstance(model, str) or not model:
         raise bad(f"model: expected a model name (string), got {json_type(model)}")
-    if request.get("n") not in (None, 1):
-        raise bad("n: only 1 completion per request is supported")
+    n = 1 if request.get("n") is None else _number(request["n"], "n", integer=True)
+    if not 1 <= n <= cfg.generation.max_streams:
+        raise bad(
+            f"n: {n} is outside 1..{cfg.generation.max_streams} (serve.generation.max_streams)"
+        )
     if request.get("logprobs") not in (None, False):
         raise bad("logprobs: not supported")
     stream = flag(request.get("stream"), "stream")
-    return Completion(
-        model, stream, GenerationRequest(prompt, params), stream_usage(request, stream)
-    )
+    generation = GenerationRequest(prompt, sampling(request, "", cfg))
+    return Completion(model, stream, generation, stream_usage(request, stream), n=int(n))
 
 
 def stream_usage(request: dict[str, Any], stream: bool) -> bool:
@@ -219,9 +243,10 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 class CompletionEncoder:
-    """OpenAI `text_completion` objects for one request: streamed chunks or the whole answer."""
+    """OpenAI `text_completion` objects for one request: streamed chunks or the whole answer,
+    a choice per completion (`index`)."""
 
-    prefix, kind = "cmpl", "text_completion"
+    prefix, kind, whole_kind = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, model: str, include_usage: bool = False):
         self.model, self.include_usage = model, include_usage
@@ -237,28 +262,31 @@ class CompletionEncoder:
             "choices": choices,
         }
 
-    def _choice(self, text: str, finish_reason: str | None, whole: bool) -> dict[str, Any]:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, whole: bool
+    ) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._object([self._choice(text, None, whole=False)])
+    def chunk(self, index: int, text: str) -> dict[str, Any]:
+        return self._object([self._choice(index, text, None, whole=False)])
 
-    def last_chunks(self, end: Finished) -> list[dict[str, Any]]:
-        """The chunk with the finish reason, then with stream_options.include_usage OpenAI's
-        usage chunk (no choices, the request's usage); without it the finish chunk carries the
-        usage itself, as this API always has."""
-        last = self._object([self._choice("", end.finish_reason, whole=False)])
-        if not self.include_usage:
-            return [{**last, "usage": end.usage()}]
-        return [last, {**self._object([]), "usage": end.usage()}]
+    def finish_chunk(self, index: int, end: Finished) -> dict[str, Any]:
+        """The chunk with a choice's finish reason; without stream_options.include_usage it
+        carries that completion's usage, as this API always has."""
+        last = self._object([self._choice(index, "", end.finish_reason, whole=False)])
+        return last if self.include_usage else {**last, "usage": end.usage()}
 
-    def whole(self, text: str, end: Finished) -> dict[str, Any]:
-        return {
-            **self._object([self._choice(text, end.finish_reason, whole=True)], self.whole_kind),
-            "usage": end.usage(),
-        }
+    def usage_chunk(self, ends: list[Finished]) -> dict[str, Any] | None:
+        """With stream_options.include_usage, OpenAI's last chunk: no choices, the usage."""
+        return {**self._object([]), "usage": total_usage(ends)} if self.include_usage else None
 
-    whole_kind = "text_completion"
+    def whole(self, answers: list[tuple[str, Finished]]) -> dict[str, Any]:
+        choices = [
+            self._choice(i, text, end.finish_reason, whole=True)
+            for i, (text, end) in enumerate(answers)
+        ]
+        usage = total_usage([end for _, end in answers])
+        return {**self._object(choices, self.whole_kind), "usage": usage}
 
 
 class ChatEncoder(CompletionEncoder):
@@ -266,10 +294,22 @@ class ChatEncoder(CompletionEncoder):
 
     prefix, kind, whole_kind = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def _choice(self, text: str, finish_reason: str | None, whole: bool) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, whole: bool
+    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
         key = "message" if whole else "delta"
-        return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def total_usage(ends: list[Finished]) -> dict[str, int]:
+    """One request's usage: its prompt once (as OpenAI counts it), every completion's tokens."""
+    prompt, completion = ends[0].prompt_tokens, sum(end.completion_tokens for end in ends)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def triton_answer(model: str, version: str, text: str, end: Finished | None) -> dict[str, Any]:

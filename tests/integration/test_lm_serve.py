@@ -184,7 +184,8 @@ def test_streamed_completion_is_sse_and_seeded_sampling_repeats(lm_endpoint):
         ({"stop": [1]}, 400, "stop"),
         ({"prompt": "é" * 600}, 400, "prompt"),  # over serve.generation.max_prompt_tokens
         ({"model": "nope"}, 404, "nope"),
-        ({"frequency_penalty": 1}, 400, "frequency_penalty"),
+        ({"frequency_penalty": 3}, 400, "frequency_penalty"),
+        ({"n": 5}, 400, "n"),
     ],
 )
 def test_bad_fields_get_a_4xx_naming_them(lm_endpoint, fields, status, named):
@@ -358,10 +359,41 @@ def test_openai_client_gets_a_400_naming_a_parameter_that_would_change_the_outpu
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.completions.create(model="tinylm", prompt="def ", presence_penalty=0.5)
-    assert "presence_penalty" in str(info.value)
+        openai_client.completions.create(model="tinylm", prompt="def ", logit_bias={"1": 5})
+    assert "logit_bias" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(
             model="tinylm", messages=[{"role": "user", "content": "hi"}], tools=[]
         )
     assert "tools" in str(info.value)
+
+
+def test_openai_client_n_choices_echo_penalties_and_the_model_list(openai_client):
+    """n completions are n generations (choice i sampled with seed + i), whole and streamed;
+    echo puts the prompt first; penalties change greedy decoding; models.list() reads the
+    OpenAI half of /v1/models."""
+
+    def create(**kw):
+        return openai_client.completions.create(
+            **{"model": "tinylm", "prompt": "def ", "max_tokens": 8, **kw}
+        )
+
+    single = {seed: create(temperature=1.0, seed=seed).choices[0].text for seed in (3, 4)}
+    whole = create(temperature=1.0, seed=3, n=2, echo=True)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.text for c in whole.choices] == ["def " + single[3], "def " + single[4]]
+    usage = whole.usage
+    assert (
+        usage.completion_tokens > 0
+        and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    )
+    streamed, finished = {0: "", 1: ""}, set()
+    for chunk in create(temperature=1.0, seed=3, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            finished |= {choice.index} if choice.finish_reason else set()
+    assert streamed == {0: single[3], 1: single[4]} and finished == {0, 1}
+    greedy = create(temperature=0, max_tokens=48).choices[0].text
+    penalized = create(temperature=0, max_tokens=48, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized.choices[0].text != greedy
+    assert "tinylm" in [model.id for model in openai_client.models.list()]

@@ -239,3 +239,27 @@ def test_a_prompt_too_long_for_the_limit_is_refused_before_it_is_tokenized(expor
     # At the limit's edge the tokenizer decides, as before.
     assert generator.encode("def f(x): return x")
     assert counted.calls == 1
+
+
+def test_penalties_lower_the_logits_of_generated_tokens_once_and_per_time():
+    logits = np.array([1.0, 0.9, 0.2])
+    assert SamplingParams().penalized(logits, {0: 3}) is logits  # none asked: untouched
+    presence = SamplingParams(presence_penalty=0.5).penalized(logits, {0: 3})
+    frequency = SamplingParams(frequency_penalty=0.1).penalized(logits, {0: 3, 2: 1})
+    np.testing.assert_allclose(presence, [0.5, 0.9, 0.2])
+    np.testing.assert_allclose(frequency, [0.7, 0.9, 0.1])
+    np.testing.assert_allclose(
+        SamplingParams(presence_penalty=-1).penalized(logits, {2: 1}), [1, 0.9, 1.2]
+    )
+
+
+def test_a_frequency_penalty_breaks_greedy_repetition(tokenizer):
+    """A model that always predicts one token (logit 10, the rest 0) repeats it to max_tokens;
+    with the penalties at their maximum the token loses its lead after four times."""
+    generator, _, script = scripted(tokenizer, "x" * 64)
+    repeated = list(generator.generate([1], GREEDY))
+    penalized = generator.generate(
+        [1], SamplingParams(max_tokens=64, temperature=0, presence_penalty=2, frequency_penalty=2)
+    )
+    assert "".join(repeated).count("x") > 40
+    assert "".join(penalized).count("x") <= 4

@@ -4,6 +4,7 @@ covered by tests/e2e/test_serve.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -662,3 +663,27 @@ def test_chat_messages_are_rendered_and_refused_by_field(monkeypatch):
         error = r.json()["error"]
         assert error["message"].startswith(f"{field}:"), error
         assert error["type"] == "invalid_request_error"
+
+
+def test_n_echo_and_penalties_are_read_and_bounded():
+    from app.serve.completions import parse_chat, parse_completion
+
+    cfg = ServeConfig()
+    body = {"model": "m", "prompt": "hi", "n": 2, "echo": True, "seed": 7, "presence_penalty": 1}
+    completion = parse_completion(json.dumps(body).encode(), cfg)
+    assert completion.n == 2 and completion.echo
+    assert [r.params["seed"] for r in completion.requests()] == [7, 8]
+    assert completion.request.params["presence_penalty"] == 1.0
+    for bad_fields, named in [
+        ({"n": 0}, "n"),
+        ({"n": cfg.generation.max_streams + 1}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"echo": "yes"}, "echo"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            parse_completion(json.dumps({**body, **bad_fields}).encode(), cfg)
+        assert info.value.message.startswith(named), info.value.message
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "echo": True}
+    with pytest.raises(RequestError, match="echo"):  # a completions field only
+        parse_chat(json.dumps(chat).encode(), cfg)

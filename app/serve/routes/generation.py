@@ -5,6 +5,7 @@ Events; the first event is awaited before the 200, so a refusal is a plain error
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from app.serve.clients import close_events, unavailable_errors
+from app.serve.clients import Models, close_events, unavailable_errors
 from app.serve.completions import (
     DONE,
     ChatEncoder,
@@ -25,7 +26,14 @@ from app.serve.completions import (
     triton_answer,
 )
 from app.serve.routes.common import body, config, models
-from app.serve.types import Finished, GenerationEvent, Piece, RequestError, Started
+from app.serve.types import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    Piece,
+    RequestError,
+    Started,
+)
 
 log = logging.getLogger("ray.serve")
 router = APIRouter()
@@ -47,24 +55,88 @@ async def chat_completions(request: Request):
 async def openai_answer(
     request: Request, completion: Completion, encoding: type[CompletionEncoder]
 ):
-    """One OpenAI completion, whole or as Server-Sent Events ending in `[DONE]`."""
+    """One OpenAI completion request (`n` generations), whole or as Server-Sent Events ending
+    in `[DONE]`."""
     name = completion.model
-    _, events = await models(request).generate(name, completion.request)
+    streams = await start_all(models(request), name, completion.requests())
     encoder = encoding(name, completion.include_usage)
+    echo = completion.request.prompt if completion.echo else ""
     if not completion.stream:
-        text, end = await collect(name, events)
-        return encoder.whole(text, end)
+        answers = await collect_all(name, streams)
+        return encoder.whole([(echo + text, end) for text, end in answers])
 
     async def chunks():
-        async for event in events:
+        ends = []
+        for index in range(len(streams) if echo else 0):
+            yield sse(encoder.chunk(index, echo))
+        async for index, event in merged(streams):
             if isinstance(event, Piece):
-                yield sse(encoder.chunk(event.text))
+                yield sse(encoder.chunk(index, event.text))
             elif isinstance(event, Finished):
-                for chunk in encoder.last_chunks(event):
-                    yield sse(chunk)
+                ends.append(event)
+                yield sse(encoder.finish_chunk(index, event))
+        usage = encoder.usage_chunk(ends) if ends else None
+        if usage is not None:
+            yield sse(usage)
         yield DONE
 
-    return event_stream(events, chunks())
+    return event_stream(streams, chunks())
+
+
+async def start_all(m: Models, name: str, requests: list[GenerationRequest]) -> list[Events]:
+    """Every generation started, each awaited to its first event (a refusal is a plain error
+    answer); on a refusal the ones already started are stopped."""
+    started: list[Events] = []
+    try:
+        for generation in requests:
+            _, events = await m.generate(name, generation)
+            started.append(events)
+    except BaseException:
+        for events in started:
+            await close_events(events)
+        raise
+    return started
+
+
+async def collect_all(name: str, streams: list[Events]) -> list[tuple[str, Finished]]:
+    tasks = [asyncio.ensure_future(collect(name, events)) for events in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed: the others stop too (each closes its own generation)
+        for task in tasks:
+            task.cancel()
+
+
+async def merged(streams: list[Events]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """The events of several generations as they come, each with its generation's index."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, events: Events) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+            await queue.put((index, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @router.post("/v2/models/{name}/generate")
@@ -86,7 +158,7 @@ async def generate(name: str, request: Request):
             elif isinstance(event, Finished):
                 yield sse(triton_answer(name, version, "", event))
 
-    return event_stream(events, chunks())
+    return event_stream([events], chunks())
 
 
 async def collect(name: str, events: Events) -> tuple[str, Finished]:
@@ -110,7 +182,7 @@ async def collect(name: str, events: Events) -> tuple[str, Finished]:
     return "".join(pieces), end
 
 
-def event_stream(events: Events, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+def event_stream(streams: list[Events], chunks: AsyncIterator[bytes]) -> StreamingResponse:
     async def guarded():
         try:
             async for chunk in chunks:
@@ -119,7 +191,8 @@ def event_stream(events: Events, chunks: AsyncIterator[bytes]) -> StreamingRespo
             log.exception("generation stream failed")
             yield sse({"error": f"generation failed ({type(e).__name__})"})
         finally:  # the client left (cancelled) or the stream ended: stop the model
-            await close_events(events)
+            for events in streams:
+                await close_events(events)
 
     headers: dict[str, Any] = {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)

@@ -3,22 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from app.serve.clients import INFO_FRESH_S
 from app.serve.protocol import decode_v1
 from app.serve.routes.common import body, config, models
-from app.serve.types import InferRequest
+from app.serve.types import InferRequest, ModelInfo
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
+    """The project's listing (`models`) and, in the same answer, OpenAI's (`object`, `data`),
+    which OpenAI clients read (`client.models.list()`)."""
     m = models(request)
     infos = await asyncio.gather(*(m.info(name) for name in sorted(m.clients)))
-    return {"models": [info.listing() for info in infos]}
+    return {
+        "models": [info.listing() for info in infos],
+        "object": "list",
+        "data": [openai_model(info) for info in infos],
+    }
+
+
+def openai_model(info: ModelInfo) -> dict[str, Any]:
+    created = info.manifest.get("created")
+    try:  # when the version was published, as OpenAI's `created` (Unix seconds)
+        seconds = int(datetime.fromisoformat(created).timestamp()) if created else 0
+    except ValueError:
+        seconds = 0
+    return {"id": info.name, "object": "model", "created": seconds, "owned_by": "raytorch"}
 
 
 @router.post("/v1/models/{name}:predict")
