@@ -345,6 +345,9 @@ class GenerationConfig(_Section):
     max_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(16, ge=1)
     max_streams: int = Field(4, ge=1)
+    # Running streams share each model step (one decode loop a replica) when the artifact's
+    # graph can batch them; off: each stream steps alone on a worker thread.
+    continuous_batching: bool = True
 
     @model_validator(mode="after")
     def _default_fits(self) -> GenerationConfig:

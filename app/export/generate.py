@@ -72,8 +72,13 @@ class SamplingParams:
 # --- the model step ------------------------------------------------------------------------------
 
 
+POSITIONS, KEY_MASK = "position_ids", "attention_mask"
+
+
 class KVDecoder:
-    """One ONNX Runtime session of an exported LM graph and its cache layout."""
+    """One ONNX Runtime session of an exported LM graph and its cache layout. A graph with
+    `position_ids` and `attention_mask` inputs (`batched`) can step streams of different
+    lengths together (`KVBatch`); older artifacts' graphs step one stream at a time."""
 
     def __init__(self, session: Any):
         self.session = session
@@ -81,6 +86,7 @@ class KVDecoder:
         self.layers = sum(1 for name in inputs if name.startswith("past_key_"))
         if "input_ids" not in inputs or self.layers == 0:
             raise ValueError("not a KV-cache language model graph (input_ids, past_key_0, ...)")
+        self.batched = POSITIONS in inputs and KEY_MASK in inputs
         shape = inputs[past_name("key", 0)].shape  # [batch, heads, cached, head_dim]
         self.heads, self.head_dim = int(shape[1]), int(shape[3])
         self.vocab_size = int(session.get_outputs()[0].shape[-1])
@@ -92,14 +98,79 @@ class KVDecoder:
         empty = np.zeros((batch, self.heads, 0, self.head_dim), dtype=np.float32)
         return [empty] * (2 * self.layers)
 
-    def step(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list]:
-        """Logits [batch, tokens, vocab] for `ids` [batch, tokens] after `cache`; the new cache."""
+    def step(
+        self,
+        ids: np.ndarray,
+        cache: list[np.ndarray],
+        positions: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, list]:
+        """Logits [batch, tokens, vocab] for `ids` [batch, tokens] after `cache`; the new cache.
+        `positions` and `mask` (a batched graph's): by default every cache slot is the row's
+        and the tokens follow it."""
         feed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
+        if self.batched:
+            batch, tokens = feed["input_ids"].shape
+            past = cache[0].shape[2]
+            if positions is None:
+                positions = np.broadcast_to(np.arange(past, past + tokens), (batch, tokens))
+            if mask is None:
+                mask = np.ones((batch, past + tokens), dtype=np.int64)
+            feed[POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
+            feed[KEY_MASK] = np.ascontiguousarray(mask, dtype=np.int64)
         for i in range(self.layers):
             feed[past_name("key", i)] = cache[2 * i]
             feed[past_name("value", i)] = cache[2 * i + 1]
         logits, *presents = self.session.run(self.outputs, feed)
         return logits, presents
+
+
+class KVBatch:
+    """The caches of streams stepped together, one row each: a row's keys fill the last
+    `lengths[row]` slots (left padding, masked out), so every row's next token goes in the same
+    new slot. Rows join with the cache of their prompt and leave when their stream ends."""
+
+    def __init__(self, decoder: KVDecoder):
+        if not decoder.batched:
+            raise ValueError("the graph has no position_ids/attention_mask: one stream a step")
+        self.decoder = decoder
+        self.cache = decoder.empty_cache(0)
+        self.lengths: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def join(self, cache: list[np.ndarray]) -> int:
+        """Adds a stream whose cache (batch 1) holds its prompt; its row number."""
+        length, width = cache[0].shape[2], self.cache[0].shape[2]
+        grow = max(0, length - width)
+        self.cache = [_left_pad(c, grow) for c in self.cache]
+        cache = [_left_pad(c, width + grow - length) for c in cache]
+        self.cache = [np.concatenate([a, b]) for a, b in zip(self.cache, cache, strict=True)]
+        self.lengths.append(length)
+        return len(self.lengths) - 1
+
+    def leave(self, row: int) -> None:
+        """Drops a row (rows after it move up one); slots no row uses any more are freed."""
+        del self.lengths[row]
+        keep = max(self.lengths, default=0)
+        self.cache = [np.delete(c, row, axis=0)[:, :, c.shape[2] - keep :] for c in self.cache]
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        """One new token per row -> each row's next-token logits [rows, vocab]."""
+        width = self.cache[0].shape[2]
+        lengths = np.asarray(self.lengths)
+        mask = np.arange(width + 1)[None, :] >= (width - lengths)[:, None]
+        ids = np.asarray(tokens, dtype=np.int64)[:, None]
+        logits, self.cache = self.decoder.step(ids, self.cache, lengths[:, None], mask)
+        self.lengths = [n + 1 for n in self.lengths]
+        return logits[:, -1]
+
+
+def _left_pad(cache: np.ndarray, slots: int) -> np.ndarray:
+    if slots == 0:
+        return cache
+    return np.pad(cache, ((0, 0), (0, 0), (slots, 0), (0, 0)))
 
 
 def greedy(decoder: KVDecoder, prompt: Sequence[int], tokens: int) -> list[int]:
@@ -294,29 +365,53 @@ class Generator:
         return generation
 
     def _pieces(self, prompt: list[int], params: SamplingParams, out: Generation) -> Iterator[str]:
-        rng = np.random.default_rng(params.seed)
-        text, stops = IncrementalDecoder(self.tokenizer), StopFilter(params.stop)
-        # Tokens the position table still has room for after the prompt.
-        budget = min(params.max_tokens, self.block_size - len(prompt))
+        decoding = Decoding(self, prompt, params)
         logits, cache = self.decoder.step(np.asarray([prompt]), self.decoder.empty_cache())
-        reason, counts = "length", collections.Counter[int]()
-        while out.completion_tokens < budget:
-            token = sample(params.penalized(logits[0, -1], counts), params, rng)
-            if token == self.eos_id:
-                reason = "stop"
-                break
-            out.completion_tokens += 1
-            counts[token] += 1
-            piece = stops.feed(text.add(token))
-            if piece:
-                yield piece
-            if stops.done:
-                out.finish_reason = "stop"
+        while True:
+            pieces = decoding.take(logits[0, -1])
+            out.completion_tokens, out.finish_reason = decoding.tokens, decoding.finish_reason
+            yield from pieces
+            if decoding.finish_reason is not None:
                 return
-            if out.completion_tokens < budget:  # no step for a token that will not be used
-                logits, cache = self.decoder.step(np.asarray([[token]]), cache)
-        tail = stops.feed(text.flush())
-        tail += "" if stops.done else stops.flush()
-        out.finish_reason = "stop" if stops.done else reason
-        if tail:
-            yield tail
+            logits, cache = self.decoder.step(np.asarray([[decoding.token]]), cache)
+
+
+class Decoding:
+    """One generation's state between model steps: its sampler, penalties, text and stop
+    strings. `take` turns a step's logits into text; once `finish_reason` is set the stream
+    takes no more steps ("stop": end of text or a stop string, "length": `max_tokens` or the
+    position table). The one-stream path and the replica's decode loop both drive it."""
+
+    def __init__(self, generator: Generator, prompt: Sequence[int], params: SamplingParams):
+        self.params, self.eos_id = params, generator.eos_id
+        self.rng = np.random.default_rng(params.seed)
+        self.text, self.stops = IncrementalDecoder(generator.tokenizer), StopFilter(params.stop)
+        self.counts = collections.Counter[int]()
+        # Tokens the position table still has room for after the prompt.
+        self.budget = min(params.max_tokens, generator.block_size - len(prompt))
+        self.tokens = 0
+        self.token: int | None = None  # the last one sampled: the next step's input
+        self.finish_reason: str | None = None
+
+    def take(self, logits: np.ndarray) -> list[str]:
+        """The text that the token sampled from `logits` (one position's) adds."""
+        if self.budget <= 0:
+            return self._finish("length")
+        token = sample(self.params.penalized(logits, self.counts), self.params, self.rng)
+        if token == self.eos_id:
+            return self._finish("stop")
+        self.tokens, self.token = self.tokens + 1, token
+        self.counts[token] += 1
+        piece = self.stops.feed(self.text.add(token))
+        pieces = [piece] if piece else []
+        if self.stops.done:  # what followed the stop string is dropped
+            self.finish_reason = "stop"
+        elif self.tokens >= self.budget:  # no step for a token that will not be used
+            pieces += self._finish("length")
+        return pieces
+
+    def _finish(self, reason: str) -> list[str]:
+        tail = self.stops.feed(self.text.flush())
+        tail += "" if self.stops.done else self.stops.flush()
+        self.finish_reason = "stop" if self.stops.done else reason
+        return [tail] if tail else []

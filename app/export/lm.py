@@ -33,7 +33,7 @@ from torch import nn
 from app.config import Config
 from app.errors import GateError, UserError
 from app.export import artifact as art
-from app.export.generate import KVDecoder, greedy, past_name, present_name
+from app.export.generate import KEY_MASK, POSITIONS, KVDecoder, greedy, past_name, present_name
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
@@ -110,22 +110,33 @@ class KVCacheGraph(nn.Module):
     """`GPT.decode` written for tracing: the same weights and arithmetic, with every shape taken
     from tensors and the causal mask always explicit. `decode` picks its mask with Python
     branches on the lengths (SDPA's `is_causal` without a cache), which a trace would freeze at
-    the example's lengths; parity with `decode` is checked on every export."""
+    the example's lengths; parity with `decode` is checked on every export.
+
+    Each row says where its tokens sit (`position_ids` [batch, tokens]) and which cache slots
+    hold its keys (`attention_mask` [batch, past + tokens], 1 or 0), so that streams of
+    different lengths can share a step: a row's cache is left-padded to the batch's length and
+    its padding masked out. The new tokens fill the last slots; a query sees the valid slots up
+    to its own."""
 
     def __init__(self, gpt: GPT):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         g = self.gpt
         batch, tokens = input_ids.shape
         start = past[0].shape[2]
-        positions = torch.arange(tokens, device=input_ids.device) + start
-        keys = torch.arange(tokens, device=input_ids.device) + start
-        keys = torch.cat([torch.arange(start, device=input_ids.device), keys])
-        # Query at position p sees keys at positions <= p: the cache and itself.
-        visible = keys.unsqueeze(0) <= positions.unsqueeze(1)
-        x = g.tokens(input_ids) + g.positions(positions)
+        query_slots = torch.arange(tokens, device=input_ids.device) + start
+        key_slots = torch.arange(start + tokens, device=input_ids.device)
+        causal = key_slots.unsqueeze(0) <= query_slots.unsqueeze(1)  # [tokens, slots]
+        visible = causal.unsqueeze(0).unsqueeze(0) & (attention_mask[:, None, None, :] > 0)
+        x = g.tokens(input_ids) + g.positions(position_ids)
         presents: list[torch.Tensor] = []
         for i, block in enumerate(blocks(g)):
             attn = block.attn
@@ -143,13 +154,15 @@ class KVCacheGraph(nn.Module):
 def export_kv_onnx(model: GPT, path: str, opset: int) -> None:
     layers = len(model.blocks)
     attn = first_attention(model)
-    inputs = ["input_ids", *cache_names(layers, past_name)]
+    inputs = ["input_ids", POSITIONS, KEY_MASK, *cache_names(layers, past_name)]
     outputs = ["logits", *cache_names(layers, present_name)]
     # Traced with a cache and a multi-token chunk so that no length is a special case.
     ids = torch.zeros(1, 2, dtype=torch.long)
+    positions, mask = torch.tensor([[1, 2]]), torch.ones(1, 3, dtype=torch.long)
     past = [torch.zeros(1, attn.heads, 1, attn.head_dim) for _ in range(2 * layers)]
     dynamic = {"input_ids": {0: "batch", 1: "tokens"}, "logits": {0: "batch", 1: "tokens"}}
-    dynamic |= {n: {0: "batch", 2: "past"} for n in inputs[1:]}
+    dynamic |= {POSITIONS: {0: "batch", 1: "tokens"}, KEY_MASK: {0: "batch", 1: "total"}}
+    dynamic |= {n: {0: "batch", 2: "past"} for n in inputs[3:]}
     dynamic |= {n: {0: "batch", 2: "total"} for n in outputs[1:]}
     buffer = io.BytesIO()
     # The TorchScript exporter writes one self-contained file (the artifact loader refuses
@@ -158,7 +171,7 @@ def export_kv_onnx(model: GPT, path: str, opset: int) -> None:
     with torch.no_grad():
         torch.onnx.export(
             KVCacheGraph(model).eval(),
-            (ids, *past),
+            (ids, positions, mask, *past),
             buffer,  # type: ignore[arg-type]  # file-like objects are accepted
             input_names=inputs,
             output_names=outputs,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -21,6 +22,8 @@ from typing import Any, cast
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
 from app.export.generate import Generation, Generator, PromptError, SamplingParams
+from app.serve.decode_loop import DecodeLoop, LoopGeneration
+from app.serve.metric_buffer import process_buffer
 from app.serve.model_server import model_info
 from app.serve.types import (
     Finished,
@@ -44,10 +47,18 @@ class LMServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.variant = cfg.variant
         self.generator = self._generator(self.variant)
+        self.loop = self._decode_loop()
         self.pool = ThreadPoolExecutor(cfg.generation.max_streams, thread_name_prefix="generate")
         # What this replica did, for metadata (and the disconnect test): generations running now,
         # finished by reason, and tokens generated in all.
-        self.stats: dict[str, int] = {"active": 0, "tokens": 0, "completed": 0, "cancelled": 0}
+        self.stats: dict[str, int] = {
+            "active": 0,
+            "tokens": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "kv_cache_tokens": 0,  # prompt and generated tokens the running streams' caches hold
+        }
+        self._metrics = _GenerationMetrics(self.artifact.name)
         log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def _generator(self, variant: str) -> Generator:
@@ -58,12 +69,22 @@ class LMServer:
             max_prompt_tokens=self.cfg.generation.max_prompt_tokens,
         )
 
+    def _decode_loop(self) -> DecodeLoop | None:
+        """Continuous batching, where the config asks for it and the graph can batch streams
+        (artifacts exported before it could step one stream at a time)."""
+        if not (self.cfg.generation.continuous_batching and self.generator.decoder.batched):
+            return None
+        return DecodeLoop(self.generator)
+
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         variant = user_config.get("variant", "int8")
         if variant not in self.artifact.models:
             raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
         if variant != self.variant:
             self.generator, self.variant = self._generator(variant), variant
+            if self.loop is not None:  # its streams finish on the old session
+                self.loop.close()
+            self.loop = self._decode_loop()
 
     async def check_health(self) -> None:
         loop = asyncio.get_running_loop()
@@ -72,7 +93,8 @@ class LMServer:
         await loop.run_in_executor(self.pool, lambda: self.generator.generate(ids, params).text())
 
     async def info(self) -> ModelInfo:
-        return model_info(self.artifact, self.variant, generation=dict(self.stats))
+        batching = dict(self.loop.stats) if self.loop is not None else {"batch_peak": 1}
+        return model_info(self.artifact, self.variant, generation=self.stats | batching)
 
     async def infer(self, request: InferRequest) -> Any:
         raise RequestError(
@@ -92,11 +114,21 @@ class LMServer:
             ids = self.generator.encode(request.prompt, request.field)
         except PromptError as e:
             raise RequestError(400, str(e)) from None
-        generation = self.generator.generate(ids, SamplingParams(**request.params))
-        self.stats["active"] += 1
+        params = SamplingParams(**request.params)
+        generation: Generation | LoopGeneration = (
+            self.loop.submit(ids, params)
+            if self.loop is not None
+            else self.generator.generate(ids, params)
+        )
+        timing = _Timing()
+        self._hold(1, len(ids))
+        held = len(ids)  # the tokens this stream's cache holds, as last counted
         try:
             yield Started(prompt_tokens=len(ids), version=self.artifact.version)
             async for piece in self._pieces(generation):
+                timing.token_came()
+                self._hold(0, len(ids) + generation.completion_tokens - held)
+                held = len(ids) + generation.completion_tokens
                 yield Piece(piece)
             yield self._end(generation)
             self.stats["completed"] += 1
@@ -105,10 +137,21 @@ class LMServer:
             raise
         finally:
             generation.close()
-            self.stats["active"] -= 1
+            self._hold(-1, -held)
             self.stats["tokens"] += generation.completion_tokens
+            self._metrics.observe(timing, generation.completion_tokens)
 
-    async def _pieces(self, generation: Generation) -> AsyncIterator[str]:
+    def _hold(self, streams: int, tokens: int) -> None:
+        """Streams and cached tokens running now, in the stats and the gauges."""
+        self.stats["active"] += streams
+        self.stats["kv_cache_tokens"] += tokens
+        self._metrics.levels(self.stats["active"], self.stats["kv_cache_tokens"])
+
+    async def _pieces(self, generation: Generation | LoopGeneration) -> AsyncIterator[str]:
+        if isinstance(generation, LoopGeneration):  # the decode loop hands the text over
+            async for piece in generation:
+                yield piece
+            return
         loop = asyncio.get_running_loop()
         while True:
             piece = await loop.run_in_executor(self.pool, next, generation, _END)
@@ -116,10 +159,67 @@ class LMServer:
                 return
             yield cast(str, piece)
 
-    def _end(self, generation: Generation) -> Finished:
+    def _end(self, generation: Generation | LoopGeneration) -> Finished:
         return Finished(
             finish_reason=str(generation.finish_reason),
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
             version=self.artifact.version,
         )
+
+
+class _Timing:
+    """When a generation started and produced its first and latest piece."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def token_came(self) -> None:
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+
+
+class _GenerationMetrics:
+    """What Serve's request metrics cannot see inside a stream (vLLM's names for them): the time
+    to the first token, the time per output token after it, and the streams running and tokens
+    held in KV caches now."""
+
+    def __init__(self, model: str):
+        from ray.util.metrics import Gauge, Histogram
+
+        self.tags = {"model": model}
+        self.ttft = Histogram(
+            "raytorch_generation_ttft_ms",
+            description="time from a generation's start to its first text (ms)",
+            boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000],
+            tag_keys=("model",),
+        )
+        self.tpot = Histogram(
+            "raytorch_generation_tpot_ms",
+            description="time per output token after the first, per generation (ms)",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+            tag_keys=("model",),
+        )
+        self.running = Gauge(
+            "raytorch_generation_running", description="generations running", tag_keys=("model",)
+        )
+        self.kv_tokens = Gauge(
+            "raytorch_generation_kv_cache_tokens",
+            description="tokens held in the running generations' KV caches",
+            tag_keys=("model",),
+        )
+
+    def observe(self, timing: _Timing, tokens: int) -> None:
+        if timing.first is None:  # refused, cancelled or ended before any text
+            return
+        process_buffer().observe(self.ttft, 1000 * (timing.first - timing.start), self.tags)
+        if tokens > 1 and timing.last is not None:
+            tpot = 1000 * (timing.last - timing.first) / (tokens - 1)
+            process_buffer().observe(self.tpot, tpot, self.tags)
+
+    def levels(self, running: int, kv_tokens: int) -> None:
+        process_buffer().set(self.running, running, self.tags)
+        process_buffer().set(self.kv_tokens, kv_tokens, self.tags)

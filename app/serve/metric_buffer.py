@@ -28,6 +28,7 @@ class MetricBuffer:
         self._lock = threading.Lock()
         self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._values: list[tuple[Any, float, dict[str, str]]] = []
+        self._levels: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
         self._thread: threading.Thread | None = None
 
     def inc(self, counter: Any, tags: dict[str, str]) -> None:
@@ -40,12 +41,21 @@ class MetricBuffer:
             self._values.append((histogram, value, tags))
         self._start()
 
+    def set(self, gauge: Any, value: float, tags: dict[str, str]) -> None:
+        """A gauge's level: the last one set before a flush is recorded."""
+        with self._lock:
+            self._levels[(gauge, tuple(sorted(tags.items())))] = value
+        self._start()
+
     def flush(self) -> None:
         """Record everything buffered so far in the metrics it belongs to."""
         with self._lock:
             counts, self._counts = self._counts, defaultdict(float)
             values, self._values = self._values, []
+            levels, self._levels = self._levels, {}
         failed = 0
+        for (gauge, pairs), level in levels.items():
+            failed += not _recorded(gauge.set, level, dict(pairs))
         for (counter, pairs), n in counts.items():
             failed += not _recorded(counter.inc, n, dict(pairs))
         for histogram, value, tags in values:

@@ -215,8 +215,11 @@ def test_a_client_that_disconnects_stops_its_generation(lm_endpoint):
     response = completion(lm_endpoint, stream=True, max_tokens=480, temperature=0.0)
     lines = response.iter_lines(delimiter=b"\n\n")
     next(lines)  # the first chunk is there: the generation runs
+    running = generation_stats(lm_endpoint)
+    assert running["active"] == 1 and running["kv_cache_tokens"] > 0  # the prompt at least
     response.close()  # the client goes away
     assert_cancelled_once(lm_endpoint, before)
+    assert generation_stats(lm_endpoint)["kv_cache_tokens"] == 0  # its cache is let go
 
 
 def test_int8_greedy_tokens_are_the_same_alone_and_batched(lm_artifact):
@@ -397,3 +400,21 @@ def test_openai_client_n_choices_echo_penalties_and_the_model_list(openai_client
     penalized = create(temperature=0, max_tokens=48, frequency_penalty=2.0, presence_penalty=2.0)
     assert penalized.choices[0].text != greedy
     assert "tinylm" in [model.id for model in openai_client.models.list()]
+
+
+def test_concurrent_streams_share_the_decode_loop_and_keep_their_answers(lm_endpoint):
+    """Two greedy completions at once (serve.generation.max_streams here) are stepped together
+    by the replica's decode loop and each gets the text it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def text(prompt: str) -> str:
+        answer = completion(lm_endpoint, prompt=prompt, max_tokens=96, temperature=0.0)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
+    prompts = ["def ", "import "]
+    alone = [text(p) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(text, prompts))
+    assert together == alone
+    assert generation_stats(lm_endpoint)["batch_peak"] == 2

@@ -366,6 +366,10 @@ def test_grafana_dashboard_covers_training_and_serving_metrics() -> None:
         "ray_raytorch_request_latency_ms_bucket",
         "ray_raytorch_batch_size_bucket",
         "ray_serve_deployment_replica_healthy",
+        "ray_raytorch_generation_ttft_ms_bucket",
+        "ray_raytorch_generation_tpot_ms_bucket",
+        "ray_raytorch_generation_running",
+        "ray_raytorch_generation_kv_cache_tokens",
     ):
         assert metric in exprs, f"no panel queries {metric}"
     for q in ("0.5", "0.95", "0.99"):

@@ -3,6 +3,8 @@ exported KV-cache graph (app/export/lm.py) of a tiny random GPT against torch.""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,6 +175,49 @@ def exported(tmp_path_factory, tokenizer):
     return model, sessions
 
 
+def test_streams_of_different_lengths_stepped_together_get_their_own_tokens(exported):
+    """Three prompts (3, 5 and 8 tokens) prefilled alone, then decoded greedily in one batch
+    (left-padded caches, masked), one joining late and one leaving early, give each stream the
+    logits and tokens it gets decoded alone."""
+    from app.export.generate import KVBatch
+
+    _, sessions = exported
+    decoder = KVDecoder(sessions["fp32"])
+    assert decoder.batched
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, decoder.vocab_size, n).tolist() for n in (3, 5, 8)]
+    alone = [greedy(decoder, p, 8) for p in prompts]
+
+    batch, rows, out = KVBatch(decoder), {}, {i: [] for i in range(3)}
+    pending: dict[int, int] = {}  # stream -> its next token
+
+    def admit(i: int) -> None:
+        logits, cache = decoder.step(np.asarray([prompts[i]]), decoder.empty_cache())
+        rows[i] = batch.join(cache)
+        pending[i] = int(logits[0, -1].argmax())
+
+    admit(0)
+    admit(2)
+    for step in range(10):
+        if step == 2:
+            admit(1)  # joins a running batch
+        for i, token in pending.items():
+            out[i].append(token)
+        done = [i for i in pending if len(out[i]) == (5 if i == 2 else 8)]  # 2 leaves early
+        for i in done:
+            gone = rows.pop(i)
+            batch.leave(gone)
+            rows = {j: r - (r > gone) for j, r in rows.items()}  # later rows move up one
+            del pending[i]
+        if not pending:
+            break
+        order = sorted(rows, key=rows.get)
+        logits = batch.step([pending[i] for i in order])
+        for i, row_logits in zip(order, logits, strict=True):
+            pending[i] = int(row_logits.argmax())
+    assert out[0] == alone[0] and out[1] == alone[1] and out[2] == alone[2][:5]
+
+
 @torch.no_grad()
 def test_onnx_graph_matches_torch_decode_for_prompt_and_cached_steps(exported):
     model, sessions = exported
@@ -263,3 +308,91 @@ def test_a_frequency_penalty_breaks_greedy_repetition(tokenizer):
     )
     assert "".join(repeated).count("x") > 40
     assert "".join(penalized).count("x") <= 4
+
+
+def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, tokenizer):
+    """Streams submitted together (greedy, seeded sampling with penalties, one asking for more
+    than the position table has left) share the loop's steps and each gets the text, finish
+    reason and token count it gets alone."""
+    from app.serve.decode_loop import DecodeLoop
+
+    _, sessions = exported
+    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, tokenizer.get_vocab_size(), n).tolist() for n in (2, 4, 6)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=5, frequency_penalty=0.5),
+        SamplingParams(max_tokens=40, temperature=0),
+    ]
+    alone = []
+    for prompt, p in zip(prompts, params, strict=True):
+        generation = generator.generate(prompt, p)
+        alone.append((generation.text(), generation.finish_reason, generation.completion_tokens))
+
+    async def together():
+        loop = DecodeLoop(generator)
+        streams = [loop.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        results = await asyncio.gather(*(read(s) for s in streams))
+        loop.close()
+        return results, loop.stats
+
+    results, stats = asyncio.run(together())
+    assert results == alone
+    assert stats["batch_peak"] == 3  # the streams really shared steps
+
+
+async def read(stream, stop_after: int | None = None):
+    """A stream's text, finish reason and tokens; its client leaves after `stop_after` tokens."""
+    text = ""
+    async for piece in stream:
+        text += piece
+        if stop_after is not None and stream.completion_tokens >= stop_after:
+            stream.close()
+    return text, stream.finish_reason, stream.completion_tokens
+
+
+class GatedSession:
+    """An ORT session whose every run waits for a permit: the test decides when steps happen."""
+
+    def __init__(self, session):
+        self.session, self.permits = session, threading.Semaphore(0)
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, *args):
+        self.permits.acquire()
+        return self.session.run(*args)
+
+
+def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step(
+    exported, tokenizer
+):
+    from app.serve.decode_loop import DecodeLoop
+
+    _, sessions = exported
+    gated = GatedSession(sessions["fp32"])
+    generator = Generator(gated, tokenizer, block_size=32)
+    greedy_long = SamplingParams(max_tokens=25, temperature=0)
+
+    async def scenario():
+        loop = DecodeLoop(generator)
+        leaving, staying = loop.submit([5, 6], greedy_long), loop.submit([7], greedy_long)
+        gated.permits.release(3)  # two prompts, then one shared step: 2 tokens each
+        while leaving.completion_tokens < 2:
+            await asyncio.sleep(0.01)
+        leaving.close()
+        gated.permits.release(100)
+        results = await asyncio.gather(read(leaving), read(staying))
+        loop.close()
+        return results, loop.stats
+
+    (left, stayed), stats = asyncio.run(scenario())
+    assert left[1] == "cancelled" and left[2] <= 3  # at most the step already under way
+    alone = generator.generate([7], greedy_long)
+    gated.permits.release(100)
+    assert stayed == (alone.text(), alone.finish_reason, alone.completion_tokens)

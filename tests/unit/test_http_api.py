@@ -382,13 +382,19 @@ def test_request_metrics_are_summed_and_recorded_off_the_request_path():
         def observe(self, value, tags):
             self.calls.append((value, tags))
 
-    counter, histogram = Recorded(), Recorded()
+        set = observe
+
+    counter, histogram, gauge = Recorded(), Recorded(), Recorded()
     buffer = MetricBuffer(interval_s=3600)  # flushed by hand here
     for code in (200, 200, 404, 200):
         buffer.inc(counter, {"model": "m", "code": str(code)})
         buffer.observe(histogram, 2.5, {"model": "m"})
+        buffer.set(gauge, code, {"model": "m"})
+    buffer.set(gauge, 7, {"model": "m"})
     assert counter.calls == [] and histogram.calls == []  # nothing recorded on the request path
+    assert gauge.calls == []
     buffer.flush()
+    assert gauge.calls == [(7, {"model": "m"})]  # a gauge's last level only
     assert sorted(counter.calls, key=str) == sorted(
         [(3, {"model": "m", "code": "200"}), (1, {"model": "m", "code": "404"})], key=str
     )

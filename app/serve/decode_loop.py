@@ -1,0 +1,145 @@
+"""Continuous batching: one decode loop per language-model replica.
+
+A stream joins as soon as it comes (its prompt run alone, which fills its cache), and every
+running stream then advances one token per step of one shared ONNX Runtime call (`KVBatch`:
+left-padded caches, masked). A stream leaves the batch the step it ends (end of text, a stop
+string, its length, or its client gone) and the others go on; nothing waits for the slowest.
+The loop is one thread, the only one stepping the batch; streams hand their text to the event
+loop that asked for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from app.export.generate import Decoding, Generator, KVBatch, SamplingParams
+
+log = logging.getLogger("ray.serve")
+_END = object()
+
+
+class LoopGeneration:
+    """A stream in the decode loop, as the replica reads it: `async for piece in ...`, then
+    `finish_reason` and the token counts; `close()` takes it out of the batch."""
+
+    def __init__(self, generator: Generator, prompt: Sequence[int], params: SamplingParams):
+        self.prompt = list(prompt)
+        self.decoding = Decoding(generator, prompt, params)
+        self.prompt_tokens = len(self.prompt)
+        self.cancelled = False
+        self._events: asyncio.Queue[object] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.decoding.tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.cancelled and self.decoding.finish_reason is None:
+            return "cancelled"
+        return self.decoding.finish_reason
+
+    def close(self) -> None:
+        self.cancelled = True
+
+    def hand(self, pieces: list[str], ended: bool) -> None:
+        """From the loop's thread: text for the consumer, and whether the stream ended."""
+        for item in [*pieces, *([_END] if ended else [])]:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[str]:
+        while (item := await self._events.get()) is not _END:
+            yield str(item)
+
+
+class DecodeLoop:
+    """The replica's one decode thread. `stats["batch_peak"]`: the most streams stepped
+    together so far."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self.batch = KVBatch(generator.decoder)
+        self.rows: list[LoopGeneration] = []  # in batch row order
+        self.waiting: queue.SimpleQueue[LoopGeneration] = queue.SimpleQueue()
+        self.stats = {"batch_peak": 0, "steps": 0}
+        self._closing = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> LoopGeneration:
+        """A new stream (call from the event loop that will read it)."""
+        generation = LoopGeneration(self.generator, prompt, params)
+        self.waiting.put(generation)
+        self._wake.set()
+        return generation
+
+    def close(self) -> None:
+        """The thread ends once the streams it has end (a variant switch starts a new loop)."""
+        self._closing = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            if not self.rows and self.waiting.empty():
+                if self._closing:
+                    return
+                self._wake.wait()
+                self._wake.clear()
+            try:
+                self._admit()
+                self._drop_cancelled()
+                if self.rows:
+                    self._step()
+            except Exception:  # noqa: BLE001 - a step that fails ends its streams, not the loop
+                log.exception("decode step failed; ending %d streams", len(self.rows))
+                for generation in self.rows:
+                    generation.hand([], ended=True)
+                self.rows, self.batch = [], KVBatch(self.generator.decoder)
+
+    def _admit(self) -> None:
+        """Every waiting stream's prompt, alone; the stream joins the batch unless it ended."""
+        while not self.waiting.empty():
+            generation = self.waiting.get()
+            if generation.cancelled:
+                generation.hand([], ended=True)
+                continue
+            decoder = self.generator.decoder
+            logits, cache = decoder.step(np.asarray([generation.prompt]), decoder.empty_cache())
+            if self._took(generation, logits[0, -1]):
+                self.batch.join(cache)
+                self.rows.append(generation)
+
+    def _drop_cancelled(self) -> None:
+        for row in reversed(range(len(self.rows))):
+            if self.rows[row].cancelled:
+                self.rows.pop(row).hand([], ended=True)
+                self.batch.leave(row)
+
+    def _step(self) -> None:
+        tokens = [generation.decoding.token for generation in self.rows]
+        logits = self.batch.step(tokens)  # type: ignore[arg-type]  # every row has sampled
+        self.stats["steps"] += 1
+        self.stats["batch_peak"] = max(self.stats["batch_peak"], len(self.rows))
+        for row in reversed(range(len(self.rows))):
+            if not self._took(self.rows[row], logits[row]):
+                self.rows.pop(row)
+                self.batch.leave(row)
+
+    @staticmethod
+    def _took(generation: LoopGeneration, logits: np.ndarray) -> bool:
+        """Samples the stream's next token and hands its text on; whether it goes on."""
+        pieces = generation.decoding.take(logits)
+        ended = generation.decoding.finish_reason is not None
+        generation.hand(pieces, ended)
+        return not ended
