@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app import __version__
 from app.config import ServeConfig
 from app.serve.clients import Models
-from app.serve.metric_buffer import process_buffer
+from app.serve.metric_buffer import model_histogram, process_buffer
 from app.serve.middleware import Admit, FullPath, Observe, api_key, error, request_id
 from app.serve.routes import generation, v1, v2
 from app.serve.types import RequestError
@@ -95,18 +95,17 @@ class IngressMetrics:
     index application answers v1 predictions for every model."""
 
     def __init__(self) -> None:
-        from ray.util.metrics import Counter, Histogram
+        from ray.util.metrics import Counter
 
         self.requests = Counter(
             "raytorch_requests_total",
             description="HTTP requests by model and status",
             tag_keys=("model", "code"),
         )
-        self.latency = Histogram(
+        self.latency = model_histogram(
             "raytorch_request_latency_ms",
-            description="request latency (ms)",
-            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
-            tag_keys=("model",),
+            "request latency (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
         )
 
     def observe(self, model: str, code: int, latency_ms: float) -> None:

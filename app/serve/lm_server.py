@@ -23,7 +23,7 @@ from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
 from app.export.generate import Generation, Generator, PromptError, SamplingParams
 from app.serve.decode_loop import DecodeLoop, LoopGeneration
-from app.serve.metric_buffer import process_buffer
+from app.serve.metric_buffer import model_gauge, model_histogram, process_buffer
 from app.serve.model_server import model_info
 from app.serve.types import (
     Finished,
@@ -188,28 +188,21 @@ class _GenerationMetrics:
     held in KV caches now."""
 
     def __init__(self, model: str):
-        from ray.util.metrics import Gauge, Histogram
-
         self.tags = {"model": model}
-        self.ttft = Histogram(
+        self.ttft = model_histogram(
             "raytorch_generation_ttft_ms",
-            description="time from a generation's start to its first text (ms)",
-            boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000],
-            tag_keys=("model",),
+            "time from a generation's start to its first text (ms)",
+            [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000],
         )
-        self.tpot = Histogram(
+        self.tpot = model_histogram(
             "raytorch_generation_tpot_ms",
-            description="time per output token after the first, per generation (ms)",
-            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
-            tag_keys=("model",),
+            "time per output token after the first, per generation (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
         )
-        self.running = Gauge(
-            "raytorch_generation_running", description="generations running", tag_keys=("model",)
-        )
-        self.kv_tokens = Gauge(
+        self.running = model_gauge("raytorch_generation_running", "generations running")
+        self.kv_tokens = model_gauge(
             "raytorch_generation_kv_cache_tokens",
-            description="tokens held in the running generations' KV caches",
-            tag_keys=("model",),
+            "tokens held in the running generations' KV caches",
         )
 
     def observe(self, timing: _Timing, tokens: int) -> None:

@@ -77,6 +77,19 @@ class MetricBuffer:
             self.flush()
 
 
+def model_histogram(name: str, description: str, boundaries: list[float]) -> Any:
+    """A Ray histogram tagged by model (how every custom serving metric is labelled)."""
+    from ray.util.metrics import Histogram
+
+    return Histogram(name, description=description, boundaries=boundaries, tag_keys=("model",))
+
+
+def model_gauge(name: str, description: str) -> Any:
+    from ray.util.metrics import Gauge
+
+    return Gauge(name, description=description, tag_keys=("model",))
+
+
 @functools.cache
 def process_buffer() -> MetricBuffer:
     """The one buffer (and flush thread) of this process, made on first use."""

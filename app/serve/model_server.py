@@ -31,7 +31,7 @@ from app.serve.batching import (
     spread,
     takes_any_length,
 )
-from app.serve.metric_buffer import process_buffer
+from app.serve.metric_buffer import model_histogram, process_buffer
 from app.serve.rows import request_rows
 from app.serve.types import InferRequest, InferResult, ModelInfo, RequestError
 from app.tasks.registry import task_of_schema
@@ -258,14 +258,11 @@ class _ReplicaMetrics:
     """Rows per ONNX Runtime call: what Serve's own metrics cannot see (a batch's calls)."""
 
     def __init__(self, model: str):
-        from ray.util.metrics import Histogram
-
         self.tags = {"model": model}
-        self.batch_rows = Histogram(
+        self.batch_rows = model_histogram(
             "raytorch_batch_size",
-            description="rows per ONNX Runtime call",
-            boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
-            tag_keys=("model",),
+            "rows per ONNX Runtime call",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
         )
 
     def observe_call(self, rows: int) -> None:
