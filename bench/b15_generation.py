@@ -3,9 +3,9 @@
 configs/lm.yaml's GPT (trained briefly, int8 served) behind Serve as cluster/start.sh runs it
 (bench.serve_child: HAProxy in front of the replica), twice: with the replica's decode loop
 (serve.generation.continuous_batching, every running stream advanced by one shared ONNX
-Runtime call a step) and without it (each stream steps alone on a worker thread, the path
-before the loop). For 1 and 8 concurrent clients, each streaming `/v1/completions` (64 tokens
-at most, sampled, a seed per request) back to back for the window: completion tokens per
+Runtime call a step) and without it (each stream steps alone on a worker thread). For 1
+and 8 concurrent clients, each streaming `/v1/completions` (64 tokens at most, sampled, a
+seed per request) back to back for the window: completion tokens per
 second over all clients (from each answer's usage), time to the first token and time per
 output token after it (p50, from the SSE chunks' arrival). Goal: at 8 streams, the loop's
 tokens/s >= 1.5x one stream per thread, its TPOT p50 no worse.
