@@ -1,8 +1,9 @@
 """Continuous batching: one decode loop per language-model replica.
 
-A stream joins as soon as it comes (its prompt run alone, which fills its cache), and every
-running stream then advances one token per step of one shared ONNX Runtime call (`KVBatch`:
-left-padded caches, masked). A stream leaves the batch the step it ends (end of text, a stop
+A stream joins as soon as it comes: its prompt fills its own cache in chunks of
+`prefill_chunk` tokens, one chunk between two steps of the running streams (a long prompt
+delays them by a chunk's time, not its own), and every running stream then advances one token
+per step of one shared ONNX Runtime call (`KVBatch`: left-padded caches, masked). A stream leaves the batch the step it ends (end of text, a stop
 string, its length, or its client gone) and the others go on; nothing waits for the slowest.
 The loop is one thread, the only one stepping the batch; streams hand their text to the event
 loop that asked for them.
@@ -66,11 +67,12 @@ class DecodeLoop:
     """The replica's one decode thread. `stats["batch_peak"]`: the most streams stepped
     together so far."""
 
-    def __init__(self, generator: Generator):
-        self.generator = generator
+    def __init__(self, generator: Generator, prefill_chunk: int = 64):
+        self.generator, self.prefill_chunk = generator, prefill_chunk
         self.batch = KVBatch(generator.decoder)
         self.rows: list[LoopGeneration] = []  # in batch row order
         self.waiting: queue.SimpleQueue[LoopGeneration] = queue.SimpleQueue()
+        self.prefilling: list[_Prefill] = []  # in arrival order, the first one advancing
         self.stats = {"batch_peak": 0, "steps": 0}
         self._closing = False
         self._wake = threading.Event()
@@ -91,7 +93,7 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while True:
-            if not self.rows and self.waiting.empty():
+            if not self.rows and not self.prefilling and self.waiting.empty():
                 if self._closing:
                     return
                 self._wake.wait()
@@ -103,22 +105,28 @@ class DecodeLoop:
                     self._step()
             except Exception:  # noqa: BLE001 - a step that fails ends its streams, not the loop
                 log.exception("decode step failed; ending %d streams", len(self.rows))
-                for generation in self.rows:
+                for generation in [*self.rows, *(p.generation for p in self.prefilling)]:
                     generation.hand([], ended=True)
-                self.rows, self.batch = [], KVBatch(self.generator.decoder)
+                self.rows, self.prefilling = [], []
+                self.batch = KVBatch(self.generator.decoder)
 
     def _admit(self) -> None:
-        """Every waiting stream's prompt, alone; the stream joins the batch unless it ended."""
+        """One chunk of the first waiting prompt; a prompt done joins the batch (unless its
+        first token already ends it)."""
         while not self.waiting.empty():
-            generation = self.waiting.get()
-            if generation.cancelled:
-                generation.hand([], ended=True)
-                continue
-            decoder = self.generator.decoder
-            logits, cache = decoder.step(np.asarray([generation.prompt]), decoder.empty_cache())
-            if self._took(generation, logits[0, -1]):
-                self.batch.join(cache)
-                self.rows.append(generation)
+            self.prefilling.append(_Prefill(self.waiting.get(), self.generator))
+        while self.prefilling and self.prefilling[0].generation.cancelled:
+            self.prefilling.pop(0).generation.hand([], ended=True)
+        if not self.prefilling:
+            return
+        prefill = self.prefilling[0]
+        logits = prefill.advance(self.prefill_chunk)
+        if logits is None:
+            return
+        self.prefilling.pop(0)
+        if self._took(prefill.generation, logits):
+            self.batch.join(prefill.cache)
+            self.rows.append(prefill.generation)
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.rows))):
@@ -143,3 +151,20 @@ class DecodeLoop:
         ended = generation.decoding.finish_reason is not None
         generation.hand(pieces, ended)
         return not ended
+
+
+class _Prefill:
+    """A prompt filling its cache a chunk at a time."""
+
+    def __init__(self, generation: LoopGeneration, generator: Generator):
+        self.generation, self.decoder = generation, generator.decoder
+        self.cache = self.decoder.empty_cache()
+        self.done = 0
+
+    def advance(self, chunk: int) -> np.ndarray | None:
+        """The next chunk into the cache; the last position's logits once the prompt is in."""
+        prompt = self.generation.prompt
+        ids = np.asarray([prompt[self.done : self.done + chunk]])
+        logits, self.cache = self.decoder.step(ids, self.cache)
+        self.done += ids.shape[1]
+        return logits[0, -1] if self.done >= len(prompt) else None

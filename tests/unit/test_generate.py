@@ -396,3 +396,51 @@ def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step
     alone = generator.generate([7], greedy_long)
     gated.permits.release(100)
     assert stayed == (alone.text(), alone.finish_reason, alone.completion_tokens)
+
+
+class RecordingSession(GatedSession):
+    """A gated session that also notes the shape of every call's input_ids."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def run(self, outputs, feed):
+        self.permits.acquire()
+        self.shapes.append(feed["input_ids"].shape)
+        return self.session.run(outputs, feed)
+
+
+def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_steps(
+    exported, tokenizer
+):
+    """A 13-token prompt, 4 tokens a chunk, arrives while a stream runs: the running stream
+    takes steps between its chunks, and the new stream's answer is the one it gets alone."""
+    from app.serve.decode_loop import DecodeLoop
+
+    _, sessions = exported
+    recording = RecordingSession(sessions["fp32"])
+    generator = Generator(recording, tokenizer, block_size=32)
+    long_prompt = np.random.default_rng(3).integers(0, tokenizer.get_vocab_size(), 13).tolist()
+    running_params = SamplingParams(max_tokens=18, temperature=0)
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    async def scenario():
+        loop = DecodeLoop(generator, prefill_chunk=4)
+        running = loop.submit([5], running_params)
+        recording.permits.release(2)  # its prompt and one step: it is in the batch
+        while running.completion_tokens < 2:
+            await asyncio.sleep(0.001)
+        late = loop.submit(long_prompt, params)
+        recording.permits.release(1000)
+        results = await asyncio.gather(read(running), read(late))
+        loop.close()
+        return results
+
+    (_, late) = asyncio.run(scenario())
+    chunk_calls = [i for i, shape in enumerate(recording.shapes) if shape == (1, 4)]
+    assert len(chunk_calls) == 3  # 4 + 4 + 4, then the last token alone
+    between = recording.shapes[chunk_calls[0] : chunk_calls[-1]]
+    assert (1, 1) in between  # the running stream stepped while the prompt went in
+    alone = generator.generate(long_prompt, params)
+    assert late == (alone.text(), alone.finish_reason, alone.completion_tokens)
