@@ -348,6 +348,9 @@ class GenerationConfig(_Section):
     # Running streams share each model step (one decode loop a replica) when the artifact's
     # graph can batch them; off: each stream steps alone on a worker thread.
     continuous_batching: bool = True
+    # KV-cache memory (MiB) the running streams may need at most, each counted at its prompt
+    # plus max_tokens; a stream beyond it is a 503 (None: max_streams alone bounds it).
+    max_kv_cache_mib: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _default_fits(self) -> GenerationConfig:

@@ -59,6 +59,7 @@ class LMServer:
             "kv_cache_tokens": 0,  # prompt and generated tokens the running streams' caches hold
         }
         self._metrics = _GenerationMetrics(self.artifact.name)
+        self.kv_budget = KVBudget(cfg.generation.max_kv_cache_mib, self.generator.decoder)
         log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def _generator(self, variant: str) -> Generator:
@@ -115,6 +116,8 @@ class LMServer:
         except PromptError as e:
             raise RequestError(400, str(e)) from None
         params = SamplingParams(**request.params)
+        need = len(ids) + min(params.max_tokens, self.generator.block_size - len(ids))
+        self.kv_budget.reserve(need, self.artifact.name)
         generation: Generation | LoopGeneration = (
             self.loop.submit(ids, params)
             if self.loop is not None
@@ -137,6 +140,7 @@ class LMServer:
             raise
         finally:
             generation.close()
+            self.kv_budget.release(need)
             self._hold(-1, -held)
             self.stats["tokens"] += generation.completion_tokens
             self._metrics.observe(timing, generation.completion_tokens)
@@ -166,6 +170,38 @@ class LMServer:
             completion_tokens=generation.completion_tokens,
             version=self.artifact.version,
         )
+
+
+class KVBudget:
+    """The KV-cache memory running streams may come to hold, each reserved at its most (prompt
+    plus the tokens it may generate) when it starts, within serve.generation.max_kv_cache_mib."""
+
+    def __init__(self, limit_mib: float | None, decoder: Any):
+        self.limit = None if limit_mib is None else limit_mib * 2**20
+        # A float32 key and value per layer, head and position.
+        self.bytes_per_token = 2 * decoder.layers * decoder.heads * decoder.head_dim * 4
+        self.reserved = 0
+
+    def reserve(self, tokens: int, model: str) -> None:
+        size = tokens * self.bytes_per_token
+        if self.limit is None:
+            self.reserved += size
+            return
+        mib = f"serve.generation.max_kv_cache_mib={self.limit / 2**20:g}"
+        if size > self.limit:
+            raise RequestError(
+                400, f"prompt + max_tokens need {size / 2**20:.1f} MiB of KV cache, over {mib}"
+            )
+        if self.reserved + size > self.limit:
+            raise RequestError(
+                503,
+                f"model {model!r} has its KV cache ({mib}) in use; retry later",
+                retry_after_s=1,
+            )
+        self.reserved += size
+
+    def release(self, tokens: int) -> None:
+        self.reserved -= tokens * self.bytes_per_token
 
 
 class _Timing:

@@ -418,3 +418,37 @@ def test_concurrent_streams_share_the_decode_loop_and_keep_their_answers(lm_endp
         together = list(pool.map(text, prompts))
     assert together == alone
     assert generation_stats(lm_endpoint)["batch_peak"] == 2
+
+
+def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_artifact):
+    """A replica (the real LMServer and ONNX Runtime, in this process) with room in its KV-cache
+    budget for one 300-token stream: a second is refused with a 503 and Retry-After while the
+    first runs, and starts once it ended."""
+    import asyncio
+
+    from app.serve.lm_server import LMServer
+    from app.serve.types import GenerationRequest, RequestError, Started
+
+    config, summary = lm_artifact
+    cfg = config.serve.model_copy(deep=True)
+    cfg.generation.max_kv_cache_mib = 0.2  # tinylm: 512 bytes a token, about 400 tokens
+
+    def request():
+        return GenerationRequest("def ", {"max_tokens": 300, "temperature": 0.0})
+
+    async def scenario():
+        server = LMServer(summary["artifact"], cfg)
+        first = server.generate(request())
+        assert isinstance(await anext(first), Started)  # its tokens are reserved
+        second = server.generate(request())
+        with pytest.raises(RequestError) as refused:
+            await anext(second)
+        await first.aclose()  # the first stream ends: its reservation is released
+        third = server.generate(request())
+        assert isinstance(await anext(third), Started)
+        await third.aclose()
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.retry_after_s == 1
+    assert "max_kv_cache_mib" in refused.message

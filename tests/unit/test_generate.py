@@ -444,3 +444,24 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
     assert (1, 1) in between  # the running stream stepped while the prompt went in
     alone = generator.generate(long_prompt, params)
     assert late == (alone.text(), alone.finish_reason, alone.completion_tokens)
+
+
+def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():
+    from types import SimpleNamespace
+
+    from app.serve.lm_server import KVBudget
+    from app.serve.types import RequestError
+
+    decoder = SimpleNamespace(layers=2, heads=4, head_dim=8)  # 512 bytes a token
+    budget = KVBudget(1.0, decoder)  # 1 MiB: 2048 tokens
+    budget.reserve(1500, "m")
+    with pytest.raises(RequestError) as full:
+        budget.reserve(1000, "m")
+    assert full.value.status == 503 and full.value.retry_after_s == 1
+    assert "serve.generation.max_kv_cache_mib=1" in full.value.message
+    budget.release(1500)
+    budget.reserve(1000, "m")  # room again once the first stream ended
+    with pytest.raises(RequestError) as never:
+        budget.reserve(3000, "m")  # more than the whole budget: no retry helps
+    assert never.value.status == 400
+    KVBudget(None, decoder).reserve(10**9, "m")  # unset: the stream count alone bounds it
