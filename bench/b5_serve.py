@@ -35,6 +35,7 @@ from bench.common import (
     bench_main,
     ensure_artifact,
     free_port,
+    free_ports,
     median,
     quiet_window,
     ratio,
@@ -125,6 +126,7 @@ def start_ht_child(
     env = {k: v for k, v in os.environ.items() if k not in ("BENCH_RAY_ADDRESS", "RAY_ADDRESS")}
     env.update(HT_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    metrics_port, stats_port = free_ports(2, avoid=[port])  # never the HTTP port
     # HAProxy's files go to a folder of our own, not the shared /tmp/haproxy-serve default.
     env.update(
         {
@@ -133,8 +135,8 @@ def start_ht_child(
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": scratch,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(scratch, "server-state"),
             # Ports of our own: a cluster on this machine may hold HAProxy's defaults (9101, 8404).
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
             # Shutdown only: direct-ingress replicas otherwise drain for 30 s before the child can exit.
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         }

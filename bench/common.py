@@ -385,9 +385,20 @@ def ensure_prepared(config) -> dict[str, Any]:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
+    """`n` distinct free ports, none of `avoid` (the sockets are held together while chosen:
+    one at a time, the OS may hand the same port out twice)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+        return ports
 
 
 @contextlib.contextmanager

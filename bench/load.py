@@ -291,7 +291,8 @@ def wrk_run(
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(WRK_SCRIPT)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [wrk_path(), "-t1", f"-c{connections}", f"-d{duration_s:g}s", f"--timeout={timeout_s:g}s"]
+    seconds = max(1, round(duration_s))  # wrk takes whole seconds
+    cmd = [wrk_path(), "-t1", f"-c{connections}", f"-d{seconds}s", f"--timeout={timeout_s:g}s"]
     proc = subprocess.run(
         [*cmd, "-s", f.name, url],
         capture_output=True,
