@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
@@ -43,9 +44,11 @@ def create_api(
     # Each route on the app itself (FastAPI matches an included router through a wrapper of its
     # own on every request), the POST routes first: a request is matched against each route in
     # turn, and inference is nearly all of the traffic (no two routes overlap).
-    routes = [route for r in (v2.router, v1.router, generation.router) for route in r.routes]
-    for route in sorted(routes, key=lambda route: "POST" not in route.methods):
-        api.add_api_route(route.path, route.endpoint, methods=route.methods, name=route.name)
+    routers = (v2.router, v1.router, generation.router)
+    routes = [route for r in routers for route in r.routes if isinstance(route, APIRoute)]
+    for route in sorted(routes, key=lambda route: "POST" not in (route.methods or ())):
+        methods = sorted(route.methods or ())
+        api.add_api_route(route.path, route.endpoint, methods=methods, name=route.name)
     api.add_api_route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     api.add_exception_handler(RequestError, request_error)
     api.add_exception_handler(StarletteHTTPException, http_error)

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
@@ -37,7 +37,6 @@ from app.serve.types import (
 )
 
 log = logging.getLogger("ray.serve")
-_END = object()
 
 
 class LMServer:
@@ -158,10 +157,10 @@ class LMServer:
             return
         loop = asyncio.get_running_loop()
         while True:
-            piece = await loop.run_in_executor(self.pool, next, generation, _END)
-            if piece is _END:
+            text = await loop.run_in_executor(self.pool, _next_piece, generation)
+            if text is None:
                 return
-            yield cast(str, piece)
+            yield text
 
     def _end(self, generation: Generation | LoopGeneration) -> Finished:
         return Finished(
@@ -170,6 +169,11 @@ class LMServer:
             completion_tokens=generation.completion_tokens,
             version=self.artifact.version,
         )
+
+
+def _next_piece(generation: Generation) -> str | None:
+    """One model step on a worker thread: the next piece, or None at the end."""
+    return next(generation, None)
 
 
 class KVBudget:

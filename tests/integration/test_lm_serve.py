@@ -452,3 +452,25 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
     refused = asyncio.run(scenario())
     assert refused.status == 503 and refused.retry_after_s == 1
     assert "max_kv_cache_mib" in refused.message
+
+
+def test_without_the_decode_loop_each_stream_steps_alone_with_the_same_answer(lm_artifact):
+    """serve.generation.continuous_batching off (and graphs that cannot batch): streams step on
+    worker threads, and a greedy answer is the one the decode loop gives."""
+    import asyncio
+
+    from app.serve.lm_server import LMServer
+    from app.serve.types import GenerationRequest, Piece
+
+    config, summary = lm_artifact
+
+    async def text(batching: bool) -> str:
+        cfg = config.serve.model_copy(deep=True)
+        cfg.generation.continuous_batching = batching
+        server = LMServer(summary["artifact"], cfg)
+        assert (server.loop is not None) == batching
+        request = GenerationRequest("def ", {"max_tokens": 40, "temperature": 0.0})
+        pieces = [e.text async for e in server.generate(request) if isinstance(e, Piece)]
+        return "".join(pieces)
+
+    assert asyncio.run(text(False)) == asyncio.run(text(True))
