@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TOKENIZER, VOCAB = "tokenizer.json", "vocab.txt"
 TOKENIZER_CONFIG, IMAGE_PROCESSOR = "tokenizer_config.json", "preprocessor_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 CACHE_ENV = "RAYTORCH_PRETRAINED_CACHE"  # where remote folders are downloaded (default ~/.cache)
 
@@ -189,6 +190,28 @@ class Pretrained:
         if not self._has(TOKENIZER_CONFIG):
             return {}
         return json.loads(self._read(TOKENIZER_CONFIG))
+
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template: `chat_template.jinja`, or tokenizer_config.json's
+        `chat_template` (a string, or named templates of which "default" is used)."""
+        if self._has(CHAT_TEMPLATE):
+            return self._read(CHAT_TEMPLATE)
+        template = self.tokenizer_config().get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+    def special_tokens(self) -> dict[str, str]:
+        """`bos_token` and `eos_token` as chat templates read them."""
+        config = self.tokenizer_config()
+        out = {}
+        for name in ("bos_token", "eos_token"):
+            token = config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                out[name] = token
+        return out
 
     def pad_token(self) -> str:
         token = self.tokenizer_config().get("pad_token") or "[PAD]"

@@ -55,6 +55,14 @@ def bert_tokenizer(vocab_size: int = 400):
 
 
 TINY_GPT2 = {"n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2}
+# A chat template in the shape instruction-tuned models ship (roles marked, turns ended by the
+# end-of-text token), so serving renders chat messages with the folder's own template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '### ' + message['role'] | upper + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### ASSISTANT\n' }}{% endif %}"
+)
 
 
 def make_gpt2(folder: str, seed: int = 0, sizes: dict | None = None, vocab: int = 384) -> str:
@@ -74,6 +82,7 @@ def make_gpt2(folder: str, seed: int = 0, sizes: dict | None = None, vocab: int 
         eos_token_id=eos,
     )
     GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -139,6 +139,10 @@ class Preprocessor:
         }
         if base is not None:
             state["pretrained"] = base.record()
+            # Serving renders chat messages with it (app/serve/chat.py).
+            if (template := base.chat_template()) is not None:
+                state["chat_template"] = template
+                state["chat_special_tokens"] = base.special_tokens()
         return cls(state)
 
     # --- (de)serialisation -----------------------------------------------------------------

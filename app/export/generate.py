@@ -47,7 +47,8 @@ class SamplingParams:
     """How to pick each next token. `temperature` 0 is greedy (argmax); `top_k` 0 and `top_p` 1
     are off; `seed` makes sampling reproducible (None: fresh entropy per generation);
     `presence_penalty` and `frequency_penalty` lower the logit of each token already generated,
-    once and once per time (OpenAI's definition), greedy decoding included."""
+    once and once per time (OpenAI's definition), greedy decoding included. `logprobs` (None:
+    off) reports each token's log-probability with that many most likely alternatives."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -57,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
 
     def penalized(self, logits: np.ndarray, counts: dict[int, int]) -> np.ndarray:
         """`logits` less the penalties for the tokens generated so far (`counts`: id -> times)."""
@@ -214,6 +216,57 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token as OpenAI's `logprobs` report it: its text and UTF-8 bytes, its
+    log-probability under the model (before temperature, top-k/top-p and penalties, as vLLM
+    reports them) and the `top` most likely tokens at that position, most likely first."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
+class TokenTexts:
+    """A token id's text and bytes. Byte-level BPE tokens map back to their bytes exactly (a
+    token that ends inside a multi-byte character has bytes but no whole text of its own)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+
+    def __call__(self, token: int) -> tuple[str, tuple[int, ...]]:
+        text = self.tokenizer.decode([token])
+        piece = self.tokenizer.id_to_token(token) or ""
+        if piece and all(c in self.byte_of for c in piece):
+            return text, tuple(self.byte_of[c] for c in piece)
+        return text, tuple(text.encode())
+
+    def logprobs(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+        z = logits.astype(np.float64)
+        z -= z.max()
+        logp = z - np.log(np.exp(z).sum())
+        best = np.argpartition(-logp, top)[:top] if 0 < top < len(logp) else np.arange(len(logp))
+        best = best[np.argsort(-logp[best], kind="stable")][:top]
+        alternatives = tuple((*self(int(i)), float(logp[i])) for i in best)
+        return TokenLogprob(*self(token), float(logp[token]), alternatives)
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-character table (byte b is character [b]): printable bytes stand for
+    themselves, the rest are shifted past 255."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return [chars[b] for b in range(256)]
+
+
 # --- text out -----------------------------------------------------------------------------------
 
 
@@ -285,11 +338,13 @@ class StopFilter:
 @dataclass
 class Generation:
     """A lazy stream of text pieces. After it ends: `finish_reason` ("stop": end of text or a
-    stop string, "length": `max_tokens` or the context window) and the token counts."""
+    stop string, "length": `max_tokens` or the context window) and the token counts. With
+    `SamplingParams.logprobs`, `logprobs` holds the tokens that made the piece just returned."""
 
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind the piece last returned
     _pieces: Iterator[str] = field(default_factory=lambda: iter(()), repr=False)
 
     def __iter__(self) -> Iterator[str]:
@@ -331,6 +386,7 @@ class Generator:
         limit = block_size - 1
         self.max_prompt_tokens = min(limit, max_prompt_tokens) if max_prompt_tokens else limit
         self.eos_id = tokenizer.token_to_id(EOS)
+        self.token_texts = TokenTexts(tokenizer)
         # Byte-level BPE: a token covers at most this many bytes, so a prompt of more than
         # max_prompt_tokens times as many bytes is too long without tokenizing it.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -370,7 +426,9 @@ class Generator:
         while True:
             pieces = decoding.take(logits[0, -1])
             out.completion_tokens, out.finish_reason = decoding.tokens, decoding.finish_reason
-            yield from pieces
+            for piece in pieces:
+                out.logprobs = decoding.pop_logprobs()
+                yield piece
             if decoding.finish_reason is not None:
                 return
             logits, cache = self.decoder.step(np.asarray([[decoding.token]]), cache)
@@ -384,6 +442,8 @@ class Decoding:
 
     def __init__(self, generator: Generator, prompt: Sequence[int], params: SamplingParams):
         self.params, self.eos_id = params, generator.eos_id
+        self.token_texts = generator.token_texts
+        self.logprobs: list[TokenLogprob] = []  # of tokens whose text has not gone out yet
         self.rng = np.random.default_rng(params.seed)
         self.text, self.stops = IncrementalDecoder(generator.tokenizer), StopFilter(params.stop)
         self.counts = collections.Counter[int]()
@@ -400,6 +460,8 @@ class Decoding:
         token = sample(self.params.penalized(logits, self.counts), self.params, self.rng)
         if token == self.eos_id:
             return self._finish("stop")
+        if self.params.logprobs is not None:
+            self.logprobs.append(self.token_texts.logprobs(logits, token, self.params.logprobs))
         self.tokens, self.token = self.tokens + 1, token
         self.counts[token] += 1
         piece = self.stops.feed(self.text.add(token))
@@ -409,6 +471,11 @@ class Decoding:
         elif self.tokens >= self.budget:  # no step for a token that will not be used
             pieces += self._finish("length")
         return pieces
+
+    def pop_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The tokens behind the text about to go out (held-back text keeps its tokens)."""
+        out, self.logprobs = tuple(self.logprobs), []
+        return out
 
     def _finish(self, reason: str) -> list[str]:
         tail = self.stops.feed(self.text.flush())

@@ -2,11 +2,11 @@
 (a `RequestError` naming the field), and the response and Server-Sent-Event encodings.
 
 - `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
-  `temperature`, `top_k`, `top_p`, `stop`, `seed`, the penalties, `n`, `echo`, `stream`,
-  `stream_options.include_usage` (other OpenAI fields are refused by name rather than silently
-  ignored).
-- `POST /v1/chat/completions`: the same subset, `echo` aside, with `messages` (rendered by
-  `chat_prompt`) and `max_completion_tokens`.
+  `temperature`, `top_k`, `top_p`, `stop`, `seed`, the penalties, `n`, `logprobs`, `echo`,
+  `stream`, `stream_options.include_usage` and `user` (ignored); other OpenAI fields are refused
+  by name rather than silently ignored.
+- `POST /v1/chat/completions`: the same subset, `echo` aside, with `messages` (rendered by the
+  replica, app/serve/chat.py), `max_completion_tokens`, `logprobs` and `top_logprobs`.
 - `POST /v2/models/{name}/generate` and `/generate_stream`: Triton's generate extension,
   `{"text_input": ..., "parameters": {max_tokens, temperature, ...}}` -> `text_output`.
 """
@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import ServeConfig
+from app.export.generate import TokenLogprob
 from app.serve.protocol import json_type, parse_json
-from app.serve.types import Finished, GenerationRequest, bad
+from app.serve.types import Finished, GenerationRequest, Piece, bad
 
 PENALTIES = ("presence_penalty", "frequency_penalty")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed", *PENALTIES)
@@ -127,8 +128,9 @@ class Completion:
         ]
 
 
-# `user` and `logprobs` null change nothing; anything else would be ignored.
+# `user` changes nothing (accepted and ignored, as documented).
 OPENAI_FIELDS = ("model", "stream", "stream_options", "user", "n", "logprobs", *SAMPLING_FIELDS)
+MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # completions' `logprobs`, chat's `top_logprobs` (OpenAI)
 
 
 def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
@@ -136,22 +138,44 @@ def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
     request = _object(body)
     _unknown(request, ("prompt", "echo", *OPENAI_FIELDS))
     prompt = prompt_text(request.get("prompt"), "prompt")
-    completion = _completion(request, prompt, cfg)
-    return replace(completion, echo=flag(request.get("echo"), "echo"))
+    logprobs = None
+    if request.get("logprobs") is not None:
+        logprobs = int(_number(request["logprobs"], "logprobs", integer=True))
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs: {logprobs} is outside 0..{MAX_LOGPROBS}")
+    echo = flag(request.get("echo"), "echo")
+    if echo and logprobs is not None:
+        raise bad("logprobs: not supported with echo (the prompt's own logprobs)")
+    return replace(_completion(request, prompt, cfg, logprobs), echo=echo)
 
 
 def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
-    """The body of `POST /v1/chat/completions`: `messages` rendered into one prompt."""
+    """The body of `POST /v1/chat/completions`: `messages`, rendered into one prompt by the
+    replica with its model's chat template (app/serve/chat.py)."""
     request = _object(body)
-    _unknown(request, ("messages", "max_completion_tokens", *OPENAI_FIELDS))
+    _unknown(request, ("messages", "max_completion_tokens", "top_logprobs", *OPENAI_FIELDS))
     if request.get("max_completion_tokens") is not None:
         if request.get("max_tokens") is not None:
             raise bad("max_completion_tokens: give it or max_tokens, not both")
         request = {**request, "max_tokens": request["max_completion_tokens"]}
-    return _completion(request, chat_prompt(request.get("messages")), cfg)
+    logprobs = None
+    if flag(request.get("logprobs"), "logprobs"):
+        logprobs = 0
+        if request.get("top_logprobs") is not None:
+            logprobs = int(_number(request["top_logprobs"], "top_logprobs", integer=True))
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise bad(f"top_logprobs: {logprobs} is outside 0..{MAX_TOP_LOGPROBS}")
+    elif request.get("top_logprobs") is not None:
+        raise bad("top_logprobs: only with logprobs: true")
+    completion = _completion(request, "", cfg, logprobs)
+    messages = chat_messages(request.get("messages"))
+    generation = replace(completion.request, field="messages", messages=messages)
+    return replace(completion, request=generation)
 
 
-def _completion(request: dict[str, Any], prompt: str, cfg: ServeConfig) -> Completion:
+def _completion(
+    request: dict[str, Any], prompt: str, cfg: ServeConfig, logprobs: int | None
+) -> Completion:
     model = request.get("model")
     if not isinstance(model, str) or not model:
         raise bad(f"model: expected a model name (string), got {json_type(model)}")
@@ -160,10 +184,9 @@ def _completion(request: dict[str, Any], prompt: str, cfg: ServeConfig) -> Compl
         raise bad(
             f"n: {n} is outside 1..{cfg.generation.max_streams} (serve.generation.max_streams)"
         )
-    if request.get("logprobs") not in (None, False):
-        raise bad("logprobs: not supported")
     stream = flag(request.get("stream"), "stream")
-    generation = GenerationRequest(prompt, sampling(request, "", cfg))
+    params = sampling(request, "", cfg) | ({} if logprobs is None else {"logprobs": logprobs})
+    generation = GenerationRequest(prompt, params)
     return Completion(model, stream, generation, stream_usage(request, stream), n=int(n))
 
 
@@ -179,25 +202,39 @@ def stream_usage(request: dict[str, Any], stream: bool) -> bool:
     return flag(options.get("include_usage"), "stream_options.include_usage")
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
-def chat_prompt(messages: Any) -> str:
-    """The plain chat template (the artifact's tokenizer carries none): each message as
-    `<role>: <content>` on its own line, then `assistant:` for the model to continue."""
+def chat_messages(messages: Any) -> tuple[dict[str, str], ...]:
+    """Validated chat messages as {"role", "content"} (content given as text parts joined)."""
     if not isinstance(messages, list) or not messages:
         raise bad(f"messages: expected a non-empty list, got {json_type(messages)}")
-    lines = []
+    out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(f"{where}: expected an object, got {json_type(message)}")
         _unknown(message, ("role", "content", "name"), f"{where}.")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}"[:200])
-        lines.append(f"{role}: {prompt_text(content, f'{where}.content')}")
-    return "\n".join([*lines, "assistant:"])
+        content = _content(message.get("content"), f"{where}.content")
+        out.append({"role": str(role), "content": content})
+    return tuple(out)
+
+
+def _content(value: Any, field: str) -> str:
+    """A message's text: a string, or OpenAI's list of `{"type": "text", "text": ...}` parts."""
+    if isinstance(value, list) and value:
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else json_type(part)
+                raise bad(f"{field}[{i}]: only text parts are supported, got {kind!r}"[:200])
+            _unknown(part, ("type", "text"), f"{field}[{i}].")
+            texts.append(prompt_text(part.get("text"), f"{field}[{i}].text"))
+        return "".join(texts)
+    return prompt_text(value, field)
 
 
 def parse_generate(body: bytes, cfg: ServeConfig) -> GenerationRequest:
@@ -244,14 +281,15 @@ def sse(event: dict[str, Any]) -> bytes:
 
 class CompletionEncoder:
     """OpenAI `text_completion` objects for one request: streamed chunks or the whole answer,
-    a choice per completion (`index`)."""
+    a choice per completion (`index`), with the tokens' `logprobs` when they were asked for."""
 
     prefix, kind, whole_kind = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, model: str, include_usage: bool = False):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False):
+        self.model, self.include_usage, self.logprobs = model, include_usage, logprobs
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # per choice: characters sent so far (text_offset)
 
     def _object(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
         return {
@@ -263,28 +301,56 @@ class CompletionEncoder:
         }
 
     def _choice(
-        self, index: int, text: str, finish_reason: str | None, whole: bool
+        self, index: int, piece: Piece, finish_reason: str | None, whole: bool
     ) -> dict[str, Any]:
-        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = self._logprobs(index, piece) if self.logprobs else None
+        return {
+            "text": piece.text,
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
-    def chunk(self, index: int, text: str) -> dict[str, Any]:
-        return self._object([self._choice(index, text, None, whole=False)])
+    def _logprobs(self, index: int, piece: Piece) -> dict[str, Any]:
+        """The completions API's form: parallel lists, alternatives as {token: logprob}."""
+        offsets, at = [], self.offsets.get(index, 0)
+        for token in piece.logprobs:
+            offsets.append(at)
+            at += len(token.token)
+        self.offsets[index] = self.offsets.get(index, 0) + len(piece.text)
+        return {
+            "tokens": [t.token for t in piece.logprobs],
+            "token_logprobs": [t.logprob for t in piece.logprobs],
+            "top_logprobs": [_by_text(t) for t in piece.logprobs],
+            "text_offset": offsets,
+        }
+
+    def start(self, index: int, text: str) -> dict[str, Any]:
+        """The echoed prompt's chunk, before the completion's."""
+        self.offsets[index] = len(text)
+        return self._object(
+            [{"text": text, "index": index, "logprobs": None, "finish_reason": None}]
+        )
+
+    def chunk(self, index: int, piece: Piece) -> dict[str, Any]:
+        return self._object([self._choice(index, piece, None, whole=False)])
 
     def finish_chunk(self, index: int, end: Finished) -> dict[str, Any]:
         """The chunk with a choice's finish reason; without stream_options.include_usage it
         carries that completion's usage, as this API always has."""
-        last = self._object([self._choice(index, "", end.finish_reason, whole=False)])
+        last = self._object([self._choice(index, Piece(""), end.finish_reason, whole=False)])
         return last if self.include_usage else {**last, "usage": end.usage()}
 
     def usage_chunk(self, ends: list[Finished]) -> dict[str, Any] | None:
         """With stream_options.include_usage, OpenAI's last chunk: no choices, the usage."""
         return {**self._object([]), "usage": total_usage(ends)} if self.include_usage else None
 
-    def whole(self, answers: list[tuple[str, Finished]]) -> dict[str, Any]:
-        choices = [
-            self._choice(i, text, end.finish_reason, whole=True)
-            for i, (text, end) in enumerate(answers)
-        ]
+    def whole(self, answers: list[tuple[Piece, Finished]], echo: str = "") -> dict[str, Any]:
+        choices = []
+        for i, (piece, end) in enumerate(answers):
+            self.offsets[i] = len(echo)
+            whole = Piece(echo + piece.text, piece.logprobs)
+            choices.append(self._choice(i, whole, end.finish_reason, whole=True))
         usage = total_usage([end for _, end in answers])
         return {**self._object(choices, self.whole_kind), "usage": usage}
 
@@ -295,11 +361,33 @@ class ChatEncoder(CompletionEncoder):
     prefix, kind, whole_kind = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def _choice(
-        self, index: int, text: str, finish_reason: str | None, whole: bool
+        self, index: int, piece: Piece, finish_reason: str | None, whole: bool
     ) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": piece.text}
         key = "message" if whole else "delta"
-        return {"index": index, key: message, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = None
+        if self.logprobs:
+            logprobs = {"content": [_chat_logprob(t) for t in piece.logprobs], "refusal": None}
+        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _by_text(token: TokenLogprob) -> dict[str, float]:
+    """Alternatives as {text: logprob}; two tokens of one text (bytes of a split character
+    both read U+FFFD) keep the likelier."""
+    out: dict[str, float] = {}
+    for text, _, logprob in token.top:
+        out.setdefault(text, logprob)
+    return out
+
+
+def _chat_logprob(token: TokenLogprob) -> dict[str, Any]:
+    top = [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in token.top]
+    return {
+        "token": token.token,
+        "logprob": token.logprob,
+        "bytes": list(token.bytes),
+        "top_logprobs": top,
+    }
 
 
 def total_usage(ends: list[Finished]) -> dict[str, int]:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from app.export.generate import Decoding, Generator, KVBatch, SamplingParams
+from app.serve.types import Piece
 
 log = logging.getLogger("ray.serve")
 _END = object()
@@ -52,15 +53,32 @@ class LoopGeneration:
 
     def hand(self, pieces: list[str], ended: bool) -> None:
         """From the loop's thread: text for the consumer, and whether the stream ended."""
-        for item in [*pieces, *([_END] if ended else [])]:
+        items: list[object] = [
+            Piece(text, self.decoding.pop_logprobs() if i == 0 else ())
+            for i, text in enumerate(pieces)
+        ]
+        for item in [*items, *([_END] if ended else [])]:
             self._loop.call_soon_threadsafe(self._events.put_nowait, item)
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncIterator[Piece]:
         return self._pieces()
 
-    async def _pieces(self) -> AsyncIterator[str]:
+    async def _pieces(self) -> AsyncIterator[Piece]:
+        """The pieces as they come; pieces that came while the consumer was busy go out
+        together (one event, not one per token), the first as soon as it exists."""
         while (item := await self._events.get()) is not _END:
-            yield str(item)
+            assert isinstance(item, Piece)
+            text, logprobs, ended = item.text, item.logprobs, False
+            while not self._events.empty():
+                more = self._events.get_nowait()
+                if more is _END:
+                    ended = True
+                    break
+                assert isinstance(more, Piece)
+                text, logprobs = text + more.text, logprobs + more.logprobs
+            yield Piece(text, logprobs)
+            if ended:
+                return
 
 
 class DecodeLoop:
@@ -85,6 +103,10 @@ class DecodeLoop:
         self.waiting.put(generation)
         self._wake.set()
         return generation
+
+    def waiting_count(self) -> int:
+        """Streams submitted whose prompt is not yet in the batch (read from any thread)."""
+        return self.waiting.qsize() + len(self.prefilling)
 
     def close(self) -> None:
         """The thread ends once the streams it has end (a variant switch starts a new loop)."""

@@ -22,8 +22,9 @@ from typing import Any
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
 from app.export.generate import Generation, Generator, PromptError, SamplingParams
+from app.serve.chat import from_preprocessor as chat_template
 from app.serve.decode_loop import DecodeLoop, LoopGeneration
-from app.serve.metric_buffer import model_gauge, model_histogram, process_buffer
+from app.serve.metric_buffer import model_counter, model_gauge, model_histogram, process_buffer
 from app.serve.model_server import model_info
 from app.serve.types import (
     Finished,
@@ -59,6 +60,7 @@ class LMServer:
         }
         self._metrics = _GenerationMetrics(self.artifact.name)
         self.kv_budget = KVBudget(cfg.generation.max_kv_cache_mib, self.generator.decoder)
+        self.chat = chat_template(self.artifact.preprocessor.state)
         log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def _generator(self, variant: str) -> Generator:
@@ -110,8 +112,9 @@ class LMServer:
                 f"{self.cfg.generation.max_streams} generations; retry later",
                 retry_after_s=1,
             )
+        prompt = self.chat.render(request.messages) if request.messages else request.prompt
         try:
-            ids = self.generator.encode(request.prompt, request.field)
+            ids = self.generator.encode(prompt, request.field)
         except PromptError as e:
             raise RequestError(400, str(e)) from None
         params = SamplingParams(**request.params)
@@ -131,7 +134,7 @@ class LMServer:
                 timing.token_came()
                 self._hold(0, len(ids) + generation.completion_tokens - held)
                 held = len(ids) + generation.completion_tokens
-                yield Piece(piece)
+                yield piece
             yield self._end(generation)
             self.stats["completed"] += 1
         except (asyncio.CancelledError, GeneratorExit):
@@ -145,22 +148,24 @@ class LMServer:
             self._metrics.observe(timing, generation.completion_tokens)
 
     def _hold(self, streams: int, tokens: int) -> None:
-        """Streams and cached tokens running now, in the stats and the gauges."""
+        """Streams and cached tokens now, in the stats and the gauges: a stream waits until its
+        prompt is in its cache (the decode loop's prefill), then runs."""
         self.stats["active"] += streams
         self.stats["kv_cache_tokens"] += tokens
-        self._metrics.levels(self.stats["active"], self.stats["kv_cache_tokens"])
+        waiting = self.loop.waiting_count() if self.loop is not None else 0
+        self._metrics.levels(self.stats["active"] - waiting, waiting, self.stats["kv_cache_tokens"])
 
-    async def _pieces(self, generation: Generation | LoopGeneration) -> AsyncIterator[str]:
+    async def _pieces(self, generation: Generation | LoopGeneration) -> AsyncIterator[Piece]:
         if isinstance(generation, LoopGeneration):  # the decode loop hands the text over
             async for piece in generation:
                 yield piece
             return
         loop = asyncio.get_running_loop()
         while True:
-            text = await loop.run_in_executor(self.pool, _next_piece, generation)
-            if text is None:
+            step: Piece | None = await loop.run_in_executor(self.pool, _next_piece, generation)
+            if step is None:
                 return
-            yield text
+            yield step
 
     def _end(self, generation: Generation | LoopGeneration) -> Finished:
         return Finished(
@@ -171,9 +176,10 @@ class LMServer:
         )
 
 
-def _next_piece(generation: Generation) -> str | None:
+def _next_piece(generation: Generation) -> Piece | None:
     """One model step on a worker thread: the next piece, or None at the end."""
-    return next(generation, None)
+    text = next(generation, None)
+    return None if text is None else Piece(text, generation.logprobs)
 
 
 class KVBudget:
@@ -239,13 +245,19 @@ class _GenerationMetrics:
             "time per output token after the first, per generation (ms)",
             [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
         )
-        self.running = model_gauge("raytorch_generation_running", "generations running")
+        self.tokens = model_counter("raytorch_generation_tokens_total", "tokens generated")
+        self.running = model_gauge("raytorch_generation_running", "generations decoding")
+        self.waiting = model_gauge(
+            "raytorch_generation_waiting", "generations admitted, their prompt not yet in cache"
+        )
         self.kv_tokens = model_gauge(
             "raytorch_generation_kv_cache_tokens",
             "tokens held in the running generations' KV caches",
         )
 
     def observe(self, timing: _Timing, tokens: int) -> None:
+        if tokens:
+            process_buffer().inc(self.tokens, self.tags, by=tokens)
         if timing.first is None:  # refused, cancelled or ended before any text
             return
         process_buffer().observe(self.ttft, 1000 * (timing.first - timing.start), self.tags)
@@ -253,6 +265,7 @@ class _GenerationMetrics:
             tpot = 1000 * (timing.last - timing.first) / (tokens - 1)
             process_buffer().observe(self.tpot, tpot, self.tags)
 
-    def levels(self, running: int, kv_tokens: int) -> None:
+    def levels(self, running: int, waiting: int, kv_tokens: int) -> None:
         process_buffer().set(self.running, running, self.tags)
+        process_buffer().set(self.waiting, waiting, self.tags)
         process_buffer().set(self.kv_tokens, kv_tokens, self.tags)

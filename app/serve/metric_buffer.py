@@ -31,9 +31,9 @@ class MetricBuffer:
         self._levels: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
         self._thread: threading.Thread | None = None
 
-    def inc(self, counter: Any, tags: dict[str, str]) -> None:
+    def inc(self, counter: Any, tags: dict[str, str], by: float = 1) -> None:
         with self._lock:
-            self._counts[(counter, tuple(sorted(tags.items())))] += 1
+            self._counts[(counter, tuple(sorted(tags.items())))] += by
         self._start()
 
     def observe(self, histogram: Any, value: float, tags: dict[str, str]) -> None:
@@ -88,6 +88,12 @@ def model_gauge(name: str, description: str) -> Any:
     from ray.util.metrics import Gauge
 
     return Gauge(name, description=description, tag_keys=("model",))
+
+
+def model_counter(name: str, description: str) -> Any:
+    from ray.util.metrics import Counter
+
+    return Counter(name, description=description, tag_keys=("model",))
 
 
 @functools.cache

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from app.export.generate import TokenLogprob
+
 
 class RequestError(Exception):
     """A request the model cannot answer: its HTTP status and a message naming the field."""
@@ -92,6 +94,9 @@ class GenerationRequest:
     prompt: str
     params: dict[str, Any]  # app.export.generate.SamplingParams keyword arguments
     field: str = "prompt"  # the request field the prompt came in, for error messages
+    # Chat messages ({"role", "content"} each), rendered into the prompt by the replica with
+    # its model's chat template; `prompt` is then unused.
+    messages: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,7 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Piece:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind `text`, when asked for
 
 
 @dataclass(frozen=True, slots=True)

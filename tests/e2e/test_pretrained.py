@@ -94,6 +94,21 @@ def test_gpt2_folder_is_fine_tuned_and_streams_completions(pipelines):
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+    # Chat messages go through the folder's own chat template, rendered as transformers does.
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = requests.post(
+        f"{SERVE}/v1/chat/completions",
+        json={"model": "pt-gpt2", "messages": messages, "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    tokenizer = AutoTokenizer.from_pretrained(run["folder"])
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith("### SYSTEM\nBe brief.")  # the folder's template, not the plain one
+    expected = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(expected)
     models = {m["name"]: m for m in requests.get(f"{SERVE}/v1/models", timeout=10).json()["models"]}
     lineage = models["pt-gpt2"]["manifest"]["base_model"]
     assert lineage["uri"] == run["folder"] and lineage["model_type"] == "gpt2"

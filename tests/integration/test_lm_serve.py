@@ -343,6 +343,42 @@ def test_openai_client_chat_completions_whole_and_streamed(openai_client):
     assert "".join(deltas) == message.content
 
 
+def test_openai_client_logprobs_rank_the_greedy_token_first_whole_and_streamed(openai_client):
+    """Greedy decoding picks the likeliest token: each reported token is its position's top
+    alternative, the alternatives come likeliest first, and the tokens spell the text."""
+    whole = openai_client.completions.create(
+        model="tinylm", prompt="def ", max_tokens=10, temperature=0, logprobs=3
+    )
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == whole.usage.completion_tokens
+    # Tokens spell the text, but for a token that ends inside a character (it reads U+FFFD).
+    assert "".join(lp.tokens) == choice.text or "\ufffd" in "".join(lp.tokens)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        ranked = sorted(top.values(), reverse=True)
+        # Three alternatives (fewer keys when two read the same, as split bytes do).
+        assert 1 <= len(top) <= 3 and logprob <= 0 and logprob == pytest.approx(ranked[0])
+        assert top[token] == pytest.approx(logprob)
+    streamed = openai_client.completions.create(
+        model="tinylm", prompt="def ", max_tokens=10, temperature=0, logprobs=3, stream=True
+    )
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for chunk in chunks for t in chunk.tokens] == lp.tokens
+    chat = openai_client.chat.completions.create(
+        model="tinylm",
+        messages=[{"role": "user", "content": "def "}],
+        max_completion_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    spelled = bytes(b for t in content for b in t.bytes).decode("utf-8", "replace")
+    assert spelled == chat.choices[0].message.content
+    assert all(t.top_logprobs[0].token == t.token and len(t.top_logprobs) == 2 for t in content)
+
+
 def test_openai_client_stop_cuts_and_a_seed_repeats(openai_client):
     def complete(**fields):
         return openai_client.completions.create(

@@ -369,6 +369,8 @@ def test_grafana_dashboard_covers_training_and_serving_metrics() -> None:
         "ray_raytorch_generation_ttft_ms_bucket",
         "ray_raytorch_generation_tpot_ms_bucket",
         "ray_raytorch_generation_running",
+        "ray_raytorch_generation_waiting",
+        "ray_raytorch_generation_tokens_total",
         "ray_raytorch_generation_kv_cache_tokens",
     ):
         assert metric in exprs, f"no panel queries {metric}"

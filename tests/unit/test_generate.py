@@ -85,6 +85,27 @@ def test_multibyte_characters_come_out_whole(tokenizer):
     assert len(pieces) > 1  # streamed, not one blob at the end
 
 
+def test_logprobs_name_each_token_its_bytes_and_the_likeliest_alternatives(tokenizer):
+    """Every generated token is reported once, with the piece its text went out in; the bytes of
+    the byte tokens that split a character add up to the character."""
+    text = "café 10 € ✓"
+    generator, _, script = scripted(tokenizer, text)
+    params = SamplingParams(max_tokens=len(script), temperature=0, logprobs=2)
+    generation = generator.generate([1], params)
+    tokens = []
+    for piece in generation:
+        assert generation.logprobs, f"the piece {piece!r} came without its tokens"
+        tokens += generation.logprobs
+    assert len(tokens) == len(script)
+    assert bytes(b for t in tokens for b in t.bytes) == text.encode()
+    # The scripted model puts logit 10 on its token and 0 on each other one.
+    expected = 10 - np.log(np.exp(10) + tokenizer.get_vocab_size() - 1)
+    for t in tokens:
+        assert t.logprob == pytest.approx(expected)
+        assert len(t.top) == 2 and (t.top[0][0], t.top[0][2]) == (t.token, t.logprob)
+        assert t.top[1][2] < t.logprob
+
+
 def test_stop_string_cuts_the_text_and_never_streams_part_of_it(tokenizer):
     generator, session, _ = scripted(tokenizer, "print('hello world')\nreturn a")
     generation = generator.generate(
@@ -323,12 +344,17 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
     params = [
         SamplingParams(max_tokens=12, temperature=0),
         SamplingParams(max_tokens=20, temperature=1.0, seed=5, frequency_penalty=0.5),
-        SamplingParams(max_tokens=40, temperature=0),
+        SamplingParams(max_tokens=40, temperature=0, logprobs=3),
     ]
     alone = []
     for prompt, p in zip(prompts, params, strict=True):
         generation = generator.generate(prompt, p)
-        alone.append((generation.text(), generation.finish_reason, generation.completion_tokens))
+        text, logprobs = "", []
+        for piece in generation:
+            text, logprobs = text + piece, logprobs + list(generation.logprobs)
+        ends = (generation.finish_reason, generation.completion_tokens)
+        alone.append((text, *ends, logprobs))
+    assert len(alone[2][3]) == alone[2][2]  # a logprob per token
 
     async def together():
         loop = DecodeLoop(generator)
@@ -338,18 +364,22 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
         return results, loop.stats
 
     results, stats = asyncio.run(together())
-    assert results == alone
+    assert [r[:3] for r in results] == [a[:3] for a in alone]
+    for together_, alone_ in zip(results, alone, strict=True):
+        assert [t.token for t in together_[3]] == [t.token for t in alone_[3]]
+        assert [t.logprob for t in together_[3]] == pytest.approx([t.logprob for t in alone_[3]])
     assert stats["batch_peak"] == 3  # the streams really shared steps
 
 
 async def read(stream, stop_after: int | None = None):
-    """A stream's text, finish reason and tokens; its client leaves after `stop_after` tokens."""
-    text = ""
+    """A stream's text, finish reason, tokens and their logprobs; its client leaves after
+    `stop_after` tokens."""
+    text, logprobs = "", []
     async for piece in stream:
-        text += piece
+        text, logprobs = text + piece.text, logprobs + list(piece.logprobs)
         if stop_after is not None and stream.completion_tokens >= stop_after:
             stream.close()
-    return text, stream.finish_reason, stream.completion_tokens
+    return text, stream.finish_reason, stream.completion_tokens, logprobs
 
 
 class GatedSession:
@@ -395,7 +425,7 @@ def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step
     assert left[1] == "cancelled" and left[2] <= 3  # at most the step already under way
     alone = generator.generate([7], greedy_long)
     gated.permits.release(100)
-    assert stayed == (alone.text(), alone.finish_reason, alone.completion_tokens)
+    assert stayed[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
 
 
 class RecordingSession(GatedSession):
@@ -443,7 +473,7 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
     between = recording.shapes[chunk_calls[0] : chunk_calls[-1]]
     assert (1, 1) in between  # the running stream stepped while the prompt went in
     alone = generator.generate(long_prompt, params)
-    assert late == (alone.text(), alone.finish_reason, alone.completion_tokens)
+    assert late[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
 
 
 def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():

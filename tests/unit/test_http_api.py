@@ -648,16 +648,23 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
     assert len({module for module, _ in called}) <= 3, sorted(called)
 
 
-def test_chat_messages_are_rendered_and_refused_by_field(monkeypatch):
-    from app.serve.completions import chat_prompt
+def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
+    from app.serve.completions import chat_messages
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert chat_prompt(messages) == "system: Be brief.\nuser: hi\nassistant:"
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    assert chat_messages([messages[0], {"role": "user", "content": parts}]) == tuple(messages)
     c = client(monkeypatch)
     for body, field in [
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"model": "m", "messages": messages, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "m", "messages": messages, "logprobs": 3}, "logprobs"),
         ({"model": "m", "messages": messages, "tools": []}, '"tools"'),
         (
             {"model": "m", "messages": messages, "stream_options": {"include_usage": True}},
@@ -686,10 +693,22 @@ def test_n_echo_and_penalties_are_read_and_bounded():
         ({"n": 1.5}, "n"),
         ({"echo": "yes"}, "echo"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),  # the completions API takes a count
+        ({"logprobs": 2}, "logprobs"),  # with echo: the prompt's logprobs are not computed
     ]:
         with pytest.raises(RequestError) as info:
             parse_completion(json.dumps({**body, **bad_fields}).encode(), cfg)
         assert info.value.message.startswith(named), info.value.message
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "echo": True}
+    no_echo = {k: v for k, v in body.items() if k != "echo"}
+    assert (
+        parse_completion(json.dumps({**no_echo, "logprobs": 0}).encode(), cfg).request.params[
+            "logprobs"
+        ]
+        == 0
+    )
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    top = parse_chat(json.dumps({**chat, "logprobs": True, "top_logprobs": 3}).encode(), cfg)
+    assert top.request.params["logprobs"] == 3 and top.request.messages == tuple(chat["messages"])
     with pytest.raises(RequestError, match="echo"):  # a completions field only
-        parse_chat(json.dumps(chat).encode(), cfg)
+        parse_chat(json.dumps({**chat, "echo": True}).encode(), cfg)

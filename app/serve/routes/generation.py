@@ -59,19 +59,19 @@ async def openai_answer(
     in `[DONE]`."""
     name = completion.model
     streams = await start_all(models(request), name, completion.requests())
-    encoder = encoding(name, completion.include_usage)
+    logprobs = completion.request.params.get("logprobs") is not None
+    encoder = encoding(name, completion.include_usage, logprobs)
     echo = completion.request.prompt if completion.echo else ""
     if not completion.stream:
-        answers = await collect_all(name, streams)
-        return encoder.whole([(echo + text, end) for text, end in answers])
+        return encoder.whole(await collect_all(name, streams), echo)
 
     async def chunks():
         ends = []
         for index in range(len(streams) if echo else 0):
-            yield sse(encoder.chunk(index, echo))
+            yield sse(encoder.start(index, echo))
         async for index, event in merged(streams):
             if isinstance(event, Piece):
-                yield sse(encoder.chunk(index, event.text))
+                yield sse(encoder.chunk(index, event))
             elif isinstance(event, Finished):
                 ends.append(event)
                 yield sse(encoder.finish_chunk(index, event))
@@ -98,7 +98,7 @@ async def start_all(m: Models, name: str, requests: list[GenerationRequest]) -> 
     return started
 
 
-async def collect_all(name: str, streams: list[Events]) -> list[tuple[str, Finished]]:
+async def collect_all(name: str, streams: list[Events]) -> list[tuple[Piece, Finished]]:
     tasks = [asyncio.ensure_future(collect(name, events)) for events in streams]
     try:
         return list(await asyncio.gather(*tasks))
@@ -148,8 +148,8 @@ async def generate(name: str, request: Request):
     first, events = await m.generate(name, generation)
     version = first.version if isinstance(first, Started) else ""
     if not request.url.path.endswith("/generate_stream"):
-        text, end = await collect(name, events)
-        return triton_answer(name, version, text, end)
+        whole, end = await collect(name, events)
+        return triton_answer(name, version, whole.text, end)
 
     async def chunks():
         async for event in events:
@@ -161,14 +161,15 @@ async def generate(name: str, request: Request):
     return event_stream([events], chunks())
 
 
-async def collect(name: str, events: Events) -> tuple[str, Finished]:
-    """A whole generation's text and its end. A replica that dies mid-way is a 503 (retry)."""
-    pieces: list[str] = []
+async def collect(name: str, events: Events) -> tuple[Piece, Finished]:
+    """A whole generation's text (and token logprobs) and its end. A replica that dies mid-way
+    is a 503 (retry)."""
+    pieces: list[Piece] = []
     end: Finished | None = None
     try:
         async for event in events:
             if isinstance(event, Piece):
-                pieces.append(event.text)
+                pieces.append(event)
             elif isinstance(event, Finished):
                 end = event
     except unavailable_errors() as e:
@@ -179,7 +180,8 @@ async def collect(name: str, events: Events) -> tuple[str, Finished]:
         await close_events(events)
     if end is None:
         raise RequestError(503, f"model {name!r} ended the generation early; retry")
-    return "".join(pieces), end
+    text = "".join(p.text for p in pieces)
+    return Piece(text, tuple(t for p in pieces for t in p.logprobs)), end
 
 
 def event_stream(streams: list[Events], chunks: AsyncIterator[bytes]) -> StreamingResponse:

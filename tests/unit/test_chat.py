@@ -1,0 +1,83 @@
+"""app/serve/chat.py: chat messages rendered as transformers renders them, in a sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.serve.chat import ChatTemplate, plain_template
+from app.serve.types import RequestError
+
+pytestmark = pytest.mark.unit
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": 'And "3" + 3 ✓?'},
+]
+# Templates in the shapes models ship: ChatML (with a check that raises), one with tojson and
+# the special tokens, and the tiny test folder's.
+CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+JSONISH = (
+    "{{ bos_token }}{% for m in messages %}"
+    "  {{ m['role'] }}={{ m['content'] | tojson }}\n"
+    "{% endfor %}{{ eos_token }}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.make_tiny_pretrained import gpt2_tokenizer
+
+    tokenizer = gpt2_tokenizer(300)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [CHATML, JSONISH], ids=["chatml", "tojson"])
+def test_a_model_template_renders_as_transformers_renders_it(hf_tokenizer, template):
+    expected = hf_tokenizer.apply_chat_template(
+        MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    tokens = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    assert ChatTemplate(template, tokens).render(MESSAGES) == expected
+
+
+def test_the_tiny_folders_template_is_read_from_the_folder(tmp_path):
+    from app.pretrained import Pretrained
+    from tests.make_tiny_pretrained import CHAT_TEMPLATE, make_gpt2
+
+    folder = Pretrained(make_gpt2(str(tmp_path / "gpt2")))
+    assert folder.chat_template() == CHAT_TEMPLATE
+    rendered = ChatTemplate(folder.chat_template(), folder.special_tokens()).render(MESSAGES[:2])
+    assert (
+        rendered
+        == "### SYSTEM\nBe brief.<|endoftext|>\n### USER\nWhat is 2 + 2?<|endoftext|>\n### ASSISTANT\n"
+    )
+
+
+def test_a_template_cannot_reach_python_and_its_own_errors_are_a_400_naming_messages():
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    mutate = "{{ messages.append(1) }}"
+    for template in (escape, mutate):
+        with pytest.raises(RequestError) as refused:
+            ChatTemplate(template).render(MESSAGES)
+        assert refused.value.status == 400 and refused.value.message.startswith("messages:")
+    with pytest.raises(RequestError, match="unknown role tool"):
+        ChatTemplate(CHATML).render([{"role": "tool", "content": "x"}])
+
+
+def test_a_model_without_a_template_gets_the_plain_one():
+    plain = ChatTemplate(None)
+    assert plain.name == "plain"
+    assert plain.render(MESSAGES[:2]) == plain_template(MESSAGES[:2])
+    assert plain_template(MESSAGES[:2]) == "system: Be brief.\nuser: What is 2 + 2?\nassistant:"
