@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # The domain errors live in app/errors.py; `from app.config import ConfigError` keeps working.
 from app.errors import ConfigError as ConfigError
@@ -192,7 +199,12 @@ class TrainConfig(_Section):
     # Default "<workload>-<timestamp>-<6 hex>"; an existing one resumes. A folder name, never a path.
     run_name: str | None = Field(None, pattern=NAME_PATTERN)
     storage_path: str = "outputs/runs"  # where runs and checkpoints go (a path or URI)
-    num_workers: int = Field(2, ge=1)  # Ray Train workers (DDP or FSDP ranks)
+    # Ray Train workers (DDP or FSDP ranks): a count, or [min, max] for an elastic run that
+    # starts once `min` fit, grows toward `max` as resources appear and goes on with fewer when
+    # a node is lost, each time from the latest checkpoint (app/train/elastic.py).
+    num_workers: int | tuple[int, int] = 2
+    # Elastic runs: how often Ray Train considers a resize (its elastic_resize_monitor_interval_s).
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
     # Fractional CPUs so Ray Data's read/map tasks still fit beside the workers on 2 cores.
     cpus_per_worker: float = Field(0.5, gt=0)
@@ -269,6 +281,31 @@ class TrainConfig(_Section):
     # line per epoch only.
     log_every_steps: int = Field(0, ge=0)
 
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_range(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (value, value) if isinstance(value, int) else value
+        if low < 1 or high < low:
+            raise ValueError("a count >= 1, or [min, max] with 1 <= min <= max")
+        return value
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        n = self.num_workers
+        return (n, n) if isinstance(n, int) else (int(n[0]), int(n[1]))
+
+    @property
+    def min_workers(self) -> int:
+        return self.worker_range[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.worker_range[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
 
 class ExportConfig(_Section):
     registry: str = "outputs/registry"  # where artifacts are published (a path or URI)
@@ -340,11 +377,12 @@ class GenerationConfig(_Section):
     """`serve.generation`: a language model's replica (app/serve/lm_server.py)."""
 
     # Prompt tokens at most (and never beyond the model's window), `max_tokens` a request may
-    # ask for and its default, and generations a replica runs at once (one more is a 503).
+    # ask for and its default, and generations a replica runs at once (one more is a 503; the
+    # decode loop steps them all together, so more streams cost little more than one).
     max_prompt_tokens: int = Field(1024, ge=1)
     max_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(16, ge=1)
-    max_streams: int = Field(4, ge=1)
+    max_streams: int = Field(16, ge=1)
     # Running streams share each model step (one decode loop a replica) when the artifact's
     # graph can batch them; off: each stream steps alone on a worker thread.
     continuous_batching: bool = True

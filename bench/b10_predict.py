@@ -1,28 +1,35 @@
-"""B10 batch inference: rows/s of jobs.predict (Ray Data + an ONNX Runtime actor pool) vs the
-online endpoint (Ray Serve, the project's app) on the same machine and the same tabular artifact.
+"""B10 batch inference that scales with the data: jobs.predict at 100k, 1M and 10M rows against
+the online endpoint's best rows/s, on the same machine and the same tabular artifact.
 
-- batch: app.predict.driver.predict (what `python -m jobs.predict` runs) on 100,000 rows (5,000 in
-  smoke) of breast-cancer-like rows in Parquet, int8 as served; rows/s over the whole stage
-  (artifact checks, actor start, read, inference, writing and publishing the output);
-- online: build_app with configs/tabular.yaml's serve section (one replica), closed-loop v2 JSON
-  infer requests of 1 and of 256 rows from 8 connections (bench.load); rows/s = rows answered
-  per second.
-
-Both run in one private 2-CPU Ray, one after the other (the batch job first, then Serve), so
-neither competes with the other. A sample of the batch output is also sent to the endpoint and
-the answers compared (labels, largest probability difference).
+- batch: app.predict.driver.predict (what `python -m jobs.predict` runs) over breast-cancer-like
+  rows generated as Parquet shards of 1M rows (100k, 1M and 10M rows; 5k and 20k in smoke),
+  int8 as served, in a private 2-CPU Ray; rows/s over the whole stage (artifact checks, actor
+  start, read, inference, writing and publishing the output) and the peak memory (PSS) of the
+  whole Ray process tree while it runs;
+- online: the project's Serve app as cluster/start.sh runs it (bench.serve_child: HAProxy in
+  front of one int8 replica), v2 JSON infer requests of 1, 64, 256 and 1024 rows at 8 and 32
+  connections (wrk, 4 s windows after a 1 s warm-up); the best rows/s of that grid;
+- where the batch time goes: the four stages of a batch timed alone on one core over 100k rows
+  (read the Parquet shard, check and preprocess the rows, ONNX Runtime, write the output part),
+  as microseconds per row beside the job's own wall time per row.
+A sample of the batch output is sent to the endpoint and the answers compared. Goals: batch
+rows/s at least 3x the online best at 1M rows and above; peak memory at 10M at most 1.2x 1M's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.b5_serve import _stop, start_ht_child, wait_child_ready
+from bench.b8_memory import PeakMemory
 from bench.common import (
     Bench,
     bench_config,
@@ -32,17 +39,20 @@ from bench.common import (
     private_ray,
     wait_for_quiet,
 )
-from bench.load import closed_loop, wait_ready
+from bench.load import wrk_run
 
 ID = "B10"
-WHAT = "batch inference: jobs.predict (Ray Data actor pool) vs the online endpoint, rows/s"
-GOAL = "jobs.predict rows/s >= the online endpoint's best rows/s"
-REQUEST_ROWS = (1, 256)
+WHAT = "batch inference at 100k/1M/10M rows: jobs.predict vs the online endpoint's best, memory"
+GOAL = "jobs.predict rows/s >= 3x the online best at >= 1M rows; peak memory at 10M <= 1.2x 1M's"
+SIZES, SMOKE_SIZES = (100_000, 1_000_000, 10_000_000), (5_000, 20_000)
+SHARD_ROWS = 1_000_000
+REQUEST_ROWS, CONNECTIONS = (1, 64, 256, 1024), (8, 32)
 SAMPLE = 256
 
 
 def scoring_input(work: Path, config, rows: int) -> tuple[str, list[str]]:
-    """`rows` rows drawn from the prepared breast-cancer table with a little noise, ids 0..n-1."""
+    """`rows` rows drawn from the prepared breast-cancer table with a little noise, ids 0..n-1,
+    written in shards of SHARD_ROWS (made once per --work and size, a chunk at a time)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -51,23 +61,41 @@ def scoring_input(work: Path, config, rows: int) -> tuple[str, list[str]]:
 
     manifest = read_manifest(config.data_output)
     columns = list(manifest.feature_columns)
+    folder = work / f"b10-input-{rows}"
+    if (folder / "DONE").exists():
+        return str(folder), columns
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     source = next(iter_shards(split_files(config.data_output, manifest, "train")))
     base = source[columns].to_numpy(np.float64)
     rng = np.random.default_rng(0)
-    picked = base[rng.integers(0, len(base), rows)] * rng.normal(1.0, 0.02, (rows, len(columns)))
-    table = {"id": pa.array(np.arange(rows))} | {c: picked[:, j] for j, c in enumerate(columns)}
-    path = work / "b10-input" / "part-0.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(table), path)
-    return str(path.parent), columns
+    for part, start in enumerate(range(0, rows, SHARD_ROWS)):
+        n = min(SHARD_ROWS, rows - start)
+        picked = base[rng.integers(0, len(base), n)] * rng.normal(1.0, 0.02, (n, len(columns)))
+        table = {"id": pa.array(np.arange(start, start + n))}
+        table |= {c: picked[:, j] for j, c in enumerate(columns)}
+        pq.write_table(pa.table(table), folder / f"part-{part:05d}.parquet")
+    (folder / "DONE").touch()
+    return str(folder), columns
 
 
-def run_batch(config, artifact: str, input_uri: str, work: Path) -> dict[str, Any]:
+def run_batch(config, artifact: str, input_uri: str, output: str) -> dict[str, Any]:
+    """jobs.predict's stage in a private Ray: its summary, wall time and the peak PSS of the
+    Ray process tree (this process, the raylet, the object store, the actors) meanwhile."""
     from app.predict.driver import predict
 
-    start = time.perf_counter()
-    summary = predict(config, artifact, input_uri, str(work / "b10-output"), overwrite=True)
-    return {**summary, "wall_s": time.perf_counter() - start}
+    with private_ray() as ray_info, PeakMemory(interval=0.5) as memory:
+        start = time.perf_counter()
+        summary = predict(config, artifact, input_uri, output, overwrite=True)
+        wall = time.perf_counter() - start
+    return {
+        **summary,
+        "wall_s": wall,
+        "rows_per_s": summary["rows"]["input"] / wall,
+        "peak_memory_bytes": memory.peak,
+        "peak_memory_by_kind": memory.peak_by_kind,
+        "ray": ray_info,
+    }
 
 
 def infer_body(rows: np.ndarray) -> bytes:
@@ -80,38 +108,83 @@ def infer_body(rows: np.ndarray) -> bytes:
     return json.dumps({"inputs": [tensor]}).encode()
 
 
-def run_online(config, artifact: str, sample: np.ndarray, smoke: bool) -> dict[str, Any]:
-    from ray import serve
-
-    from app.serve.app import build_app
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    results: dict[str, Any] = {}
+def run_online(config, artifact: str, sample: np.ndarray, work: Path, smoke: bool) -> dict:
+    """The endpoint as cluster/start.sh runs it, over the grid of request sizes and
+    connections; its answer for the sample rows."""
+    cfg = config.serve.model_dump(mode="json")
+    cfg["autoscaling"].update(min_replicas=1, max_replicas=1)
+    port, scratch = free_port(), tempfile.mkdtemp(prefix="b10-")
+    log = work / "logs" / "b10_serve.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    child = start_ht_child(artifact, cfg, port, scratch, log, name="tabular")
+    grid: dict[str, Any] = {}
     try:
-        cfg = config.serve.model_dump(mode="json")
-        cfg["autoscaling"].update(min_replicas=1, max_replicas=1)
-        app = build_app({"models": [{"name": "tabular", "artifact": artifact}], "serve": cfg})
-        serve.run(app, name="b10", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, 120)
-        infer = f"{url}/v2/models/tabular/infer"
+        wait_child_ready(child, 300, log)
+        url = f"http://127.0.0.1:{port}/v2/models/tabular/infer"
         for n in REQUEST_ROWS:
-            load = closed_loop(
-                infer,
-                infer_body(sample[:n]),
-                connections=8,
-                duration_s=2.0 if smoke else 8.0,
-                warmup_s=0.5 if smoke else 1.0,
-                max_requests=5_000 if smoke else 100_000,
-            )
-            load["rows_per_request"] = n
-            load["rows_per_s"] = load["requests_per_s"] * n
-            results[f"rows_{n}"] = load
-        results["sample_answer"] = _answer(infer, sample)
+            body_file = os.path.join(scratch, f"body-{n}.jsonl")
+            Path(body_file).write_bytes(infer_body(sample[:n]) + b"\n")
+            for c in CONNECTIONS:
+                wrk_run(url, body_file, c, 1.0)  # warm-up
+                result = wrk_run(url, body_file, c, 2.0 if smoke else 4.0)
+                result["rows_per_s"] = result["requests_per_s"] * n
+                grid[f"rows_{n}_conns_{c}"] = {"rows_per_request": n, **result}
+        answer = _answer(url, sample)
     finally:
-        serve.shutdown()
-    return results
+        _stop(child)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"grid": grid, "sample_answer": answer}
+
+
+def stage_costs(artifact: str, input_uri: str, config, rows: int = 100_000) -> dict[str, float]:
+    """Microseconds per row of each stage of a batch, each timed alone on one core: read the
+    first shard's first `rows` rows, check and preprocess them, ONNX Runtime (int8, one thread,
+    predict.batch_size rows a call), write the output columns to Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.export.artifact import open_artifact, run_logits, softmax
+
+    loaded = open_artifact(artifact)
+    columns = loaded.schema["feature_columns"]
+    shard = sorted(Path(input_uri).glob("part-*.parquet"))[0]
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        timings[name] = 1e6 * (time.perf_counter() - start) / rows
+        return out
+
+    table = timed("read", lambda: pq.read_table(shard).slice(0, rows))
+    raw = timed(
+        "preprocess",
+        lambda: loaded.preprocessor.features(
+            np.stack([table[c].to_numpy() for c in columns], 1).astype(np.float32)
+        ),
+    )
+    session = loaded.session("int8", 1)
+    step = config.predict.batch_size
+
+    def infer() -> np.ndarray:
+        parts = [
+            softmax(run_logits(session, {k: v[i : i + step] for k, v in raw.items()}))
+            for i in range(0, rows, step)
+        ]
+        return np.concatenate(parts)
+
+    probabilities = timed("onnxruntime", infer)
+    labels = np.asarray(loaded.preprocessor.labels)[probabilities.argmax(1)]
+    out = pa.table(
+        {
+            "id": table["id"],
+            "label": pa.array(labels.tolist()),
+            "probabilities": pa.array(list(probabilities)),
+        }
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        timed("write", lambda: pq.write_table(out, os.path.join(tmp, "part.parquet")))
+    return timings
 
 
 def _answer(url: str, rows: np.ndarray) -> dict[str, Any]:
@@ -146,65 +219,68 @@ def compare(output: str, manifest_files: list[str], ids: np.ndarray, online: dic
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     from app.predict.write import verify_output
 
-    bench = Bench(ID, GOAL, WHAT, out, smoke)
-    rows = 5_000 if smoke else 100_000
+    bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
+    sizes = SMOKE_SIZES if smoke else SIZES
     artifact = ensure_artifact(work, "tabular", smoke)["artifact"]
-    config = bench_config(work, "tabular", "predict.max_actors=2")
-    input_uri, columns = scoring_input(work, config, rows)
-    load_before = wait_for_quiet(60 if smoke else 240)
-    with contextlib.ExitStack() as stack:
-        ray_info = stack.enter_context(private_ray())
-        batch = run_batch(config, artifact, input_uri, work)
-        manifest = verify_output(batch["output"])
-        import pyarrow.parquet as pq
+    config = bench_config(work, "tabular")
+    batches: dict[int, dict[str, Any]] = {}
+    for rows in sizes:
+        input_uri, columns = scoring_input(work, config, rows)
+        wait_for_quiet(30 if smoke else 120)
+        output = str(work / "b10-output")
+        batches[rows] = run_batch(config, artifact, input_uri, output)
+        verify_output(batches[rows]["output"])
+    import pyarrow.parquet as pq
 
-        source = pq.read_table(f"{input_uri}/part-0.parquet")
-        sample = np.stack([source[c].to_numpy()[:SAMPLE] for c in columns], 1).astype(np.float32)
-        online = run_online(config, artifact, sample, smoke)
+    first = sorted(Path(input_uri).glob("part-*.parquet"))[0]
+    source = pq.read_table(first).slice(0, SAMPLE)
+    sample = np.stack([source[c].to_numpy() for c in columns], 1).astype(np.float32)
+    wait_for_quiet(30 if smoke else 120)
+    online = run_online(config, artifact, sample, work, smoke)
+    manifest = verify_output(output)
     agreement = compare(
-        batch["output"],
+        output,
         [s.file for s in manifest.files],
-        source["id"].to_numpy()[:SAMPLE],
+        source["id"].to_numpy(),
         online.pop("sample_answer"),
     )
-    batch_rps = batch["rows"]["input"] / batch["wall_s"]
-    best_online = max(v["rows_per_s"] for v in online.values())
-    ratio = batch_rps / best_online if best_online else float("nan")
+    costs = stage_costs(artifact, input_uri, config, min(100_000, sizes[-1]))
+    best = max(online["grid"].values(), key=lambda r: r["rows_per_s"])
+    large = [n for n in sizes if n >= 1_000_000] or [sizes[-1]]
+    ratios = {n: batches[n]["rows_per_s"] / best["rows_per_s"] for n in sizes}
+    memory_growth = (
+        batches[sizes[-1]]["peak_memory_bytes"] / batches[sizes[-2]]["peak_memory_bytes"]
+    )
+    met = bool(min(ratios[n] for n in large) >= 3 and memory_growth <= 1.2)
     details = {
-        "rows": rows,
         "batch": {
-            "rows_per_s": batch_rps,
-            "wall_s": batch["wall_s"],
-            "rows": batch["rows"],
-            "variant": batch["variant"],
-            "settings": config.predict.model_dump(mode="json"),
+            n: {k: b[k] for k in ("rows", "wall_s", "rows_per_s", "peak_memory_bytes", "variant")}
+            | {"peak_memory_by_kind": b["peak_memory_by_kind"], "ray": b["ray"]}
+            for n, b in batches.items()
         },
-        "online": online,
-        "online_best_rows_per_s": best_online,
+        "online": online["grid"],
+        "online_best": {k: best[k] for k in ("rows_per_request", "connections", "rows_per_s")},
+        "batch_vs_online_best": ratios,
+        "peak_memory_growth_last_vs_previous": memory_growth,
+        "stage_us_per_row_one_core": costs,
+        "batch_wall_us_per_row": {n: 1e6 / b["rows_per_s"] for n, b in batches.items()},
         "sample_agreement": agreement,
-        "ray": ray_info,
-        "load_average_before": load_before,
-        "method": (
-            "One private 2-CPU Ray. The batch side is app.predict.driver.predict, the stage behind "
-            "`python -m jobs.predict`, timed from the call to the published manifest (actor "
-            "start-up, reading, inference, writing included). The online side is the project's "
-            "Serve app (ingress + one int8 replica, configs/tabular.yaml's serve section), "
-            "measured with 8 closed-loop connections after a warm-up, requests of 1 and of 256 "
-            "rows. The load generator shares the 2 cores. The int8 variant is batch-independent, "
-            "so both sides give a row the same answer (sample_agreement)."
-        ),
+        "settings": config.predict.model_dump(mode="json"),
     }
     summary = (
-        f"jobs.predict {batch_rps:.0f} rows/s on {rows} rows ({batch['wall_s']:.1f} s) vs online "
-        + ", ".join(
-            f"{v['rows_per_s']:.0f} rows/s at {v['rows_per_request']} row(s)/request"
-            for v in online.values()
+        "; ".join(
+            f"{n:,} rows: {b['rows_per_s']:,.0f} rows/s (x{ratios[n]:.1f} online best), "
+            f"peak {b['peak_memory_bytes'] / 2**20:,.0f} MiB"
+            for n, b in batches.items()
         )
-        + f" (x{ratio:.1f} the best); sample labels agree "
-        + f"{100 * agreement['label_agreement']:.1f}%"
+        + f"; online best {best['rows_per_s']:,.0f} rows/s ({best['rows_per_request']} rows x "
+        + f"{best['connections']} connections); memory x{memory_growth:.2f} from "
+        + f"{sizes[-2]:,} to {sizes[-1]:,} rows; per row on one core: "
+        + ", ".join(f"{k} {v:.2f} us" for k, v in costs.items())
+        + f"; sample labels agree {100 * agreement['label_agreement']:.1f}%"
     )
     return bench.result(
-        "batch_vs_online_rows_per_s_ratio", ratio, bool(ratio >= 1.0), details, summary
+        "batch_vs_online_rows_per_s_ratio", min(ratios[n] for n in large), met, details, summary
     )
 
 

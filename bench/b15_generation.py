@@ -1,15 +1,24 @@
-"""B15 generation at engine speed: continuous batching vs one stream per thread, over HTTP.
+"""B15 generation at engine speed: continuous batching vs one stream per thread vs Hugging Face
+transformers, over HTTP, on the same weights.
 
-configs/lm.yaml's GPT (trained briefly, int8 served) behind Serve as cluster/start.sh runs it
-(bench.serve_child: HAProxy in front of the replica, serve.generation.max_streams 16), twice:
-with the replica's decode loop (serve.generation.continuous_batching, every running stream
-advanced by one shared ONNX Runtime call a step) and without it (each stream steps alone on a
-worker thread). For 1, 4 and 16 concurrent clients, each streaming `/v1/completions` (a
-32-token prompt, 96 tokens at most, sampled, a seed per request) back to back for a 20 s
-window: completion tokens per second over all clients (from each answer's usage), time to the
-first token (p50, p99) and time per output token after it (p50), from the SSE chunks' arrival.
-Goals (the decode loop): at 16 streams at least 4x its own single-stream tokens/s, and a TTFT
-p50 at most 3x the single stream's.
+Two models: configs/lm.yaml's GPT (trained briefly by jobs.train, int8 served) and a
+GPT-2-small-shaped one (B13's random-weight folder, 8192-token vocabulary, fine-tuned a few
+steps by jobs.train on 512-token sequences, int8 served). Each is served three ways, one after
+the other, one replica on the machine's 2 cores:
+(a) this server as cluster/start.sh runs it (bench.serve_child: HAProxy in front of the
+replica) with its decode loop (serve.generation.continuous_batching: every running stream
+advanced by one shared ONNX Runtime call a step);
+(b) the same without it (each stream steps alone on a worker thread);
+(c) bench.hf_peer: transformers `generate` with a `TextIteratorStreamer` per request behind a
+plain FastAPI app, on the checkpoint's weights written as a GPT-2 folder (logits checked equal).
+For each count of concurrent clients, each streams `/v1/completions` back to back for a 20 s
+window (a fixed prompt, sampled at temperature 1, a seed per request; bench.sse_load, one
+asyncio client on raw sockets): output tokens per second over all clients (from each answer's
+usage), time to the first token (p50, p99) and time per output token after it (p50), from the
+chunks' arrival. lm: 32-token prompt, 96 tokens, 1/4/16/64 streams; GPT-2-shaped: 128-token
+prompt, 128 tokens, 1/4/16 streams.
+Goals (lm, the decode loop, 16 streams): tokens/s at least 4x its own single stream and 2x (c);
+TTFT p50 at most 3x the single stream's.
 """
 
 from __future__ import annotations
@@ -17,180 +26,198 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import requests
 
 from bench.b1_train import launch
 from bench.b5_serve import _stop, start_ht_child, wait_child_ready
 from bench.common import (
+    REPO,
     Bench,
     bench_config,
     bench_main,
     ensure_prepared,
     free_port,
-    median,
-    percentile,
     private_ray,
 )
+from bench.sse_load import load
 
 ID = "B15"
-WHAT = "generation: continuous batching vs one stream per thread (HTTP, streamed)"
-GOAL = "at 16 streams: tokens/s >= 4x its own 1-stream figure, TTFT p50 <= 3x 1-stream's"
-STREAMS = (1, 4, 16)
-MAX_TOKENS = 96
+WHAT = "generation: continuous batching vs one stream per thread vs transformers (HTTP, streamed)"
+GOAL = (
+    "lm at 16 streams: tokens/s >= 4x its own 1-stream figure and >= 2x transformers, "
+    "TTFT p50 <= 3x 1-stream's"
+)
+SIDES = ("loop", "threads", "transformers")
 # About 32 tokens of the kind of text the model was trained on.
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    path = os.path.join(argv[1], 'data')\n"
 
 
-def one_stream(url: str, seed: int) -> dict[str, float] | None:
-    """One streamed completion: its tokens, TTFT and TPOT (ms); None if it failed."""
+@dataclass
+class Workload:
+    name: str
+    artifact: str
+    folder: str  # the same weights as a GPT-2 folder, for transformers
+    prompt: str
+    max_tokens: int
+    streams: tuple[int, ...]
+
+
+def side(model: Workload, how: str, work: Path, seconds: float) -> dict[int, dict]:
+    """One way of serving `model`, up once for every stream count."""
+    port = free_port()
+    log = work / "logs" / f"b15_{model.name}_{how}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="b15-")
+    child = _start(model, how, port, scratch, log, work)
     body = {
-        "model": "lm",
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
+        "model": model.name,
+        "prompt": model.prompt,
+        "max_tokens": model.max_tokens,
         "temperature": 1.0,
-        "seed": seed,
         "stream": True,
     }
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    with requests.post(url, json=body, stream=True, timeout=60) as r:
-        if r.status_code != 200:
-            return None
-        for block in r.iter_lines(delimiter=b"\n\n"):
-            if not block.startswith(b"data: {"):
-                continue
-            event = json.loads(block[len(b"data: ") :])
-            if any(c.get("text") for c in event.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-            tokens = event.get("usage", {}).get("completion_tokens", tokens)
-    if first is None or last is None:
-        return None
-    tpot = 1000 * (last - first) / (tokens - 1) if tokens > 1 else float("nan")
-    return {"tokens": tokens, "ttft_ms": 1000 * (first - start), "tpot_ms": tpot}
-
-
-def load(url: str, clients: int, seconds: float) -> dict[str, Any]:
-    done: list[dict[str, float]] = []
-    failed = [0]
-    stop = time.perf_counter() + seconds
-
-    def client(k: int) -> None:
-        seed = 1000 * k
-        while time.perf_counter() < stop:
-            seed += 1
-            result = one_stream(url, seed)
-            if result is None:
-                failed[0] += 1
-            else:
-                done.append(result)
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    return {
-        "clients": clients,
-        "completions": len(done),
-        "failed": failed[0],
-        "tokens_per_s": sum(d["tokens"] for d in done) / elapsed,
-        "ttft_p50_ms": median([d["ttft_ms"] for d in done]),
-        "ttft_p99_ms": percentile([d["ttft_ms"] for d in done], 99),
-        "tpot_p50_ms": median([d["tpot_ms"] for d in done if d["tpot_ms"] == d["tpot_ms"]]),
-    }
-
-
-def side(artifact: str, work: Path, batching: bool, seconds: float) -> dict[int, dict]:
-    overrides = (
-        f"serve.generation.continuous_batching={str(batching).lower()}",
-        f"serve.generation.max_streams={max(STREAMS)}",
-        "serve.autoscaling.min_replicas=1",
-        "serve.autoscaling.max_replicas=1",
-    )
-    cfg = bench_config(work, "lm", *overrides, tag="b15").serve.model_dump(mode="json")
-    port, scratch = free_port(), tempfile.mkdtemp(prefix="b15-haproxy-")
-    log = work / "logs" / f"b15_{'loop' if batching else 'threads'}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    child = start_ht_child(artifact, cfg, port, scratch, log, name="lm")
     try:
-        wait_child_ready(child, 300, log)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        load(url, 2, 2.0)  # warm-up
-        return {n: load(url, n, seconds) for n in STREAMS}
+        load("127.0.0.1", port, "/v1/completions", body, 2, 2.0)  # warm-up
+        return {
+            n: load("127.0.0.1", port, "/v1/completions", body, n, seconds) for n in model.streams
+        }
     finally:
         _stop(child)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def lm_artifact(work: Path, smoke: bool) -> str:
-    """configs/lm.yaml trained briefly by jobs.train on a private Ray, exported (once per --work).
-    B15 measures speed: the model only has to be a real export of this GPT."""
+def _start(model: Workload, how: str, port: int, scratch: str, log: Path, work: Path):
+    if how == "transformers":
+        cmd = [sys.executable, "-m", "bench.hf_peer", "--folder", model.folder, "--port", str(port)]
+        with open(log, "wb") as err:
+            child = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stderr=err)
+        _wait_http(port, child, log)
+        return child
+    overrides = (
+        f"serve.generation.continuous_batching={str(how == 'loop').lower()}",
+        f"serve.generation.max_streams={max(model.streams)}",
+        f"serve.generation.max_tokens={model.max_tokens}",
+        "serve.autoscaling.min_replicas=1",
+        "serve.autoscaling.max_replicas=1",
+    )
+    cfg = bench_config(work, "lm", *overrides, tag="b15").serve.model_dump(mode="json")
+    child = start_ht_child(model.artifact, cfg, port, scratch, log, name=model.name)
+    wait_child_ready(child, 300, log)
+    return child
+
+
+def _wait_http(port: int, child: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"{log} : exited {child.returncode}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the peer on {port} never became ready ({log})")
+
+
+def trained(work: Path, tag: str, workload: str, overrides: list[str]) -> tuple[str, str]:
+    """`configs/<workload>.yaml` trained briefly by jobs.train on a private Ray and exported with
+    a loose gate (B15 measures speed: the model only has to be a real export); its artifact
+    and checkpoint, made once per --work."""
     from app.export.exporter import export
 
-    overrides = [
-        "train.epochs=1",
-        f"train.max_steps_per_epoch={4 if smoke else 40}",
-        "train.num_workers=1",
-        "export.name=lm",
-        "export.max_perplexity_increase=100",
-    ]
-    config = bench_config(work, "lm", *overrides, tag="b15")
-    ensure_prepared(config)
-    done = work / "b15-artifact.json"
+    overrides = [*overrides, f"export.name={tag}", "export.max_perplexity_increase=100"]
+    overrides += ["export.min_greedy_agreement=0"] if workload != "lm" else []
+    config = bench_config(work, workload, *overrides, tag=f"b15-{tag}")
+    done = work / f"b15-{tag}.json"
     if done.exists():
-        return json.loads(done.read_text())["artifact"]
-    summary = work / "b15-train.json"
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/lm.yaml"]
+        kept = json.loads(done.read_text())
+        return kept["artifact"], kept["checkpoint"]
+    ensure_prepared(config)
+    summary = work / f"b15-{tag}-train.json"
+    cmd = [sys.executable, "-m", "jobs.train", "--config", f"configs/{workload}.yaml"]
     cmd += [f"data.output={config.data_output}", f"train.storage_path={config.storage_path}"]
     cmd += [*overrides, f"train.run_name=b15-{int(time.time())}", "--summary-file", str(summary)]
     with private_ray() as ray_info:
-        trained = launch(cmd, summary, dict(os.environ, RAY_ADDRESS=ray_info["address"]))
-    artifact = export(config, trained["checkpoint"])["artifact"]
-    done.write_text(json.dumps({"artifact": artifact}))
-    return artifact
+        checkpoint = launch(cmd, summary, dict(os.environ, RAY_ADDRESS=ray_info["address"]))
+    artifact = export(config, checkpoint["checkpoint"])["artifact"]
+    done.write_text(json.dumps({"artifact": artifact, "checkpoint": checkpoint["checkpoint"]}))
+    return artifact, checkpoint["checkpoint"]
+
+
+def workloads(work: Path, smoke: bool) -> list[Workload]:
+    from bench.b13_gpt2_train import gpt2_folder as random_gpt2
+    from bench.hf_peer import gpt2_folder
+
+    steps = 4 if smoke else 40
+    lm = trained(work, "lm", "lm", ["train.epochs=1", f"train.max_steps_per_epoch={steps}"])
+    gpt2_overrides = [
+        f"model.pretrained={random_gpt2(work, smoke)}",
+        f"model.max_length={128 if smoke else 512}",
+        "train.max_steps=4",
+        "train.num_workers=1",
+        "data.val_fraction=0.01",
+        *(["data.path={stdlib}/email/**/*.py", "data.val_fraction=0.1"] if smoke else []),
+    ]
+    gpt2 = trained(work, "gpt2", "gpt2-finetune", gpt2_overrides)
+    models = []
+    for name, (artifact, checkpoint), prompt, tokens, streams in (
+        ("lm", lm, PROMPT, 96, (1, 4) if smoke else (1, 4, 16, 64)),
+        (
+            "gpt2",
+            gpt2,
+            PROMPT if smoke else PROMPT * 4,
+            32 if smoke else 128,
+            (1, 4) if smoke else (1, 4, 16),
+        ),
+    ):
+        folder = work / f"b15-{name}-hf"
+        if not (folder / "model.safetensors").exists():
+            gpt2_folder(checkpoint, str(folder))
+        models.append(Workload(name, artifact, str(folder), prompt, tokens, streams))
+    return models
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
-    artifact = lm_artifact(work, smoke)
     seconds = 4.0 if smoke else 20.0
-    # Alternating sides would restart Ray each window; each side runs whole, threads first.
-    threads = side(artifact, work, batching=False, seconds=seconds)
-    loop = side(artifact, work, batching=True, seconds=seconds)
-    top = max(STREAMS)
-    speedup = loop[top]["tokens_per_s"] / threads[top]["tokens_per_s"]
+    results: dict[str, dict[str, dict[int, dict]]] = {}
+    for model in workloads(work, smoke):
+        # Each side runs whole (alternating would restart the server every window).
+        results[model.name] = {how: side(model, how, work, seconds) for how in SIDES}
+    lm = results["lm"]
+    loop, peer, top = lm["loop"], lm["transformers"], 16 if not smoke else 4
     scaling = loop[top]["tokens_per_s"] / loop[1]["tokens_per_s"]
+    vs_peer = loop[top]["tokens_per_s"] / peer[top]["tokens_per_s"]
     ttft_growth = loop[top]["ttft_p50_ms"] / loop[1]["ttft_p50_ms"]
-    met = bool(scaling >= 4 and ttft_growth <= 3)
-    per_count = "; ".join(
-        f"{n} streams: loop {loop[n]['tokens_per_s']:.0f} tok/s (TTFT p50 "
-        f"{loop[n]['ttft_p50_ms']:.0f} p99 {loop[n]['ttft_p99_ms']:.0f} ms, TPOT "
-        f"{loop[n]['tpot_p50_ms']:.1f} ms) vs threads {threads[n]['tokens_per_s']:.0f} tok/s"
-        for n in STREAMS
-    )
+    met = bool(scaling >= 4 and vs_peer >= 2 and ttft_growth <= 3)
+    lines = []
+    for name, sides in results.items():
+        for n in sides["loop"]:
+            figures = ", ".join(
+                f"{how} {sides[how][n]['tokens_per_s']:.0f} tok/s "
+                f"(TTFT p50 {sides[how][n]['ttft_p50_ms']:.0f} ms)"
+                for how in SIDES
+            )
+            lines.append(f"{name} {n} streams: {figures}")
     summary = (
-        f"{per_count}; at {top}: x{scaling:.2f} its 1-stream tokens/s, TTFT x{ttft_growth:.2f}, "
-        f"x{speedup:.2f} one stream per thread"
+        "; ".join(lines) + f"; lm at {top}: x{scaling:.2f} its 1-stream tokens/s, "
+        f"x{vs_peer:.2f} transformers, TTFT x{ttft_growth:.2f}"
     )
     details = {
-        "loop": loop,
-        "threads": threads,
-        "max_tokens": MAX_TOKENS,
-        "prompt": PROMPT,
+        "results": results,
         "window_s": seconds,
-        "loop_vs_threads_at_top": speedup,
-        "ttft_growth_at_top": ttft_growth,
+        "lm_scaling_at_16": scaling,
+        "lm_vs_transformers_at_16": vs_peer,
+        "lm_ttft_growth_at_16": ttft_growth,
     }
     return bench.result("tokens_per_s_at_16_vs_1_stream", scaling, met, details, summary)
 

@@ -232,7 +232,7 @@ def stream_split(
         for p, a, b in shard_pieces(ranges, d.stream.read_tasks_per_worker)
     ]
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options = ingest_options(config)
+    ctx.execution_options = ingest_options(config, world)
     if PacedScheduling not in ctx.custom_execution_callback_classes:
         # Duck-typed: Ray Data only calls the callback's four methods.
         ctx.custom_execution_callback_classes.append(PacedScheduling)  # type: ignore[arg-type]
@@ -281,7 +281,7 @@ class PacedScheduling:
     def after_execution_fails(self, executor: Any, error: Exception) -> None: ...
 
 
-def ingest_options(config: Config):
+def ingest_options(config: Config, workers: int | None = None):
     """Ray Data execution options for one train worker's stream.
 
     They bound Data's CPUs to this worker's part of what the train workers leave free (at least
@@ -292,7 +292,7 @@ def ingest_options(config: Config):
     import ray
     from ray.data import ExecutionOptions, ExecutionResources
 
-    workers = config.train.num_workers
+    workers = workers or config.train.max_workers  # the group's size now (elastic: it varies)
     limit = config.data.stream.max_cpus
     if limit is None:
         total = ray.cluster_resources().get("CPU", 1.0)

@@ -152,11 +152,12 @@ class KVBatch:
         self.lengths.append(length)
         return len(self.lengths) - 1
 
-    def leave(self, row: int) -> None:
-        """Drops a row (rows after it move up one); slots no row uses any more are freed."""
-        del self.lengths[row]
+    def leave(self, *rows: int) -> None:
+        """Drops rows (the rows after them move up); slots no row uses any more are freed."""
+        gone = set(rows)
+        self.lengths = [n for i, n in enumerate(self.lengths) if i not in gone]
         keep = max(self.lengths, default=0)
-        self.cache = [np.delete(c, row, axis=0)[:, :, c.shape[2] - keep :] for c in self.cache]
+        self.cache = [np.delete(c, rows, axis=0)[:, :, c.shape[2] - keep :] for c in self.cache]
 
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """One new token per row -> each row's next-token logits [rows, vocab]."""

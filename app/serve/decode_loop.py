@@ -51,14 +51,22 @@ class LoopGeneration:
     def close(self) -> None:
         self.cancelled = True
 
-    def hand(self, pieces: list[str], ended: bool) -> None:
-        """From the loop's thread: text for the consumer, and whether the stream ended."""
+    def handoff(self, pieces: list[str], ended: bool) -> list[object]:
+        """What the consumer gets for a step: its pieces (the first carrying the tokens'
+        logprobs) and, if the stream ended, the end."""
         items: list[object] = [
             Piece(text, self.decoding.pop_logprobs() if i == 0 else ())
             for i, text in enumerate(pieces)
         ]
-        for item in [*items, *([_END] if ended else [])]:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+        return [*items, *([_END] if ended else [])]
+
+    def hand(self, pieces: list[str], ended: bool) -> None:
+        """From the loop's thread: text for the consumer, and whether the stream ended."""
+        deliver([(self, self.handoff(pieces, ended))])
+
+    def put(self, items: list[object]) -> None:
+        for item in items:
+            self._events.put_nowait(item)
 
     def __aiter__(self) -> AsyncIterator[Piece]:
         return self._pieces()
@@ -79,6 +87,22 @@ class LoopGeneration:
             yield Piece(text, logprobs)
             if ended:
                 return
+
+
+def deliver(handoffs: list[tuple[LoopGeneration, list[object]]]) -> None:
+    """Hands each stream its items, one wake-up per event loop for all the streams it reads
+    (not one per stream and token: each is a write to the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[LoopGeneration, list[object]]]] = {}
+    for generation, items in handoffs:
+        if items:
+            by_loop.setdefault(generation._loop, []).append((generation, items))
+    for loop, batch in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[LoopGeneration, list[object]]]) -> None:
+    for generation, items in batch:
+        generation.put(items)
 
 
 class DecodeLoop:
@@ -161,10 +185,16 @@ class DecodeLoop:
         logits = self.batch.step(tokens)  # type: ignore[arg-type]  # every row has sampled
         self.stats["steps"] += 1
         self.stats["batch_peak"] = max(self.stats["batch_peak"], len(self.rows))
-        for row in reversed(range(len(self.rows))):
-            if not self._took(self.rows[row], logits[row]):
-                self.rows.pop(row)
-                self.batch.leave(row)
+        handoffs, ended = [], []
+        for row, generation in enumerate(self.rows):
+            pieces = generation.decoding.take(logits[row])
+            if generation.decoding.finish_reason is not None:
+                ended.append(row)
+            handoffs.append((generation, generation.handoff(pieces, row in ended[-1:])))
+        deliver(handoffs)
+        if ended:
+            self.batch.leave(*ended)
+            self.rows = [g for row, g in enumerate(self.rows) if row not in set(ended)]
 
     @staticmethod
     def _took(generation: LoopGeneration, logits: np.ndarray) -> bool:

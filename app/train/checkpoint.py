@@ -51,6 +51,9 @@ class CheckpointMeta(storage.Contract):
     epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
     first_step_at: float | None = None  # wall clock of the run's first optimizer step
     worker_nodes: list[str] = []  # the Ray node of each rank
+    # Each size the worker group trained at: {"at", "workers", "from_epoch", "reason"}
+    # (app/train/elastic.py:record_size).
+    num_workers_history: list[dict[str, Any]] = []
     torch_version: str | None = None
     # Every epoch's report so far, in order (training curves, TensorBoard checks, early stopping
     # after a resume).

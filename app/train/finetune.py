@@ -72,7 +72,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def memory_per_worker(model: nn.Module, t: TrainConfig) -> dict[str, int]:
     """Bytes a worker holds for fp32 weights, gradients and AdamW's two moments (FSDP: its
     shard of each). Activations come on top and depend on batch and sequence length."""
-    share = t.num_workers if t.strategy == "fsdp" else 1
+    share = t.min_workers if t.strategy == "fsdp" else 1  # elastic: the fewest ranks hold most
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {

@@ -40,6 +40,7 @@ class TrainState:
         self.epoch, self.step = 0, 0
         self.resume_history: list[int] = []
         self.worker_nodes: list[str] = []
+        self.num_workers_history: list[dict[str, Any]] = []  # app/train/elastic.py:record_size
         self.data_wait_history: list[float] = []  # per epoch, the slowest rank's fraction
         self.epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
         self.first_step_at: float | None = None  # wall clock of the run's first optimizer step
@@ -87,6 +88,7 @@ class TrainState:
         self.epoch_seconds_history = list(meta.epoch_seconds_history)
         self.first_step_at = meta.first_step_at
         self.history = list(meta.history)
+        self.num_workers_history = list(meta.num_workers_history)
 
     def train_state(self) -> dict[str, Any]:
         state = {

@@ -27,7 +27,7 @@ from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer, quiet_train_logs
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
-from app.train import checkpoint, finetune, parallel, tracking
+from app.train import checkpoint, elastic, finetune, parallel, tracking
 from app.train.loop import (
     TrainState,
     all_reduce,
@@ -48,6 +48,10 @@ if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the drive
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RAYTORCH_FAIL_AT"  # "rank:epoch", test-only, same as train.fail_at
+# Test-only: "3,6": each rank waits at the start of those epochs while <run>/hold-epoch-<n>
+# exists (rank 0 says so in <run>/held-epoch-<n>-world-<w>), so a test can change the cluster
+# at a known point of a run.
+HOLD_ENV = "RAYTORCH_HOLD_EPOCHS"
 PREPROCESSOR_FILE = "preprocessor.json"
 
 
@@ -82,7 +86,12 @@ def train(
     run = plan_run(config)
     trainer = make_trainer(config, run, callbacks or [], pg_cleaner=job_outlives_run)
     t = config.train
-    log.info("train: run %s -> %s (%d workers, %s)", run.name, run.dir, t.num_workers, t.precision)
+    workers = (
+        f"{t.min_workers}-{t.max_workers} workers, elastic"
+        if t.elastic
+        else f"{t.min_workers} workers"
+    )
+    log.info("train: run %s -> %s (%s, %s)", run.name, run.dir, workers, t.precision)
     try:
         result = trainer.fit()
         summary = summarize(config, run.task, run.name, result, run.data.to_dict())
@@ -103,6 +112,7 @@ def plan_run(config: Config) -> RunPlan:
     from app.data.prepare import read_manifest, verify_shards
 
     check_precision(config)
+    elastic.warn_inexact(config.train)
     name = config.run_name()
     run_dir = storage.join(config.storage_path, name)
     manifest = read_manifest(config.data_output)
@@ -127,11 +137,12 @@ def plan_run(config: Config) -> RunPlan:
 
 
 def memory_per_worker(config: Config) -> float | None:
-    """Bytes of memory one train worker can use: the cluster's Ray memory over the workers."""
+    """Bytes of memory one train worker can use: the cluster's Ray memory over the workers (the
+    most an elastic run may have)."""
     import ray
 
     memory = ray.cluster_resources().get("memory")
-    return memory / config.train.num_workers if memory else None
+    return memory / config.train.max_workers if memory else None
 
 
 def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner: bool) -> Any:
@@ -155,12 +166,7 @@ def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner:
     return lean_torch_trainer(pg_cleaner)(
         train_loop,
         train_loop_config=loop_config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
-            use_gpu=t.use_gpu,
-            resources_per_worker=worker_resources(config),
-            placement_strategy=t.placement_strategy,
-        ),
+        scaling_config=ray.train.ScalingConfig(**scaling(config)),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=config.storage_path,
@@ -171,11 +177,26 @@ def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner:
             ),
             # ray.train's type stubs name Train V1's FailureConfig; V2's (the default) has the limit.
             failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]
-                max_failures=t.max_failures, controller_failure_limit=STARTUP_RETRIES
+                max_failures=t.max_failures, controller_failure_limit=startup_retries(t)
             ),
             callbacks=callbacks,
         ),
     )
+
+
+def scaling(config: Config) -> dict[str, Any]:
+    """ScalingConfig's arguments; an elastic run's (min, max) and resize interval (Train V2's
+    ScalingConfig, which ray.train's type stubs do not describe)."""
+    t = config.train
+    out: dict[str, Any] = {
+        "num_workers": elastic.scaling_workers(t),
+        "use_gpu": t.use_gpu,
+        "resources_per_worker": worker_resources(config),
+        "placement_strategy": t.placement_strategy,
+    }
+    if t.elastic:
+        out["elastic_resize_monitor_interval_s"] = t.elastic_resize_interval_s
+    return out
 
 
 def set_controller_env(config: Config) -> None:
@@ -199,6 +220,14 @@ def open_mlflow_run(config: Config, run_name: str) -> str | None:
 # Worker-group start-ups that time out (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S each, 60 s by
 # default) are retried this many times, then the run fails: Ray's default retries forever.
 STARTUP_RETRIES = 2
+# An elastic run sizes each restart by Ray's view of free resources, which lags a lost node by
+# up to 20 s (Ray Data's autoscaling coordinator refreshes it on that tick): a restart may first
+# try a size that no longer fits and time out, so such runs get more tries.
+ELASTIC_STARTUP_RETRIES = 5
+
+
+def startup_retries(t: Any) -> int:
+    return ELASTIC_STARTUP_RETRIES if t.elastic else STARTUP_RETRIES
 
 
 def startup_failure(config: Config, error: BaseException) -> str | None:
@@ -209,13 +238,13 @@ def startup_failure(config: Config, error: BaseException) -> str | None:
     import ray
 
     t = config.train
-    need = {k: v * t.num_workers for k, v in worker_resources(config).items()}
+    need = {k: v * t.min_workers for k, v in worker_resources(config).items()}
     free = ray.available_resources()
     total = ray.cluster_resources()
     have = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in sorted(need))
     wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
     return (
-        f"its {t.num_workers} workers did not start in {STARTUP_RETRIES + 1} tries: they need "
+        f"its {t.min_workers} workers did not start in {startup_retries(t) + 1} tries: they need "
         f"{wanted} together and the cluster has {have}; stop what holds them, add nodes, or "
         "lower train.num_workers / train.cpus_per_worker"
     )
@@ -285,7 +314,11 @@ def summarize(
         "run_name": run_name,
         "task": task.name,
         "checkpoint": uri,
-        "num_workers": t.num_workers,
+        # The size the run ended at; every size it trained at, from which epoch and why.
+        "num_workers": last.num_workers_history[-1]["workers"]
+        if last.num_workers_history
+        else t.min_workers,
+        "num_workers_history": last.num_workers_history,
         "precision": t.precision,
         "epoch": meta.epoch,
         "final_epoch": last.epoch,
@@ -405,6 +438,8 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     task: Task = loop_config["task"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    config = elastic.for_world(config, world)  # an elastic run keeps its global batch
+    t = config.train
     torch.set_num_threads(t.torch_threads)
     torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     device = ray.train.torch.get_device()
@@ -431,6 +466,9 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     else:
         torch.manual_seed(t.seed + rank)  # ranks then differ in dropout
     state.worker_nodes = gather_node_ids(world)
+    state.num_workers_history = elastic.record_size(
+        state.num_workers_history, world, state.epoch + 1, t, announce=rank == 0
+    )
     mlflow = loop_config.get("mlflow")
     return Worker(
         config=config,
@@ -457,6 +495,7 @@ def run_epoch(w: Worker, epoch: int) -> bool:
     """Train, validate, report (a barrier every rank calls); whether the run stops early."""
     t, state = w.config.train, w.state
     maybe_inject_fault(w.config, w.run_dir, w.rank, epoch)
+    maybe_hold(w.run_dir, w.rank, w.world, epoch)
     seed = order_seed(t.seed, epoch, w.rank)
     batches = epoch_batches(w.train_feed, t.batch_size, seed, w.config, state.step)
     w.probes.before_epoch()
@@ -594,6 +633,7 @@ def report(
         epoch_seconds_history=state.epoch_seconds_history,
         first_step_at=state.first_step_at,
         worker_nodes=state.worker_nodes,
+        num_workers_history=state.num_workers_history,
         preprocessor=preprocessor.to_json(),
         torch_version=torch.__version__,
         history=state.history,
@@ -635,6 +675,19 @@ def maybe_inject_fault(config: Config, run_dir: str, rank: int, epoch: int) -> N
         return  # already failed once in this run
     storage.write_bytes(marker, b"")
     raise RuntimeError(f"injected fault: rank {rank} at epoch {epoch}")
+
+
+def maybe_hold(run_dir: str, rank: int, world: int, epoch: int) -> None:
+    """Test-only ($RAYTORCH_HOLD_EPOCHS): wait here while the test holds this epoch."""
+    import time
+
+    if str(epoch) not in os.environ.get(HOLD_ENV, "").split(","):
+        return
+    hold = storage.join(run_dir, f"hold-epoch-{epoch}")
+    if rank == 0 and storage.exists(hold):
+        storage.write_bytes(storage.join(run_dir, f"held-epoch-{epoch}-world-{world}"), b"")
+    while storage.exists(hold):
+        time.sleep(0.2)
 
 
 class TrainMetrics:

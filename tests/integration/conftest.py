@@ -100,3 +100,20 @@ def trained(prepared, workspace):
         return done[workload]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def exported(trained):
+    """workload -> (config, jobs.export's result) of the short run, exported once per session
+    (export, batch-independence and predict tests read the same artifact)."""
+    from app.export.exporter import export
+
+    done: dict[str, tuple[Config, dict]] = {}
+
+    def get(workload: str) -> tuple[Config, dict]:
+        if workload not in done:
+            config, summary = trained(workload)
+            done[workload] = (config, export(config, summary["checkpoint"]))
+        return done[workload]
+
+    return get

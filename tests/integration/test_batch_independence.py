@@ -11,21 +11,16 @@ import pytest
 
 from app.evaluate import labeled_batches
 from app.export import artifact as art
-from app.export.exporter import export
 
 pytestmark = pytest.mark.integration
 ROWS, MATES = 200, 255
 
 
 @pytest.fixture(scope="module")
-def artifacts(trained):
-    done = {}
-
+def artifacts(exported):
     def get(workload: str):
-        if workload not in done:
-            config, summary = trained(workload)
-            done[workload] = (config, export(config, summary["checkpoint"])["artifact"])
-        return done[workload]
+        config, result = exported(workload)
+        return config, result["artifact"]
 
     return get
 

@@ -17,9 +17,8 @@ pytestmark = pytest.mark.integration
     "workload,method,max_size",
     [("digits", "static", None), ("tabular", "static", 0.35), ("text", "weight_only", 0.3)],
 )
-def test_export_meets_parity_accuracy_and_size(trained, workload, method, max_size):
-    config, summary = trained(workload)
-    result = export(config, summary["checkpoint"])
+def test_export_meets_parity_accuracy_and_size(exported, workload, method, max_size):
+    config, result = exported(workload)
     report = result["report"]
     assert report["parity"]["max_abs_diff"] <= config.export.parity_tolerance
     assert report["parity"]["label_agreement"] == 1.0

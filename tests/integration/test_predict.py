@@ -21,11 +21,9 @@ ROWS_PER_FILE = 1500  # two files: 3000 rows
 
 
 @pytest.fixture(scope="module")
-def artifact(trained):
-    from app.export.exporter import export
-
-    config, summary = trained("tabular")
-    return config, export(config, summary["checkpoint"])["artifact"]
+def artifact(exported):
+    config, result = exported("tabular")
+    return config, result["artifact"]
 
 
 def scoring_input(folder, columns: list[str]) -> dict[int, str]:

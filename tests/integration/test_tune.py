@@ -30,15 +30,6 @@ def start_ray_with_dashboard(num_cpus: int) -> None:
 
 
 @pytest.fixture
-def ray_with_dashboard():
-    start_ray_with_dashboard(num_cpus=2)
-    yield
-    import ray
-
-    ray.shutdown()  # later tests start the usual one again
-
-
-@pytest.fixture
 def ray_one_trial_wide():
     """Room for exactly one trial: its two workers at 0.5 CPU each. A placement group left behind
     by a stopped trial leaves the next one nothing."""
@@ -49,41 +40,13 @@ def ray_one_trial_wide():
     ray.shutdown()
 
 
-def test_tune_search_on_digits_names_a_best_checkpoint(prepared, workspace, ray_with_dashboard):
-    from app.train.tune import tune
-
-    prepared("digits")
-    config = workload_config(
-        workspace,
-        "digits",
-        "train.epochs=3",
-        "train.log_every_steps=1000",
-        "train.run_name=digits-search",
-        "tune.num_trials=2",
-        "tune.grace_period=1",
-    )
-    summary = tune(config)
-
-    assert summary["metric"] == "val_accuracy" and len(summary["trials"]) == 2
-    lrs = [t["overrides"]["train.lr"] for t in summary["trials"]]
-    assert len(set(lrs)) == 2 and all(0.0005 <= lr <= 0.01 for lr in lrs)
-    assert all(1 <= t["epochs"] <= 3 for t in summary["trials"])
-    best = summary["best"]
-    assert best["value"] == max(t["best_value"] for t in summary["trials"])
-    assert best["value"] > 0.8  # three epochs of the CNN on digits
-    # An ordinary checkpoint of an ordinary run: what jobs.export --checkpoint reads.
-    meta = checkpoint.read_meta(best["checkpoint"])
-    assert best["run_name"].startswith("digits-search-")
-    assert storage.exists(storage.join(best["checkpoint"], "model.safetensors"))
-    assert meta.metrics["val_accuracy"] == pytest.approx(best["value"])
-
-
 @pytest.mark.timeout(600)
-def test_early_stopped_trials_release_their_workers_on_a_cluster_one_trial_wide(
+def test_search_names_a_best_checkpoint_and_stopped_trials_free_a_one_trial_cluster(
     prepared, workspace, ray_one_trial_wide
 ):
     """The digits tune section (4 trials, ASHA) on a cluster that fits one trial: every trial
-    ASHA stops must give its workers' CPUs back, or the next trial never starts."""
+    ASHA stops must give its workers' CPUs back, or the next trial never starts; the search
+    names the best trial's checkpoint, an ordinary one that jobs.export reads."""
     from app.train.tune import tune
 
     prepared("digits")
@@ -103,3 +66,14 @@ def test_early_stopped_trials_release_their_workers_on_a_cluster_one_trial_wide(
     assert all(t["best_value"] is not None for t in trials)
     # The case this guards: at least one trial was stopped early and later ones still ran.
     assert any(t["stopped_early"] for t in trials[:-1]), [t["epochs"] for t in trials]
+    assert summary["metric"] == "val_accuracy"
+    lrs = [t["overrides"]["train.lr"] for t in trials]
+    assert len(set(lrs)) == 4 and all(0.0005 <= lr <= 0.01 for lr in lrs)
+    assert all(1 <= t["epochs"] <= 4 for t in trials)
+    best = summary["best"]
+    assert best["value"] == max(t["best_value"] for t in trials)
+    assert best["value"] > 0.8  # up to four epochs of the CNN on digits
+    meta = checkpoint.read_meta(best["checkpoint"])
+    assert best["run_name"].startswith("digits-narrow-")
+    assert storage.exists(storage.join(best["checkpoint"], "model.safetensors"))
+    assert meta.metrics["val_accuracy"] == pytest.approx(best["value"])

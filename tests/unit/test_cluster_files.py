@@ -228,6 +228,26 @@ def test_kuberay_clusters_use_token_auth_and_autoscale_gpu_workers() -> None:
 
 
 @pytest.mark.unit
+def test_the_rayjob_trains_elastically_within_its_gpu_group() -> None:
+    """The job's worker range is what its GPU group can hold: min pods up from the start, the
+    autoscaler allowed up to max (one GPU pod a worker)."""
+    import shlex
+
+    from app.config import load_config
+
+    job = _load_yaml(KUBERAY / "rayjob.yaml")
+    args = shlex.split(job["spec"]["entrypoint"])
+    overrides = [a for a in args[args.index("--config") + 2 :] if "=" in a]
+    train = load_config(REPO / "configs" / "digits.yaml", overrides).train
+    assert train.elastic and train.use_gpu and train.max_failures > 0
+    (group,) = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert group["minReplicas"] * gpus >= train.min_workers
+    assert group["maxReplicas"] * gpus >= train.max_workers
+    assert job["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is True
+
+
+@pytest.mark.unit
 def test_rayjob_runs_the_pipeline() -> None:
     job = _load_yaml(KUBERAY / "rayjob.yaml")
     assert job["spec"]["entrypoint"].startswith(
