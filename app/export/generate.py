@@ -144,13 +144,26 @@ class KVBatch:
 
     def join(self, cache: list[np.ndarray]) -> int:
         """Adds a stream whose cache (batch 1) holds its prompt; its row number."""
-        length, width = cache[0].shape[2], self.cache[0].shape[2]
-        grow = max(0, length - width)
-        self.cache = [_left_pad(c, grow) for c in self.cache]
-        cache = [_left_pad(c, width + grow - length) for c in cache]
-        self.cache = [np.concatenate([a, b]) for a, b in zip(self.cache, cache, strict=True)]
-        self.lengths.append(length)
+        self.join_many([cache])
         return len(self.lengths) - 1
+
+    def join_many(self, caches: Sequence[list[np.ndarray]]) -> None:
+        """Adds several streams at once (one copy of the batch, not one per stream)."""
+        if not caches:
+            return
+        lengths = [c[0].shape[2] for c in caches]
+        width = max(self.cache[0].shape[2], *lengths)
+        grow = width - self.cache[0].shape[2]
+        self.cache = [
+            np.concatenate(
+                [
+                    _left_pad(mine, grow),
+                    *(_left_pad(c[k], width - n) for c, n in zip(caches, lengths, strict=True)),
+                ]
+            )
+            for k, mine in enumerate(self.cache)
+        ]
+        self.lengths += lengths
 
     def leave(self, *rows: int) -> None:
         """Drops rows (the rows after them move up); slots no row uses any more are freed."""
@@ -174,6 +187,25 @@ def _left_pad(cache: np.ndarray, slots: int) -> np.ndarray:
     if slots == 0:
         return cache
     return np.pad(cache, ((0, 0), (0, 0), (slots, 0), (0, 0)))
+
+
+def prefill(
+    decoder: KVDecoder, prompts: Sequence[Sequence[int]]
+) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """Several prompts in one call of a batched graph: each one's last-position logits
+    [prompts, vocab] and its own cache (batch 1, its length). The prompts are right-padded:
+    a prompt's tokens come before its padding, so no real token ever attends to a pad (and the
+    pads, masked, see real tokens: no row of the softmax is empty)."""
+    lengths = [len(p) for p in prompts]
+    rows, width = len(prompts), max(lengths)
+    ids = np.zeros((rows, width), dtype=np.int64)
+    mask = np.zeros((rows, width), dtype=np.int64)
+    for i, prompt in enumerate(prompts):
+        ids[i, : lengths[i]], mask[i, : lengths[i]] = prompt, 1
+    positions = np.broadcast_to(np.arange(width), (rows, width))
+    logits, cache = decoder.step(ids, decoder.empty_cache(rows), positions, mask)
+    last = logits[np.arange(rows), np.asarray(lengths) - 1]
+    return last, [[c[i : i + 1, :, :n] for c in cache] for i, n in enumerate(lengths)]
 
 
 def greedy(decoder: KVDecoder, prompt: Sequence[int], tokens: int) -> list[int]:

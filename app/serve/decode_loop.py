@@ -19,11 +19,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from app.export.generate import Decoding, Generator, KVBatch, SamplingParams
+from app.export.generate import Decoding, Generator, KVBatch, SamplingParams, prefill
 from app.serve.types import Piece
 
 log = logging.getLogger("ray.serve")
 _END = object()
+# Short prompts filled together in one step: at most this many chunks' worth of tokens, so a
+# burst of arrivals delays the running streams by a bounded step.
+PREFILL_CHUNKS_TOGETHER = 8
 
 
 class LoopGeneration:
@@ -157,22 +160,41 @@ class DecodeLoop:
                 self.batch = KVBatch(self.generator.decoder)
 
     def _admit(self) -> None:
-        """One chunk of the first waiting prompt; a prompt done joins the batch (unless its
-        first token already ends it)."""
+        """Prompts into the batch: the short ones that came (up to a token budget) filled
+        together in one call, and one chunk of the first long one; a prompt done joins the
+        batch (unless its first token already ends it)."""
         while not self.waiting.empty():
             self.prefilling.append(_Prefill(self.waiting.get(), self.generator))
-        while self.prefilling and self.prefilling[0].generation.cancelled:
-            self.prefilling.pop(0).generation.hand([], ended=True)
-        if not self.prefilling:
-            return
-        prefill = self.prefilling[0]
-        logits = prefill.advance(self.prefill_chunk)
-        if logits is None:
-            return
-        self.prefilling.pop(0)
-        if self._took(prefill.generation, logits):
-            self.batch.join(prefill.cache)
-            self.rows.append(prefill.generation)
+        for gone in [p for p in self.prefilling if p.generation.cancelled]:
+            self.prefilling.remove(gone)
+            gone.generation.hand([], ended=True)
+        short, budget = [], self.prefill_chunk * PREFILL_CHUNKS_TOGETHER
+        for waiting in self.prefilling:
+            n = len(waiting.generation.prompt)
+            if waiting.done == 0 and n <= self.prefill_chunk and n <= budget:
+                short.append(waiting)
+                budget -= n
+        if short:
+            self._fill_together(short)
+        if self.prefilling:  # the first of the rest advances a chunk
+            long = self.prefilling[0]
+            logits = long.advance(self.prefill_chunk)
+            if logits is not None:
+                self.prefilling.remove(long)
+                self._join([(long.generation, logits, long.cache)])
+
+    def _fill_together(self, group: list[_Prefill]) -> None:
+        logits, caches = prefill(self.generator.decoder, [p.generation.prompt for p in group])
+        for p in group:
+            self.prefilling.remove(p)
+        self._join([(p.generation, logits[i], caches[i]) for i, p in enumerate(group)])
+
+    def _join(self, filled: list[tuple[LoopGeneration, np.ndarray, list[np.ndarray]]]) -> None:
+        """Streams whose prompt is in their cache: each samples its first token, and those it
+        does not end join the batch together."""
+        going = [(g, cache) for g, logits, cache in filled if self._took(g, logits)]
+        self.batch.join_many([cache for _, cache in going])
+        self.rows += [g for g, _ in going]
 
     def _drop_cancelled(self) -> None:
         for row in reversed(range(len(self.rows))):

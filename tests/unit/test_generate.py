@@ -387,6 +387,7 @@ class GatedSession:
 
     def __init__(self, session):
         self.session, self.permits = session, threading.Semaphore(0)
+        self.called = threading.Event()  # a run has come to the gate
 
     def get_inputs(self):
         return self.session.get_inputs()
@@ -395,6 +396,7 @@ class GatedSession:
         return self.session.get_outputs()
 
     def run(self, *args):
+        self.called.set()
         self.permits.acquire()
         return self.session.run(*args)
 
@@ -412,7 +414,7 @@ def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step
     async def scenario():
         loop = DecodeLoop(generator)
         leaving, staying = loop.submit([5, 6], greedy_long), loop.submit([7], greedy_long)
-        gated.permits.release(3)  # two prompts, then one shared step: 2 tokens each
+        gated.permits.release(2)  # both prompts in one call, then one shared step: 2 tokens each
         while leaving.completion_tokens < 2:
             await asyncio.sleep(0.01)
         leaving.close()
@@ -436,6 +438,7 @@ class RecordingSession(GatedSession):
         self.shapes: list[tuple[int, ...]] = []
 
     def run(self, outputs, feed):
+        self.called.set()
         self.permits.acquire()
         self.shapes.append(feed["input_ids"].shape)
         return self.session.run(outputs, feed)
@@ -495,3 +498,33 @@ def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():
         budget.reserve(3000, "m")  # more than the whole budget: no retry helps
     assert never.value.status == 400
     KVBudget(None, decoder).reserve(10**9, "m")  # unset: the stream count alone bounds it
+
+
+def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, tokenizer):
+    """Three short prompts of different lengths submitted at once take one right-padded call,
+    and each stream's greedy answer is the one it gets alone."""
+    from app.serve.decode_loop import DecodeLoop
+
+    _, sessions = exported
+    recording = RecordingSession(sessions["fp32"])
+    generator = Generator(recording, tokenizer, block_size=32)
+    prompts = [[5], [6, 7, 8], [9, 10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def scenario():
+        loop = DecodeLoop(generator)
+        first = loop.submit([4, 4], params)  # its prefill waits on the gate: the others queue
+        while not recording.called.is_set():
+            await asyncio.sleep(0.001)
+        streams = [loop.submit(prompt, params) for prompt in prompts]
+        recording.permits.release(1000)
+        results = await asyncio.gather(read(first), *(read(s) for s in streams))
+        loop.close()
+        return results[1:]
+
+    together = asyncio.run(scenario())
+    assert recording.shapes[0] == (1, 2) and (3, 5) in recording.shapes  # one call for three
+    recording.permits.release(1000)
+    for prompt, result in zip(prompts, together, strict=True):
+        alone = generator.generate(prompt, params)
+        assert result[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
