@@ -378,7 +378,8 @@ class GenerationConfig(_Section):
 
     # Prompt tokens at most (and never beyond the model's window), `max_tokens` a request may
     # ask for and its default, and generations a replica runs at once (one more is a 503; the
-    # decode loop steps them all together, so more streams cost little more than one).
+    # decode loop steps them all together). A stream holds one of serve.max_ongoing_requests
+    # while it runs: raise that too for more streams, or they queue in front of the replica.
     max_prompt_tokens: int = Field(1024, ge=1)
     max_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(16, ge=1)

@@ -102,6 +102,10 @@ def _start(model: Workload, how: str, port: int, scratch: str, log: Path, work: 
     overrides = (
         f"serve.generation.continuous_batching={str(how == 'loop').lower()}",
         f"serve.generation.max_streams={max(model.streams)}",
+        # Serve's own cap on a replica's requests: a stream holds one slot from its start to
+        # its end, so it must admit every stream measured (else they queue in front of it).
+        f"serve.max_ongoing_requests={max(model.streams)}",
+        f"serve.batching.max_batch_size={min(16, max(model.streams))}",
         f"serve.generation.max_tokens={model.max_tokens}",
         "serve.autoscaling.min_replicas=1",
         "serve.autoscaling.max_replicas=1",

@@ -1,12 +1,14 @@
 """Continuous batching: one decode loop per language-model replica.
 
-A stream joins as soon as it comes: its prompt fills its own cache in chunks of
-`prefill_chunk` tokens, one chunk between two steps of the running streams (a long prompt
-delays them by a chunk's time, not its own), and every running stream then advances one token
-per step of one shared ONNX Runtime call (`KVBatch`: left-padded caches, masked). A stream leaves the batch the step it ends (end of text, a stop
-string, its length, or its client gone) and the others go on; nothing waits for the slowest.
-The loop is one thread, the only one stepping the batch; streams hand their text to the event
-loop that asked for them.
+A stream joins as soon as it comes. Prompts of at most `prefill_chunk` tokens that are waiting
+fill their caches together in one right-padded call (up to PREFILL_CHUNKS_TOGETHER chunks'
+worth of tokens a step); a longer prompt fills its cache a chunk at a time, one chunk between
+two steps of the running streams (it delays them by a chunk's time, not its own). Every running
+stream then advances one token per step of one shared ONNX Runtime call (`KVBatch`: left-padded
+caches, masked). A stream leaves the batch the step it ends (end of text, a stop string, its
+length, or its client gone) and the others go on; nothing waits for the slowest. The loop is
+one thread, the only one stepping the batch; streams hand their text to the event loop that
+asked for them, one wake-up of that loop a step.
 """
 
 from __future__ import annotations
