@@ -16,6 +16,8 @@ folders: the repo's outputs/ is left as it was.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -60,13 +62,25 @@ def registered_epoch(run_dir: str) -> int:
 
 
 def node_env(root: Path, name: str) -> dict[str, str]:
-    """A node's own HOME and temp folder, and the object store's endpoint and credentials."""
+    """A node's own HOME and temp folder; the object store's endpoint and credentials and the
+    cluster's Ray token as its environment (a node's HOME holds no ~/.ray/auth_token)."""
     import os
 
     home, tmp = root / name / "home", root / name / "tmp"
     home.mkdir(parents=True)
     tmp.mkdir()
-    return {"HOME": str(home), "TMPDIR": str(tmp), **{k: os.environ[k] for k in AWS}}
+    # This machine's Ray token (what ~/.ray/auth_token holds), for a node whose HOME has none.
+    shared = {k: os.environ[k] for k in AWS} | {"RAY_AUTH_TOKEN": ray_token()}
+    return {"HOME": str(home), "TMPDIR": str(tmp), **shared}
+
+
+def ray_token() -> str:
+    """The token `ray get-auth-token` gives (made and saved on first use)."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    done = subprocess.run(
+        [str(ray_cli), "get-auth-token", "--generate"], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
 
 
 def outputs_listing() -> list[str]:
@@ -115,10 +129,8 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
     for epoch in (GROW_AT, SHRINK_AT):
         storage.write_bytes(storage.join(run_dir, f"hold-epoch-{epoch}"), b"")
     before = outputs_listing()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "env_vars": node_env(tmp_path, "head")},
-    )
+    # The head (no CPUs: it runs no worker) is this machine, the driver's, with its HOME.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     # Room for one worker a node (2 CPUs each); after training, the survivor's 2 CPUs hold
     # jobs.predict (Ray Data's file listing alone asks for a whole CPU) and then Serve.
     cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "survivor"))
