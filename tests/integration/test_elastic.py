@@ -15,7 +15,6 @@ folders: the repo's outputs/ is left as it was.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from app.data.prepare import prepare
 from app.train.trainer import HOLD_ENV, train
 from tests.conftest import REPO
 from tests.integration.conftest import workload_config
+from tests.integration.test_faults import registered_epoch
 from tests.s3_server import free_port, moto_s3
 
 pytestmark = pytest.mark.integration
@@ -49,16 +49,6 @@ def wait_until(check, timeout: float, alive, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} within {timeout}s (training alive: {alive()})")
-
-
-def registered_epoch(run_dir: str) -> int:
-    """The newest epoch whose checkpoint Ray Train has registered (0: none yet)."""
-    snapshot = storage.join(run_dir, "checkpoint_manager_snapshot.json")
-    try:
-        results = json.loads(storage.read_bytes(snapshot))["checkpoint_results"]
-    except (OSError, ValueError, KeyError):
-        return 0
-    return max((r["metrics"]["epoch"] for r in results), default=0)
 
 
 def node_env(root: Path, name: str) -> dict[str, str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from app import storage
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray
 
@@ -35,15 +36,17 @@ def checkpoint_epochs(run_dir: Path) -> list[int]:
     return sorted(epochs)
 
 
-def registered_epoch(run_dir: Path) -> int:
+def registered_epoch(run_dir: Path | str) -> int:
     """The newest epoch whose checkpoint Ray Train has registered (0: none yet).
 
     A checkpoint folder on disk is not enough to resume from: the Train controller registers
     it (in its run snapshot, `checkpoint_manager_snapshot.json`) only after the upload and its
     next poll of the workers, and a restarted or resubmitted run resumes from that snapshot.
     """
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    try:  # a local folder or an object-store URI
+        snapshot = json.loads(
+            storage.read_bytes(storage.join(str(run_dir), "checkpoint_manager_snapshot.json"))
+        )
     except (OSError, ValueError):
         return 0
     return max((r["metrics"]["epoch"] for r in snapshot["checkpoint_results"]), default=0)
