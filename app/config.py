@@ -384,9 +384,6 @@ class GenerationConfig(_Section):
     max_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(16, ge=1)
     max_streams: int = Field(16, ge=1)
-    # Running streams share each model step (one decode loop a replica) when the artifact's
-    # graph can batch them; off: each stream steps alone on a worker thread.
-    continuous_batching: bool = True
     # KV-cache memory (MiB) the running streams may need at most, each counted at its prompt
     # plus max_tokens; a stream beyond it is a 503 (None: max_streams alone bounds it).
     max_kv_cache_mib: float | None = Field(None, gt=0)
@@ -438,6 +435,8 @@ class ServeConfig(_Section):
     # default (5) would make it the bottleneck.
     ingress_max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(10.0, gt=0)  # Serve's replica health check period
+    # A check that has not answered by then fails it (a replica failing 3 in a row is replaced).
+    health_check_timeout_s: float = Field(30.0, gt=0)
     # Serve's per-request access log line in each model replica's log. Off by default: every
     # request is already counted in raytorch_requests_total (model, status) and Serve's own
     # request metrics, and the line costs a measurable share of a small model's request.
@@ -594,7 +593,29 @@ def load_config(
         raw.setdefault("workload", Path(path).stem)
     for item in overrides or []:
         apply_override(raw, item)
-    return validate(raw)
+    return resolve_paths(validate(raw))
+
+
+# Keys holding a local path or URI, resolved once where a job loads its config: a Tune trial or a
+# Train worker runs in a working directory of its own and must never resolve them again there.
+PATH_KEYS = (
+    ("data", "output"),
+    ("data", "path"),
+    ("model", "pretrained"),
+    ("train", "storage_path"),
+    ("export", "registry"),
+)
+
+
+def resolve_paths(config: Config) -> Config:
+    """The config with every relative path key made absolute (`resolve_uri`); URIs with a
+    scheme, and `data.path` globs under `{stdlib}`, stay as they are."""
+    for section, key in PATH_KEYS:
+        node = getattr(config, section)
+        value = getattr(node, key)
+        if value and not value.startswith("{stdlib}"):
+            setattr(node, key, resolve_uri(value))
+    return config
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -1,15 +1,14 @@
-"""B15 generation at engine speed: continuous batching vs one stream per thread vs Hugging Face
-transformers, over HTTP, on the same weights.
+"""B15 generation at engine speed: continuous batching vs Hugging Face transformers, over HTTP,
+on the same weights.
 
 Two models: configs/lm.yaml's GPT (trained briefly by jobs.train, int8 served) and a
 GPT-2-small-shaped one (B13's random-weight folder, 8192-token vocabulary, fine-tuned a few
-steps by jobs.train on 512-token sequences, int8 served). Each is served three ways, one after
+steps by jobs.train on 512-token sequences, int8 served). Each is served two ways, one after
 the other, one replica on the machine's 2 cores:
 (a) this server as cluster/start.sh runs it (bench.serve_child: HAProxy in front of the
-replica) with its decode loop (serve.generation.continuous_batching: every running stream
-advanced by one shared ONNX Runtime call a step);
-(b) the same without it (each stream steps alone on a worker thread);
-(c) bench.hf_peer: transformers `generate` with a `TextIteratorStreamer` per request behind a
+replica) with its decode loop (every running stream advanced by one shared ONNX Runtime call a
+step);
+(b) bench.hf_peer: transformers `generate` with a `TextIteratorStreamer` per request behind a
 plain FastAPI app, on the checkpoint's weights written as a GPT-2 folder (logits checked equal).
 For each count of concurrent clients, each streams `/v1/completions` back to back for a 20 s
 window (a fixed prompt, sampled at temperature 1, a seed per request; bench.sse_load, one
@@ -17,7 +16,7 @@ asyncio client on raw sockets): output tokens per second over all clients (from 
 usage), time to the first token (p50, p99) and time per output token after it (p50), from the
 chunks' arrival. lm: 32-token prompt, 96 tokens, 1/4/16/64 streams; GPT-2-shaped: 128-token
 prompt, 128 tokens, 1/4/16 streams.
-Goals (lm, the decode loop, 16 streams): tokens/s at least 4x its own single stream and 2x (c);
+Goals (lm, the decode loop, 16 streams): tokens/s at least 4x its own single stream and 2x (b);
 TTFT p50 at most 3x the single stream's.
 """
 
@@ -48,12 +47,12 @@ from bench.common import (
 from bench.sse_load import load
 
 ID = "B15"
-WHAT = "generation: continuous batching vs one stream per thread vs transformers (HTTP, streamed)"
+WHAT = "generation: continuous batching vs transformers (HTTP, streamed)"
 GOAL = (
     "lm at 16 streams: tokens/s >= 4x its own 1-stream figure and >= 2x transformers, "
     "TTFT p50 <= 3x 1-stream's"
 )
-SIDES = ("loop", "threads", "transformers")
+SIDES = ("loop", "transformers")
 # About 32 tokens of the kind of text the model was trained on.
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    path = os.path.join(argv[1], 'data')\n"
 
@@ -100,7 +99,6 @@ def _start(model: Workload, how: str, port: int, scratch: str, log: Path, work: 
         _wait_http(port, child, log)
         return child
     overrides = (
-        f"serve.generation.continuous_batching={str(how == 'loop').lower()}",
         f"serve.generation.max_streams={max(model.streams)}",
         # Serve's own cap on a replica's requests: a stream holds one slot from its start to
         # its end, so it must admit every stream measured (else they queue in front of it).

@@ -172,6 +172,11 @@ class KVBatch:
         keep = max(self.lengths, default=0)
         self.cache = [np.delete(c, rows, axis=0)[:, :, c.shape[2] - keep :] for c in self.cache]
 
+    def row_cache(self, row: int) -> list[np.ndarray]:
+        """A row's own cache (batch 1, its length), as it joined and has grown since."""
+        n = self.lengths[row]
+        return [c[row : row + 1, :, c.shape[2] - n :] for c in self.cache]
+
     def step(self, tokens: Sequence[int]) -> np.ndarray:
         """One new token per row -> each row's next-token logits [rows, vocab]."""
         width = self.cache[0].shape[2]

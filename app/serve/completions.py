@@ -1,5 +1,6 @@
-"""The text-generation HTTP contract, without Ray or FastAPI: request parsing and validation
-(a `RequestError` naming the field), and the response and Server-Sent-Event encodings.
+"""The text-generation HTTP contract, without Ray or FastAPI: requests read into their strict
+models (app/serve/requests.py; a `RequestError` naming the field) and turned into generation
+requests, and the response and Server-Sent-Event encodings.
 
 - `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
   `temperature`, `top_k`, `top_p`, `stop`, `seed`, the penalties, `n`, `logprobs`, `echo`,
@@ -21,90 +22,17 @@ from typing import Any
 
 from app.config import ServeConfig
 from app.export.generate import TokenLogprob
-from app.serve.protocol import json_type, parse_json
-from app.serve.types import Finished, GenerationRequest, Piece, bad
+from app.serve.requests import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateParameters,
+    GenerateRequest,
+    OpenAIRequest,
+    read,
+)
+from app.serve.types import Finished, GenerationRequest, Piece
 
-PENALTIES = ("presence_penalty", "frequency_penalty")
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed", *PENALTIES)
-MAX_STOP_STRINGS = 4  # as OpenAI
-MIN_TEMPERATURE = 1e-6
 DONE = b"data: [DONE]\n\n"
-
-
-def _number(value: Any, field: str, integer: bool) -> float | int:
-    # bool is an int in Python, never a number in JSON.
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if not ok or isinstance(value, bool):
-        raise bad(
-            f"{field}: expected {'an integer' if integer else 'a number'}, got {json_type(value)}"
-        )
-    return value
-
-
-def sampling(body: dict[str, Any], prefix: str, cfg: ServeConfig) -> dict[str, Any]:
-    """Validated sampling fields of `body` (absent or null: the defaults), as the keyword
-    arguments of app.export.generate.SamplingParams. `prefix` names where they sit ("", "parameters.")."""
-    out: dict[str, Any] = {"max_tokens": cfg.generation.default_max_tokens, "temperature": 1.0}
-    get = {k: body.get(k) for k in SAMPLING_FIELDS}
-    if get["max_tokens"] is not None:
-        n = _number(get["max_tokens"], f"{prefix}max_tokens", integer=True)
-        if not 1 <= n <= cfg.generation.max_tokens:
-            raise bad(
-                f"{prefix}max_tokens: {n} is outside 1..{cfg.generation.max_tokens} (serve.generation.max_tokens)"
-            )
-        out["max_tokens"] = n
-    if get["temperature"] is not None:
-        t = float(_number(get["temperature"], f"{prefix}temperature", integer=False))
-        if not 0 <= t <= 2:
-            raise bad(f"{prefix}temperature: {t:g} is outside 0..2")
-        # Below this, 1/t overflows the logits: sampling that cold is greedy decoding.
-        out["temperature"] = t if t >= MIN_TEMPERATURE else 0.0
-    if get["top_k"] is not None:
-        k = _number(get["top_k"], f"{prefix}top_k", integer=True)
-        if k < 0:
-            raise bad(f"{prefix}top_k: {k} is negative (0 turns it off)")
-        out["top_k"] = k
-    if get["top_p"] is not None:
-        p = float(_number(get["top_p"], f"{prefix}top_p", integer=False))
-        if not 0 < p <= 1:
-            raise bad(f"{prefix}top_p: {p:g} is outside (0, 1]")
-        out["top_p"] = p
-    if get["seed"] is not None:
-        out["seed"] = _number(get["seed"], f"{prefix}seed", integer=True)
-        if out["seed"] < 0:
-            raise bad(f"{prefix}seed: {out['seed']} is negative")
-    if get["stop"] is not None:
-        out["stop"] = stop_strings(get["stop"], f"{prefix}stop")
-    for name in PENALTIES:
-        if get[name] is not None:
-            value = float(_number(get[name], f"{prefix}{name}", integer=False))
-            if not -2 <= value <= 2:
-                raise bad(f"{prefix}{name}: {value:g} is outside -2..2")
-            out[name] = value
-    return out
-
-
-def stop_strings(value: Any, field: str) -> tuple[str, ...]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad(f"{field}: expected a non-empty string or a list of them, got {json_type(value)}")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad(f"{field}: {len(stops)} strings, at most {MAX_STOP_STRINGS}")
-    return tuple(stops)
-
-
-def _object(body: bytes) -> dict[str, Any]:
-    request = parse_json(body)
-    if not isinstance(request, dict):
-        raise bad(f"body: expected a JSON object, got {json_type(request)}")
-    return request
-
-
-def _unknown(request: dict[str, Any], known: tuple[str, ...], prefix: str = "") -> None:
-    extra = sorted(set(request) - set(known))
-    if extra:  # the client's key, escaped: it goes into the answer and the log line
-        name = json.dumps(extra[0][:64])
-        raise bad(f"{prefix}{name}: not supported (supported: {', '.join(known)})")
 
 
 @dataclass(frozen=True)
@@ -128,147 +56,39 @@ class Completion:
         ]
 
 
-# `user` changes nothing (accepted and ignored, as documented).
-OPENAI_FIELDS = ("model", "stream", "stream_options", "user", "n", "logprobs", *SAMPLING_FIELDS)
-MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # completions' `logprobs`, chat's `top_logprobs` (OpenAI)
-
-
 def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
     """The body of `POST /v1/completions`."""
-    request = _object(body)
-    _unknown(request, ("prompt", "echo", *OPENAI_FIELDS))
-    prompt = prompt_text(request.get("prompt"), "prompt")
-    logprobs = None
-    if request.get("logprobs") is not None:
-        logprobs = int(_number(request["logprobs"], "logprobs", integer=True))
-        if not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad(f"logprobs: {logprobs} is outside 0..{MAX_LOGPROBS}")
-    echo = flag(request.get("echo"), "echo")
-    if echo and logprobs is not None:
-        raise bad("logprobs: not supported with echo (the prompt's own logprobs)")
-    return replace(_completion(request, prompt, cfg, logprobs), echo=echo)
+    request: CompletionRequest = read(body, CompletionRequest, cfg)
+    generation = GenerationRequest(request.prompt, _params(request, cfg, request.logprobs))
+    return replace(_completion(request, generation), echo=bool(request.echo))
 
 
 def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
     """The body of `POST /v1/chat/completions`: `messages`, rendered into one prompt by the
     replica with its model's chat template (app/serve/chat.py)."""
-    request = _object(body)
-    _unknown(request, ("messages", "max_completion_tokens", "top_logprobs", *OPENAI_FIELDS))
-    if request.get("max_completion_tokens") is not None:
-        if request.get("max_tokens") is not None:
-            raise bad("max_completion_tokens: give it or max_tokens, not both")
-        request = {**request, "max_tokens": request["max_completion_tokens"]}
-    logprobs = None
-    if flag(request.get("logprobs"), "logprobs"):
-        logprobs = 0
-        if request.get("top_logprobs") is not None:
-            logprobs = int(_number(request["top_logprobs"], "top_logprobs", integer=True))
-            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-                raise bad(f"top_logprobs: {logprobs} is outside 0..{MAX_TOP_LOGPROBS}")
-    elif request.get("top_logprobs") is not None:
-        raise bad("top_logprobs: only with logprobs: true")
-    completion = _completion(request, "", cfg, logprobs)
-    messages = chat_messages(request.get("messages"))
-    generation = replace(completion.request, field="messages", messages=messages)
-    return replace(completion, request=generation)
+    request: ChatRequest = read(body, ChatRequest, cfg)
+    messages = tuple({"role": m.role, "content": m.content} for m in request.messages)
+    params = _params(request, cfg, request.logprob_count())
+    return _completion(request, GenerationRequest("", params, "messages", messages))
 
 
-def _completion(
-    request: dict[str, Any], prompt: str, cfg: ServeConfig, logprobs: int | None
-) -> Completion:
-    model = request.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad(f"model: expected a model name (string), got {json_type(model)}")
-    n = 1 if request.get("n") is None else _number(request["n"], "n", integer=True)
-    if not 1 <= n <= cfg.generation.max_streams:
-        raise bad(
-            f"n: {n} is outside 1..{cfg.generation.max_streams} (serve.generation.max_streams)"
-        )
-    stream = flag(request.get("stream"), "stream")
-    params = sampling(request, "", cfg) | ({} if logprobs is None else {"logprobs": logprobs})
-    generation = GenerationRequest(prompt, params)
-    return Completion(model, stream, generation, stream_usage(request, stream), n=int(n))
+def _params(request: OpenAIRequest, cfg: ServeConfig, logprobs: int | None) -> dict[str, Any]:
+    return request.params(cfg) | ({} if logprobs is None else {"logprobs": logprobs})
 
 
-def stream_usage(request: dict[str, Any], stream: bool) -> bool:
-    options = request.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise bad("stream_options: only with stream: true")
-    if not isinstance(options, dict):
-        raise bad(f"stream_options: expected an object, got {json_type(options)}")
-    _unknown(options, ("include_usage",), "stream_options.")
-    return flag(options.get("include_usage"), "stream_options.include_usage")
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
-def chat_messages(messages: Any) -> tuple[dict[str, str], ...]:
-    """Validated chat messages as {"role", "content"} (content given as text parts joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise bad(f"messages: expected a non-empty list, got {json_type(messages)}")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad(f"{where}: expected an object, got {json_type(message)}")
-        _unknown(message, ("role", "content", "name"), f"{where}.")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"{where}.role: expected one of {', '.join(CHAT_ROLES)}, got {role!r}"[:200])
-        content = _content(message.get("content"), f"{where}.content")
-        out.append({"role": str(role), "content": content})
-    return tuple(out)
-
-
-def _content(value: Any, field: str) -> str:
-    """A message's text: a string, or OpenAI's list of `{"type": "text", "text": ...}` parts."""
-    if isinstance(value, list) and value:
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else json_type(part)
-                raise bad(f"{field}[{i}]: only text parts are supported, got {kind!r}"[:200])
-            _unknown(part, ("type", "text"), f"{field}[{i}].")
-            texts.append(prompt_text(part.get("text"), f"{field}[{i}].text"))
-        return "".join(texts)
-    return prompt_text(value, field)
+def _completion(request: OpenAIRequest, generation: GenerationRequest) -> Completion:
+    options = request.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    return Completion(
+        request.model, bool(request.stream), generation, include_usage, request.n or 1
+    )
 
 
 def parse_generate(body: bytes, cfg: ServeConfig) -> GenerationRequest:
     """The body of Triton's `POST /v2/models/{name}/generate[_stream]`."""
-    request = _object(body)
-    _unknown(request, ("text_input", "parameters", "id"))
-    params = request.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise bad(f"parameters: expected an object, got {json_type(params)}")
-    _unknown(params, (*SAMPLING_FIELDS, "stream"), "parameters.")
-    prompt = prompt_text(request.get("text_input"), "text_input")
-    return GenerationRequest(prompt, sampling(params, "parameters.", cfg), field="text_input")
-
-
-def prompt_text(value: Any, field: str) -> str:
-    if isinstance(value, list) and len(value) == 1:  # OpenAI's list form, one prompt
-        value = value[0]
-    if not isinstance(value, str):
-        raise bad(f"{field}: expected a string, got {json_type(value)}")
-    if not value:
-        raise bad(f"{field}: must not be empty")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad(f"{field}: not valid Unicode (a lone surrogate)") from None
-    return value
-
-
-def flag(value: Any, field: str) -> bool:
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad(f"{field}: expected true or false, got {json_type(value)}")
-    return value
+    request: GenerateRequest = read(body, GenerateRequest, cfg)
+    parameters = request.parameters or GenerateParameters()
+    return GenerationRequest(request.text_input, parameters.params(cfg), field="text_input")
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """One language model's replica state: a verified artifact's ONNX Runtime session generating
-text (app/export/generate.py), at most `serve.generation.max_streams` generations at once.
+text (app/export/generate.py) in one decode loop (app/serve/decode_loop.py), at most
+`serve.generation.max_streams` generations at once.
 
 `generate` is an async generator of typed events (app/serve/types.py), the contract between the
 HTTP routes and the replica (local call or a streaming DeploymentHandle): `Started`, a `Piece`
 per piece of text, `Finished`; a refusal (bad prompt, too many streams) is a `RequestError`
-raised before the first event. Each model step runs on a worker thread, one step per piece
-asked for, so when the consumer stops (the client disconnected and Serve cancelled the request)
-the generation stops at the step in flight.
+raised before the first event, and a stream the model could not continue raises its
+`RequestError` (500, or 503 for lack of memory) after the pieces it got. When the consumer stops
+(the client disconnected and Serve cancelled the request) the stream leaves the batch at the
+next step.
 """
 
 from __future__ import annotations
@@ -16,28 +18,29 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from app.config import ServeConfig
 from app.export.artifact import Artifact, open_artifact
-from app.export.generate import Generation, Generator, PromptError, SamplingParams
+from app.export.generate import Generator, PromptError, SamplingParams
 from app.serve.chat import from_preprocessor as chat_template
 from app.serve.decode_loop import DecodeLoop, LoopGeneration
 from app.serve.metric_buffer import model_counter, model_gauge, model_histogram, process_buffer
 from app.serve.model_server import model_info
 from app.serve.types import (
+    FINISH_REASONS,
     Finished,
+    FinishReason,
     GenerationEvent,
     GenerationRequest,
     InferRequest,
     ModelInfo,
-    Piece,
     RequestError,
     Started,
 )
 
 log = logging.getLogger("ray.serve")
+HEALTH_PROBE = SamplingParams(max_tokens=1, temperature=0)
 
 
 class LMServer:
@@ -47,8 +50,7 @@ class LMServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.variant = cfg.variant
         self.generator = self._generator(self.variant)
-        self.loop = self._decode_loop()
-        self.pool = ThreadPoolExecutor(cfg.generation.max_streams, thread_name_prefix="generate")
+        self.loop = DecodeLoop(self.generator, model=self.artifact.name)
         # What this replica did, for metadata (and the disconnect test): generations running now,
         # finished by reason, and tokens generated in all.
         self.stats: dict[str, int] = {
@@ -64,19 +66,18 @@ class LMServer:
         log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def _generator(self, variant: str) -> Generator:
-        return Generator.from_artifact(
+        generator = Generator.from_artifact(
             self.artifact,
             variant,
             self.threads,
             max_prompt_tokens=self.cfg.generation.max_prompt_tokens,
         )
-
-    def _decode_loop(self) -> DecodeLoop | None:
-        """Continuous batching, where the config asks for it and the graph can batch streams
-        (artifacts exported before it could step one stream at a time)."""
-        if not (self.cfg.generation.continuous_batching and self.generator.decoder.batched):
-            return None
-        return DecodeLoop(self.generator)
+        if not generator.decoder.batched:
+            raise ValueError(
+                f"{self.artifact.uri}: its graph cannot step streams together (no position_ids "
+                "or attention_mask input): export the checkpoint again with jobs.export"
+            )
+        return generator
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         variant = user_config.get("variant", "int8")
@@ -84,19 +85,25 @@ class LMServer:
             raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
         if variant != self.variant:
             self.generator, self.variant = self._generator(variant), variant
-            if self.loop is not None:  # its streams finish on the old session
-                self.loop.close()
-            self.loop = self._decode_loop()
+            self.loop.close()  # its streams finish on the old session
+            self.loop = DecodeLoop(self.generator, model=self.artifact.name)
 
     async def check_health(self) -> None:
-        loop = asyncio.get_running_loop()
-        ids = self.generator.encode("\n")
-        params = SamplingParams(max_tokens=1, temperature=0)
-        await loop.run_in_executor(self.pool, lambda: self.generator.generate(ids, params).text())
+        """One greedy token through the decode loop: a loop thread that died or hangs fails
+        the check (Serve's health_check_timeout_s), and Serve replaces the replica."""
+        if not self.loop.alive():
+            raise RuntimeError("the decode loop's thread has ended")
+        probe = self.loop.submit(self.generator.encode("\n"), HEALTH_PROBE)
+        try:
+            async for _ in probe:
+                pass
+        finally:
+            probe.close()
 
     async def info(self) -> ModelInfo:
-        batching = dict(self.loop.stats) if self.loop is not None else {"batch_peak": 1}
-        return model_info(self.artifact, self.variant, generation=self.stats | batching)
+        reserved = self.kv_budget.reserved // self.kv_budget.bytes_per_token
+        stats = self.stats | self.loop.stats | {"kv_reserved_tokens": reserved}
+        return model_info(self.artifact, self.variant, generation=stats)
 
     async def infer(self, request: InferRequest) -> Any:
         raise RequestError(
@@ -120,17 +127,13 @@ class LMServer:
         params = SamplingParams(**request.params)
         need = len(ids) + min(params.max_tokens, self.generator.block_size - len(ids))
         self.kv_budget.reserve(need, self.artifact.name)
-        generation: Generation | LoopGeneration = (
-            self.loop.submit(ids, params)
-            if self.loop is not None
-            else self.generator.generate(ids, params)
-        )
+        generation = self.loop.submit(ids, params)
         timing = _Timing()
         self._hold(1, len(ids))
         held = len(ids)  # the tokens this stream's cache holds, as last counted
         try:
             yield Started(prompt_tokens=len(ids), version=self.artifact.version)
-            async for piece in self._pieces(generation):
+            async for piece in generation:
                 timing.token_came()
                 self._hold(0, len(ids) + generation.completion_tokens - held)
                 held = len(ids) + generation.completion_tokens
@@ -152,34 +155,19 @@ class LMServer:
         prompt is in its cache (the decode loop's prefill), then runs."""
         self.stats["active"] += streams
         self.stats["kv_cache_tokens"] += tokens
-        waiting = self.loop.waiting_count() if self.loop is not None else 0
+        waiting = self.loop.waiting_count()
         self._metrics.levels(self.stats["active"] - waiting, waiting, self.stats["kv_cache_tokens"])
 
-    async def _pieces(self, generation: Generation | LoopGeneration) -> AsyncIterator[Piece]:
-        if isinstance(generation, LoopGeneration):  # the decode loop hands the text over
-            async for piece in generation:
-                yield piece
-            return
-        loop = asyncio.get_running_loop()
-        while True:
-            step: Piece | None = await loop.run_in_executor(self.pool, _next_piece, generation)
-            if step is None:
-                return
-            yield step
-
-    def _end(self, generation: Generation | LoopGeneration) -> Finished:
-        return Finished(
-            finish_reason=str(generation.finish_reason),
-            prompt_tokens=generation.prompt_tokens,
-            completion_tokens=generation.completion_tokens,
-            version=self.artifact.version,
-        )
-
-
-def _next_piece(generation: Generation) -> Piece | None:
-    """One model step on a worker thread: the next piece, or None at the end."""
-    text = next(generation, None)
-    return None if text is None else Piece(text, generation.logprobs)
+    def _end(self, generation: LoopGeneration) -> Finished:
+        reason = generation.finish_reason
+        if reason in FINISH_REASONS:  # the loop ends any other with an error
+            return Finished(
+                finish_reason=cast(FinishReason, reason),
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens,
+                version=self.artifact.version,
+            )
+        raise RequestError(500, f"model {self.artifact.name!r} ended a generation early")
 
 
 class KVBudget:

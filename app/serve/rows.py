@@ -120,9 +120,18 @@ def _number_array(data: Any, field: str) -> np.ndarray:
         if array.size == 0:
             return array.astype(np.float64)
         raise bad(f"{field}: values must be numbers (strings, booleans and nulls are not accepted)")
+    if _has_bool(data):  # numpy reads true as 1 beside numbers
+        raise bad(f"{field}: values must be numbers (strings, booleans and nulls are not accepted)")
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad(f"{field}: values must be finite numbers (no NaN or Infinity)")
     return array
+
+
+def _has_bool(data: list[Any]) -> bool:
+    for item in data:
+        if item.__class__ is bool or (item.__class__ is list and _has_bool(item)):
+            return True
+    return False
 
 
 def text_rows(data: Any, field: str) -> list[str]:

@@ -8,7 +8,7 @@ JSON with its status.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -111,9 +111,15 @@ class Piece:
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind `text`, when asked for
 
 
+# How a generation that ran to its end ended: end of text or a stop string; max_tokens or the
+# model's window. (A stream that could not finish raises its RequestError instead.)
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     version: str

@@ -132,3 +132,69 @@ def get_json(path: str, **kw) -> dict:
     r = requests.get(f"{SERVE}{path}", timeout=10, **kw)
     r.raise_for_status()
     return r.json()
+
+
+def checkout_copy(into: Path) -> Path:
+    """This checkout's tracked files (and untracked ones git does not ignore) copied to `into`:
+    a user's checkout of its own, whose relative default paths land in it, not in the folder
+    the suite's cluster has as RAYTORCH_ROOT."""
+    import shutil
+
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = REPO / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
+
+
+def run_command(argv: list[str], cwd: Path, timeout: float = 600, summary: bool = True) -> dict:
+    """A README command as a subprocess from `cwd`, on the suite's cluster; its summary (the
+    last line of its output)."""
+    proc = subprocess.run(
+        argv, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        shown = " ".join(argv[1:])
+        raise AssertionError(f"`{shown}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if summary else {}
+
+
+def predict_input(state: dict, into: Path) -> str:
+    """A table for jobs.predict: the prepared val split's rows with an `id` column."""
+    import pandas as pd
+
+    from app.data.prepare import read_manifest, split_files
+
+    output = state["prepare"]["output"]
+    files = split_files(output, read_manifest(output), "val")
+    frame = pd.concat([pd.read_parquet(f) for f in files]).drop(columns=["label"])
+    frame.insert(0, "id", range(len(frame)))
+    path = into / "predict-input.parquet"
+    frame.to_parquet(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def readme_chain(cluster, tmp_path_factory) -> dict:
+    """The README's digits chain (tests/readme_commands.py:CHAIN) run as a user runs it: each
+    command as shown, in order, from the root of a checkout with the shipped config and its
+    default paths, on the suite's cluster. Each summary by stage (`verify` for
+    `export --verify`), and `root`."""
+    from tests.readme_commands import CHAIN, fill
+
+    root = checkout_copy(tmp_path_factory.mktemp("checkout"))
+    state: dict = {"root": root, "output": str(root / "predictions")}
+    for command in CHAIN:
+        if "jobs.predict" in command:
+            state["input"] = predict_input(state, root)
+        argv = fill(command, state)
+        stage = "verify" if "--verify" in argv else argv[2].removeprefix("jobs.")
+        state[stage] = run_command(argv, root)
+    return state

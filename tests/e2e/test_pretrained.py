@@ -1,6 +1,7 @@
 """Pretrained folders through the whole pipeline on the live cluster, one run per family:
-`jobs.pipeline` prepares, fine-tunes, evaluates, exports (int8 gate) and deploys a generated tiny
-GPT-2, BERT and ViT folder, and the endpoint answers. The classifiers train their new head only
+the README's `jobs.pipeline` command for each (tests/readme_commands.py) prepares, fine-tunes,
+evaluates, exports (int8 gate) and deploys a generated tiny GPT-2, BERT and ViT folder, and the
+endpoint answers. The classifiers train their new head only
 (`train.freeze=backbone`), so the served answer must be exactly what transformers computes from
 the folder's weights and the trained head."""
 
@@ -15,9 +16,9 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, run_jobs
 from tests.make_tiny_pretrained import MAKERS
+from tests.readme_commands import PRETRAINED, fill
 
 pytestmark = pytest.mark.e2e
 CONFIGS = {"gpt2": "gpt2-finetune", "bert": "bert-text", "vit": "vit-images"}
@@ -38,8 +39,10 @@ def pipelines(cluster, tmp_path_factory):
     runs = {}
     for family, config in CONFIGS.items():
         folder = MAKERS[family](str(root / "folders" / family))
+        readme = fill(PRETRAINED[family], {})  # the README's command, then this run's budget
+        assert readme[3:5] == ["--config", f"configs/{config}.yaml"]
         base = [
-            f"--config={REPO / 'configs' / f'{config}.yaml'}",
+            *readme[3:],
             f"model.pretrained={folder}",
             f"data.output={root}/data/{family}",
             f"train.storage_path={root}/runs",

@@ -1,6 +1,6 @@
 """Serving end to end: real cluster, real Serve, real HTTP on 127.0.0.1.
 
-One digits model is trained, exported twice (versions 1 and 2 of the same weights) and deployed
+The README chain's digits model, exported twice (versions 1 and 2 of the same weights) and deployed
 with the jobs; the tests then check answers against the artifact run offline, bad input, the
 Triton client, autoscaling, a killed replica, a rolling update and a rollback under load.
 """
@@ -41,18 +41,19 @@ SERVE_OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def served(cluster, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
+def served(readme_chain):
+    """The README chain's digits model (tests/e2e/conftest.py: trained, exported as version 1
+    and deployed by the README's commands), exported again as version 2 of the same weights,
+    and version 1 deployed again with short autoscaling delays."""
+    root = readme_chain["root"] / "outputs"
     base = [
         f"--config={REPO / 'configs/digits.yaml'}",
-        f"data.output={root}/data",
+        f"data.output={root}/data/digits",
         f"train.storage_path={root}/runs",
         f"export.registry={root}/registry",
     ]
-    run_job("prepare", *base)
-    train = run_job("train", *base, "train.epochs=4", "train.run_name=e2e-serve")
-    ckpt = train["checkpoint"]
-    v1 = run_job("export", *base, f"--checkpoint={ckpt}")["artifact"]
+    ckpt = readme_chain["train"]["checkpoint"]
+    v1 = readme_chain["export"]["artifact"]
     v2 = run_job("export", *base, f"--checkpoint={ckpt}")["artifact"]
     deploy_args = [*base, *SERVE_OVERRIDES]
     summary = run_job("deploy", *deploy_args, f"--artifact={v1}")
@@ -63,16 +64,15 @@ def served(cluster, tmp_path_factory):
         "checkpoint": ckpt,
         "v1": v1,
         "v2": v2,
-        "root": root,
+        "data": f"{root}/data/digits",
     }
 
 
-def val_rows(root, n: int) -> tuple[np.ndarray, list[str]]:
+def val_rows(output: str, n: int) -> tuple[np.ndarray, list[str]]:
     import pandas as pd
 
     from app.data.prepare import read_manifest, split_files
 
-    output = f"{root}/data"
     files = split_files(output, read_manifest(output), "val")  # through the manifest
     frame = pd.concat([pd.read_parquet(f) for f in files]).iloc[:n]
     return np.stack(frame["image"].to_list()).astype(np.float32), frame["label"].tolist()
@@ -98,7 +98,7 @@ def infer(x: np.ndarray, headers=JSON, timeout=30) -> requests.Response:
 
 
 def test_v1_and_v2_answers_match_the_artifact_offline(served):
-    x, _ = val_rows(served["root"], 100)
+    x, _ = val_rows(served["data"], 100)
     artifact = open_artifact(served["v1"])
     offline = np.asarray(artifact.preprocessor.labels)[
         run_logits(artifact.session("int8"), artifact.preprocessor.features(x)).argmax(1)
@@ -120,7 +120,7 @@ def test_v1_and_v2_answers_match_the_artifact_offline(served):
 def test_a_rows_answer_through_the_replica_does_not_depend_on_its_batch_mates(served):
     """The served int8 variant gives a row the same probabilities alone and inside one request
     of 256 rows with wider-ranged mates (dynamic quantization's per-call scales made them move)."""
-    x, _ = val_rows(served["root"], 60)
+    x, _ = val_rows(served["data"], 60)
     rng = np.random.default_rng(0)
     for i in range(20):
         alone = infer(x[i : i + 1]).json()["outputs"][1]["data"]
@@ -137,7 +137,7 @@ def test_requests_claiming_huge_shapes_are_refused_fast_while_others_are_answere
     import json
     import threading
 
-    x, _ = val_rows(served["root"], 1)
+    x, _ = val_rows(served["data"], 1)
     good: list[int] = []
     stop = threading.Event()
 
@@ -256,7 +256,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, st
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]
     assert "Traceback" not in r.text
-    x, _ = val_rows(served["root"], 1)
+    x, _ = val_rows(served["data"], 1)
     assert infer(x).status_code == 200  # the next good request is answered ...
     assert {m["name"]: m for m in get_json("/v1/models")["models"]}["digits"]["manifest"] == before[
         "manifest"
@@ -264,7 +264,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(served, name, body, headers, st
 
 
 def test_missing_content_type_is_read_as_json(served):
-    x, _ = val_rows(served["root"], 2)
+    x, _ = val_rows(served["data"], 2)
     r = requests.post(f"{SERVE}/v2/models/digits/infer", data=json.dumps(v2_body(x)), timeout=10)
     assert r.status_code == 200, r.text
 
@@ -291,7 +291,7 @@ def answering_pid(x: np.ndarray) -> int:
 
 
 def test_replica_process_survives_bad_requests(served):
-    x, _ = val_rows(served["root"], 1)
+    x, _ = val_rows(served["data"], 1)
     pids = {answering_pid(x) for _ in range(5)}
     for _, body, headers, _, _ in BAD_REQUESTS:
         requests.post(f"{SERVE}/v2/models/digits/infer", data=body, headers=headers, timeout=10)
@@ -370,7 +370,7 @@ def test_issue_11_bad_requests_get_4xx_and_the_replica_survives(served):
     and the same replica process answers before and after."""
     from concurrent.futures import ThreadPoolExecutor
 
-    x, _ = val_rows(served["root"], 1)
+    x, _ = val_rows(served["data"], 1)
     pids = {answering_pid(x) for _ in range(5)}
 
     def send(case):
@@ -394,7 +394,7 @@ def test_triton_client_reads_metadata_and_infers_json_and_binary(served):
     client = triton.InferenceServerClient("127.0.0.1:8000")
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("digits")
     assert client.get_model_metadata("digits")["inputs"][0]["name"] == "image"
-    x, _ = val_rows(served["root"], 16)
+    x, _ = val_rows(served["data"], 16)
     expected = infer(x).json()["outputs"][0]["data"]
     for binary in (False, True):
         tensor = triton.InferInput("image", list(x.shape), "FP32")
@@ -501,7 +501,7 @@ def running_replicas() -> int:
 
 def test_autoscaling_up_under_load_and_back_down(served):
     wait_for(lambda: running_replicas() == 1, 90, 1, "one replica at rest")
-    x, _ = val_rows(served["root"], 32)
+    x, _ = val_rows(served["data"], 32)
     with Load(x, threads=6) as load:
         wait_for(lambda: running_replicas() >= 2, 90, 1, "a second replica under load")
         wait_for(lambda: len(load.pids) >= 2, 30, 0.5, "both replicas answering")
@@ -510,7 +510,7 @@ def test_autoscaling_up_under_load_and_back_down(served):
 
 
 def test_killed_replica_is_replaced_and_service_keeps_answering(served):
-    x, _ = val_rows(served["root"], 8)
+    x, _ = val_rows(served["data"], 8)
     expected = infer(x).json()["outputs"][0]["data"]
     threads = 6
     with Load(x, threads=threads, expected=expected) as load:
@@ -561,7 +561,7 @@ KILLED_REPLICA_ERRORS = (
 
 
 def test_rolling_update_to_v2_and_rollback_fail_no_request(served):
-    x, _ = val_rows(served["root"], 4)
+    x, _ = val_rows(served["data"], 4)
     for target, version in ((served["v2"], "2"), (served["v1"], "1")):
         with Load(x, threads=3, pause=0.02) as load:
             time.sleep(1)
@@ -597,7 +597,7 @@ def test_serve_deploy_of_cluster_serve_yaml_runs_the_same_app(served, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     wait_for(lambda: answering_version("digits") == "2", 120, 1, "version 2 from serve.yaml")
-    x, _ = val_rows(served["root"], 8)
+    x, _ = val_rows(served["data"], 8)
     r = infer(x)
     assert r.status_code == 200 and r.json()["model_version"] == "2"
 
@@ -630,7 +630,7 @@ def test_api_key_is_required_when_set(served):
         f"serve.api_key_env={TEST_API_KEY_ENV}",
         f"--artifact={served['v1']}",
     )
-    x, _ = val_rows(served["root"], 1)
+    x, _ = val_rows(served["data"], 1)
     assert infer(x).status_code == 401
     assert infer(x, headers={**JSON, "Authorization": "Bearer wrong"}).status_code == 403
     assert infer(x, headers=AUTHORIZED).status_code == 200
@@ -663,7 +663,7 @@ def test_s3_registry_export_deploy_and_infer(served, s3_bucket):
     assert deployed["artifact"] == exported["artifact"] and deployed["version"] == "1"
     assert {"digits", "digits-s3"} <= set(deployed["models"])  # beside any other live models
 
-    x, _ = val_rows(served["root"], 20)
+    x, _ = val_rows(served["data"], 20)
     artifact = open_artifact(latest)
     offline = np.asarray(artifact.preprocessor.labels)[
         run_logits(artifact.session("int8"), artifact.preprocessor.features(x)).argmax(1)
@@ -695,12 +695,12 @@ def test_models_list_undeploy_and_prune_against_the_live_cluster(served):
         assert "digits" in undeployed["models"] and "digits-s3" not in undeployed["models"]
         r = requests.post(
             f"{SERVE}/v2/models/digits-s3/infer",
-            json=v2_body(val_rows(served["root"], 1)[0]),
+            json=v2_body(val_rows(served["data"], 1)[0]),
             headers=AUTHORIZED,
             timeout=30,
         )
         assert r.status_code == 404
-        assert infer(val_rows(served["root"], 1)[0], headers=AUTHORIZED).status_code == 200
+        assert infer(val_rows(served["data"], 1)[0], headers=AUTHORIZED).status_code == 200
 
         pruned = run_job("models", *served["base"], "prune", "--keep=1")
         assert pruned["deleted"] == {"digits": []}  # v2 is the newest and latest, v1 is live
@@ -730,7 +730,7 @@ def alive_actor_pids(class_name: str) -> list[int]:
 def test_serve_controller_killed_under_load_loses_no_request(served):
     """The controller only manages: with it dead, the proxy and replicas keep answering, and
     Ray restarts it (a detached actor) with the applications as they were."""
-    x, _ = val_rows(served["root"], 4)
+    x, _ = val_rows(served["data"], 4)
     [old] = alive_actor_pids("ServeController")
     # The key an earlier test turned on may still be required: send it either way.
     with Load(x, threads=3, pause=0.01, headers=AUTHORIZED) as load:
@@ -759,7 +759,7 @@ def test_index_replica_killed_under_load_is_replaced_and_answers_resume(served):
     replica is gone; Serve starts another and they resume. Failures stay inside that window and
     fail fast; none is a wrong answer. (Two index replicas, `serve.ingress_replicas: 2`, avoid
     the window.)"""
-    x, _ = val_rows(served["root"], 4)
+    x, _ = val_rows(served["data"], 4)
     url = f"{SERVE}/v1/models/digits:predict"
     body = {"instances": x.tolist()}
     expected = requests.post(url, json=body, headers=AUTHORIZED, timeout=30).json()["predictions"]

@@ -3,14 +3,20 @@ prepared datasets under one session temp folder."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from app.config import Config
 from app.data.prepare import prepare
+from app.hooks import HOOKS_ENV
 from app.ray_runtime import init_private_ray
 from tests.conftest import REPO, make_config
+
+# Every process of this tier's Ray (Serve replicas too) installs the tests' fault hooks; they act
+# only on requests that carry their seeds (tests/fault_hooks.py). Set before any Ray starts.
+os.environ[HOOKS_ENV] = "tests.fault_hooks"
 
 
 def ensure_local_ray() -> None:

@@ -5,6 +5,7 @@ free port in the private Ray -> completions over real HTTP (SSE framing, seeded 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -44,6 +45,9 @@ TINY = [
     "serve.generation.max_streams=2",
     "serve.autoscaling.min_replicas=1",
     "serve.autoscaling.max_replicas=1",
+    # A wedged decode loop is found within seconds (its test).
+    "serve.health_check_period_s=1",
+    "serve.health_check_timeout_s=2",
 ]
 
 
@@ -258,21 +262,84 @@ def test_a_whole_completion_whose_client_leaves_has_its_generation_cancelled(lm_
     assert_cancelled_once(lm_endpoint, before)
 
 
+def test_a_stream_whose_model_call_fails_is_an_error_and_its_batch_mate_finishes(lm_endpoint):
+    """Injected faults (tests/fault_hooks.py, by seed) in the replica's decode loop: a stream
+    whose model calls fail after two tokens is a 500 in OpenAI's shape (whole) or an error
+    event and [DONE] (streamed), while the stream stepped beside it gets its whole answer; a
+    join without memory is a 503 with Retry-After; slots and the KV budget return to zero."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.fault_hooks import FAIL_SEED, MEMORY_SEED
+
+    greedy_long = {"max_tokens": 96, "temperature": 0.0}
+    alone = completion(lm_endpoint, **greedy_long).json()["choices"][0]["text"]
+    with ThreadPoolExecutor(2) as pool:
+        mate = pool.submit(completion, lm_endpoint, **greedy_long)
+        failed = pool.submit(completion, lm_endpoint, seed=FAIL_SEED, max_tokens=96)
+        mate, failed = mate.result(), failed.result()
+    assert mate.status_code == 200 and mate.json()["choices"][0]["text"] == alone
+    assert failed.status_code == 500, failed.text
+    error = failed.json()["error"]
+    assert error["type"] == "server_error" and "tinylm" in error["message"]
+    assert "Traceback" not in failed.text
+    streamed = completion(lm_endpoint, seed=FAIL_SEED, max_tokens=96, stream=True)
+    assert streamed.status_code == 200
+    events = sse_events(streamed)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+    reasons = [c["choices"][0]["finish_reason"] for c in map(json.loads, events[:-2])]
+    assert set(reasons) == {None}  # never a finish_reason for a stream that did not finish
+    refused = completion(lm_endpoint, seed=MEMORY_SEED)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    stats = generation_stats(lm_endpoint)
+    assert stats["failed"] == 3
+    assert stats["active"] == stats["kv_cache_tokens"] == stats["kv_reserved_tokens"] == 0
+
+
+def test_a_wedged_decode_loop_fails_its_health_check_and_is_replaced(lm_endpoint):
+    """A stream whose model call never returns wedges the replica's decode thread; the health
+    check steps through the loop, fails (serve.health_check_timeout_s), and Serve replaces the
+    replica, which answers again."""
+    from tests.fault_hooks import WEDGE_SEED
+
+    before = replica_pids()
+    # No answer until the replica is gone, then an error or a closed connection.
+    with contextlib.suppress(requests.exceptions.ConnectionError):
+        assert completion(lm_endpoint, seed=WEDGE_SEED, max_tokens=4).status_code >= 500
+    wait_for_answer(lm_endpoint, 60)
+    assert replica_pids() and not replica_pids() & before
+
+
+def replica_pids() -> set[int]:
+    import psutil
+
+    return {
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "ServeReplica:models-tinylm" in " ".join(p.info["cmdline"] or [])
+    }
+
+
+def wait_for_answer(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if completion(url, max_tokens=2).status_code == 200:
+                return
+        except requests.exceptions.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"no replica answered within {timeout_s} s")
+
+
 def test_a_replica_killed_mid_stream_ends_the_stream_and_is_replaced(lm_endpoint):
     """The stream's client gets an end (its connection closes) within a second of the kill,
     never a hang; Serve starts a replacement that answers again. Runs last in this module."""
     import signal
 
-    import psutil
-
     response = completion(lm_endpoint, stream=True, max_tokens=480, temperature=0.0)
     lines = response.iter_lines(delimiter=b"\n\n")
     next(lines)
-    [pid] = [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if "ServeReplica:models-tinylm" in " ".join(p.info["cmdline"] or [])
-    ]
+    [pid] = replica_pids()
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     try:
@@ -453,7 +520,7 @@ def test_concurrent_streams_share_the_decode_loop_and_keep_their_answers(lm_endp
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(text, prompts))
     assert together == alone
-    assert generation_stats(lm_endpoint)["batch_peak"] == 2
+    assert generation_stats(lm_endpoint)["batch_peak"] >= 2  # (a health probe may join them)
 
 
 def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_artifact):
@@ -488,25 +555,3 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
     refused = asyncio.run(scenario())
     assert refused.status == 503 and refused.retry_after_s == 1
     assert "max_kv_cache_mib" in refused.message
-
-
-def test_without_the_decode_loop_each_stream_steps_alone_with_the_same_answer(lm_artifact):
-    """serve.generation.continuous_batching off (and graphs that cannot batch): streams step on
-    worker threads, and a greedy answer is the one the decode loop gives."""
-    import asyncio
-
-    from app.serve.lm_server import LMServer
-    from app.serve.types import GenerationRequest, Piece
-
-    config, summary = lm_artifact
-
-    async def text(batching: bool) -> str:
-        cfg = config.serve.model_copy(deep=True)
-        cfg.generation.continuous_batching = batching
-        server = LMServer(summary["artifact"], cfg)
-        assert (server.loop is not None) == batching
-        request = GenerationRequest("def ", {"max_tokens": 40, "temperature": 0.0})
-        pieces = [e.text async for e in server.generate(request) if isinstance(e, Piece)]
-        return "".join(pieces)
-
-    assert asyncio.run(text(False)) == asyncio.run(text(True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -33,8 +34,8 @@ def test_digits_yaml_loads_with_its_values_and_defaults():
     assert config.train.lr == pytest.approx(0.003)
     assert config.export.quantization == "static"
     assert config.serve.variant == "int8"
-    # Keys the YAML leaves out keep their defaults.
-    assert config.train.storage_path == "outputs/runs"
+    # Keys the YAML leaves out keep their defaults (a relative path made absolute where loaded).
+    assert config.train.storage_path == os.path.join(os.getcwd(), "outputs", "runs")
     assert config.serve.host == "127.0.0.1"
 
 
@@ -165,6 +166,28 @@ def test_relative_outputs_resolve_under_root_env(monkeypatch, tmp_path):
     assert config.registry == str(tmp_path / "outputs" / "registry")
     remote = load_config(DIGITS_YAML, ["export.registry=s3://bucket/reg"])
     assert remote.registry == "s3://bucket/reg"  # URIs with a scheme stay as they are
+
+
+def test_paths_are_resolved_once_where_the_job_loads_its_config(monkeypatch, tmp_path):
+    """A Tune trial or a Train worker runs in a working directory of its own and rebuilds the
+    config from its dump: the paths it gets are the ones the job resolved, never its own."""
+    monkeypatch.delenv(ROOT_ENV, raising=False)
+    job = tmp_path / "checkout"
+    job.mkdir()
+    monkeypatch.chdir(job)
+    overrides = ["data.path=tables/x.csv", "model.name=", "model.pretrained=models/m"]
+    config = load_config(DIGITS_YAML, overrides)
+    trial = tmp_path / "trial"
+    trial.mkdir()
+    monkeypatch.chdir(trial)
+    again = validate(dump(config))
+    assert again.data_output == str(job / "outputs" / "data" / "digits")
+    assert again.storage_path == str(job / "outputs" / "runs")
+    assert again.registry == str(job / "outputs" / "registry")
+    assert again.data.path == str(job / "tables" / "x.csv")
+    assert again.model.pretrained == str(job / "models" / "m")
+    stdlib = load_config(DIGITS_YAML, ["data.source=text_files", "data.path={stdlib}/*.py"])
+    assert stdlib.data.path == "{stdlib}/*.py"  # expanded by the source itself
 
 
 def test_dump_round_trips():

@@ -528,3 +528,104 @@ def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, to
     for prompt, result in zip(prompts, together, strict=True):
         alone = generator.generate(prompt, params)
         assert result[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
+
+
+# --- a model call that fails ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def faults():
+    from app import hooks
+    from tests import fault_hooks
+
+    fault_hooks.install_hooks()
+    yield fault_hooks
+    hooks.clear()
+
+
+async def outcome(stream):
+    """(text, finish reason, tokens) of a stream, or the RequestError it ended with."""
+    from app.serve.types import RequestError
+
+    text = ""
+    try:
+        async for piece in stream:
+            text += piece.text
+    except RequestError as e:
+        return e
+    return text, stream.finish_reason, stream.completion_tokens
+
+
+def alone_answers(generator, prompts, params):
+    out = []
+    for prompt, p in zip(prompts, params, strict=True):
+        generation = generator.generate(prompt, p)
+        out.append((generation.text(), generation.finish_reason, generation.completion_tokens))
+    return out
+
+
+def test_a_failed_step_ends_the_stream_it_belongs_to_and_the_others_go_on(
+    exported, tokenizer, faults
+):
+    """Three streams stepped together; one's model calls start failing after its second token
+    (an ONNX Runtime failure mid-stream). The batched step fails, each row steps alone once:
+    the faulty stream ends with a 500 after the text it had, the others end as they do alone
+    (never a truncated answer), and the loop serves the next stream."""
+    from app.serve.decode_loop import DecodeLoop
+    from app.serve.types import RequestError
+
+    _, sessions = exported
+    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    prompts = [[5, 6], [7], [8, 9, 10]]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0),
+        SamplingParams(max_tokens=20, temperature=0, seed=faults.FAIL_SEED),
+        SamplingParams(max_tokens=25, temperature=1.0, seed=3),
+    ]
+
+    async def scenario():
+        loop = DecodeLoop(generator, model="tiny")
+        streams = [loop.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+        results = await asyncio.gather(*(outcome(s) for s in streams))
+        after = await outcome(loop.submit([11], params[0]))
+        loop.close()
+        return results, after, loop.stats
+
+    (first, failed, third), after, stats = asyncio.run(scenario())
+    expected = alone_answers(generator, prompts, params)
+    assert first == expected[0] and third == expected[2]
+    assert isinstance(failed, RequestError) and failed.status == 500
+    assert "tiny" in failed.message and "InjectedFault" in failed.message
+    assert after == alone_answers(generator, [[11]], params[:1])[0]
+    assert stats["failed"] == 1
+
+
+def test_a_prompt_whose_fill_fails_ends_alone_and_a_join_without_memory_is_a_503(
+    exported, tokenizer, faults
+):
+    """Prompts filled together, one of whose calls always fails: each is filled alone, and only
+    that one ends (500). A stream whose join finds no memory ends with a 503 to retry; the
+    running stream beside it is untouched."""
+    from app.serve.decode_loop import DecodeLoop
+    from app.serve.types import RequestError
+
+    _, sessions = exported
+    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    greedy_ = SamplingParams(max_tokens=12, temperature=0)
+    bad_fill = SamplingParams(max_tokens=12, temperature=0, seed=faults.FAIL_AT_ONCE_SEED)
+    no_memory = SamplingParams(max_tokens=12, temperature=0, seed=faults.MEMORY_SEED)
+
+    async def scenario():
+        loop = DecodeLoop(generator, model="tiny")
+        streams = [loop.submit([5], greedy_), loop.submit([6], bad_fill)]
+        streams.append(loop.submit([7, 8], no_memory))
+        streams.append(loop.submit([9], greedy_))
+        results = await asyncio.gather(*(outcome(s) for s in streams))
+        loop.close()
+        return results
+
+    ok, failed, refused, ok2 = asyncio.run(scenario())
+    assert [ok, ok2] == alone_answers(generator, [[5], [9]], [greedy_, greedy_])
+    assert isinstance(failed, RequestError) and failed.status == 500
+    assert isinstance(refused, RequestError) and refused.status == 503
+    assert refused.retry_after_s == 1 and "memory" in refused.message

@@ -575,11 +575,14 @@ def test_an_unknown_json_key_is_a_400_that_echoes_it_safely(monkeypatch, key):
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy():
-    from app.serve.completions import sampling
+    from app.serve.requests import Sampling
+
+    def temperature(t: float) -> float:
+        return Sampling(temperature=t).params(ServeConfig())["temperature"]
 
     for t in (1e-320, 5e-7):
-        assert sampling({"temperature": t}, "", ServeConfig())["temperature"] == 0.0
-    assert sampling({"temperature": 1e-6}, "", ServeConfig())["temperature"] == 1e-6
+        assert temperature(t) == 0.0
+    assert temperature(1e-6) == 1e-6
 
 
 class DyingLM(FakeModel):
@@ -607,6 +610,46 @@ def test_a_whole_completion_whose_replica_dies_is_a_503(monkeypatch):
     error = r.json()["error"]
     assert r.status_code == 503 and "unavailable mid-generation" in error["message"], r.text
     assert error["type"] == "server_error"
+
+
+class FailingLM(DyingLM):
+    """A language model whose stream fails after its first piece, as the decode loop ends a
+    stream whose model call failed (500) or found no memory (503)."""
+
+    def __init__(self, status: int):
+        super().__init__()
+        self.status = status
+
+    async def generate(self, request):
+        from app.serve.types import Piece, Started
+
+        yield Started(prompt_tokens=1, version="1")
+        yield Piece("half")
+        retry = 1 if self.status == 503 else None
+        raise RequestError(self.status, f"model 'm' failed ({self.status})", retry)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_failed_stream_is_an_error_never_a_truncated_200(monkeypatch, status):
+    """Whole: OpenAI's error object with the stream's status (503 with Retry-After). Streamed:
+    the chunks it had, then an error event in OpenAI's shape, then [DONE]; no finish_reason."""
+    monkeypatch.delenv("RAYTORCH_API_KEY", raising=False)
+    api = TestClient(create_api(ServeConfig(), Models({"m": FailingLM(status)}, 5)))
+    whole = api.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert whole.status_code == status
+    assert whole.json()["error"]["message"] == f"model 'm' failed ({status})"
+    assert whole.json()["error"]["type"] == "server_error"
+    assert (whole.headers.get("retry-after") == "1") == (status == 503)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    streamed = api.post("/v1/chat/completions", json=body)
+    assert streamed.status_code == 200
+    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == status and error["type"] == "server_error"
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["half"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
 
 
 def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch):
@@ -649,11 +692,12 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
 
 
 def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
-    from app.serve.completions import chat_messages
+    from app.serve.completions import parse_chat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
-    assert chat_messages([messages[0], {"role": "user", "content": parts}]) == tuple(messages)
+    body = {"model": "m", "messages": [messages[0], {"role": "user", "content": parts}]}
+    assert parse_chat(json.dumps(body).encode(), ServeConfig()).request.messages == tuple(messages)
     c = client(monkeypatch)
     for body, field in [
         ({"model": "m", "messages": []}, "messages"),
@@ -661,7 +705,7 @@ def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
         ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         (
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0]",
+            "messages[0].content",
         ),
         ({"model": "m", "messages": messages, "top_logprobs": 2}, "top_logprobs"),
         ({"model": "m", "messages": messages, "logprobs": 3}, "logprobs"),

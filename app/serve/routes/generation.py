@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -80,7 +80,7 @@ async def openai_answer(
             yield sse(usage)
         yield DONE
 
-    return event_stream(streams, chunks())
+    return event_stream(streams, chunks(), openai_stream_error)
 
 
 async def start_all(m: Models, name: str, requests: list[GenerationRequest]) -> list[Events]:
@@ -158,7 +158,7 @@ async def generate(name: str, request: Request):
             elif isinstance(event, Finished):
                 yield sse(triton_answer(name, version, "", event))
 
-    return event_stream([events], chunks())
+    return event_stream([events], chunks(), triton_stream_error)
 
 
 async def collect(name: str, events: Events) -> tuple[Piece, Finished]:
@@ -184,14 +184,39 @@ async def collect(name: str, events: Events) -> tuple[Piece, Finished]:
     return Piece(text, tuple(t for p in pieces for t in p.logprobs)), end
 
 
-def event_stream(streams: list[Events], chunks: AsyncIterator[bytes]) -> StreamingResponse:
+def stream_failure(error: Exception) -> RequestError:
+    """What a stream that failed after its 200 tells its client."""
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, unavailable_errors()):
+        return RequestError(503, f"the model became unavailable ({type(error).__name__}); retry")
+    log.error("generation stream failed", exc_info=error)
+    return RequestError(500, f"generation failed ({type(error).__name__})")
+
+
+def openai_stream_error(error: Exception) -> bytes:
+    """OpenAI's error object as an event, then the end of the stream (its clients raise it)."""
+    failure = stream_failure(error)
+    kind = "server_error" if failure.status >= 500 else "invalid_request_error"
+    body = {"message": failure.message, "type": kind, "param": None, "code": failure.status}
+    return sse({"error": body}) + DONE
+
+
+def triton_stream_error(error: Exception) -> bytes:
+    return sse({"error": stream_failure(error).message})
+
+
+def event_stream(
+    streams: list[Events],
+    chunks: AsyncIterator[bytes],
+    on_error: Callable[[Exception], bytes],
+) -> StreamingResponse:
     async def guarded():
         try:
             async for chunk in chunks:
                 yield chunk
         except Exception as e:  # noqa: BLE001 - after the 200: say so in the stream itself
-            log.exception("generation stream failed")
-            yield sse({"error": f"generation failed ({type(e).__name__})"})
+            yield on_error(e)
         finally:  # the client left (cancelled) or the stream ended: stop the model
             for events in streams:
                 await close_events(events)

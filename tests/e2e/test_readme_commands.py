@@ -1,0 +1,52 @@
+"""The README's commands as a user runs them (tests/readme_commands.py): the digits chain in
+`make test`, the rest in `make test-all`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.conftest import SERVE, get_json, run_command
+from tests.readme_commands import LATER, fill
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_readme_chain_runs_as_shown_with_its_default_paths(readme_chain):
+    root = readme_chain["root"]
+    assert readme_chain["prepare"]["output"].startswith(str(root / "outputs" / "data"))
+    assert readme_chain["train"]["checkpoint"].startswith(str(root / "outputs" / "runs"))
+    assert readme_chain["evaluate"]["metrics"]["accuracy"] >= 0.9
+    artifact = readme_chain["export"]["artifact"]
+    assert artifact.startswith(str(root / "outputs" / "registry" / "digits"))
+    assert readme_chain["predict"]["rows"] > 0 and readme_chain["predict"]["rejected"] == 0
+    trials = readme_chain["tune"]["trials"]
+    assert len(trials) == 2 and all(t["error"] is None and t["best_value"] for t in trials)
+    assert readme_chain["deploy"]["url"] == SERVE
+    [digits] = [m for m in readme_chain["models"]["models"] if m["name"] == "digits"]
+    assert digits["live"] == artifact.rstrip("/").split("/")[-1]
+    assert get_json("/v2/models/digits")["name"] == "digits"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(LATER))
+def test_the_other_readme_commands_run_as_shown(command, readme_chain):
+    """The commands `make test` leaves out, from the same checkout after the chain, each with
+    the budget it maps to; `ray job submit` submits that checkout as its working dir."""
+    root = readme_chain["root"]
+    argv = fill(command, readme_chain) + LATER[command]
+    if argv[0] == "ray":  # the job's summary comes back as a file: its stdout is ray's
+        summary_file = root / "submitted.json"
+        argv = [str(REPO / ".venv/bin/ray"), *argv[1:], "--summary-file", str(summary_file)]
+        run_command(argv, root, timeout=900, summary=False)
+        summary = json.loads(summary_file.read_text())
+    else:
+        summary = run_command(argv, root, timeout=900)
+    if "undeploy" in command:
+        assert summary["undeployed"] and get_json("/v1/models")
+    elif "prune" in command:
+        assert summary["stage"] == "models"
+    elif "pipeline" in command:
+        assert summary["url"] == SERVE and summary["stages"]["export"]["artifact"]
