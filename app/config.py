@@ -356,7 +356,7 @@ class AutoscalingConfig(_Section):
 
 
 class BatchingConfig(_Section):
-    """`serve.batching`: how a classifier replica batches requests (app/serve/batching.py)."""
+    """`serve.batching`: how a classifier replica batches requests (app/serve/replicas/batching.py)."""
 
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)
@@ -374,7 +374,7 @@ class BatchingConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    """`serve.generation`: a language model's replica (app/serve/lm_server.py)."""
+    """`serve.generation`: a language model's replica (app/serve/replicas/lm_server.py)."""
 
     # Prompt tokens at most (and never beyond the model's window), `max_tokens` a request may
     # ask for and its default, and generations a replica runs at once (one more is a 503; the
@@ -417,7 +417,7 @@ class ServeConfig(_Section):
     variant: Literal["fp32", "int8"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
     # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
-    # on (http_options.host) is not loopback (the rule: app.serve.middleware.api_key).
+    # on (http_options.host) is not loopback (the rule: app.serve.http.middleware.api_key).
     api_key_env: str = "RAYTORCH_API_KEY"
     # Rows after flattening: a text tensor of shape [1, N] is N rows.
     max_request_rows: int = Field(1024, ge=1)

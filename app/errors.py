@@ -53,14 +53,14 @@ def validation_line(error: ValidationError, data: Any) -> str:
     validators) that are not keys of the file are left out: `splits.train.shards[0].rows`.
     """
     first = error.errors(include_url=False)[0]
-    kind, value = first["type"], first.get("input")
-    path = _input_path(first["loc"], data, missing=kind == "missing")
-    if kind in ("model_type", "dict_type"):
+    error_type, value = first["type"], first.get("input")
+    path = _input_path(first["loc"], data, missing=error_type == "missing")
+    if error_type in ("model_type", "dict_type"):
         what = f"expected a JSON object, got {type(value).__name__}"
-    elif kind == "value_error":  # a validator's own message, which says what is wrong
+    elif error_type == "value_error":  # a validator's own message, which says what is wrong
         what = first["msg"].removeprefix("Value error, ")
     else:
-        what = first["msg"] if kind == "missing" else f"{first['msg']} (got {_short(value)})"
+        what = first["msg"] if error_type == "missing" else f"{first['msg']} (got {_short(value)})"
     return f"{path}: {what}" if path else what
 
 

@@ -15,6 +15,7 @@ import requests
 
 from app.config import Config
 from app.data.ingest import iter_shards
+from app.data.kinds import processor
 from app.data.prepare import read_manifest, split_files
 from app.errors import UserError
 from app.ray_runtime import connect_ray
@@ -27,7 +28,7 @@ def pipeline(config: Config) -> dict[str, Any]:
     from app.data.prepare import prepare
     from app.evaluate import evaluate
     from app.export.exporter import export
-    from app.serve.deploy import deploy
+    from app.serve.control.deploy import deploy
     from app.train.trainer import train
 
     connect_ray(require_cluster=True)  # deploy needs a cluster: find out before any work
@@ -48,22 +49,7 @@ def sample_body(config: Config, rows: int = 1) -> tuple[dict[str, Any], list[str
     output = config.data_output
     manifest = read_manifest(output)
     frame = next(iter_shards(split_files(output, manifest, "val"))).iloc[:rows]
-    columns, kind = manifest.feature_columns, manifest.kind
-    if kind == "text":
-        tensor = {
-            "name": "text",
-            "datatype": "BYTES",
-            "shape": [rows],
-            "data": frame[columns[0]].tolist(),
-        }
-    else:
-        values = (
-            frame[columns].to_numpy().tolist()
-            if kind == "tabular"
-            else [list(map(float, r)) for r in frame[columns[0]]]
-        )
-        name = "image" if kind == "image" else "features"
-        tensor = {"name": name, "datatype": "FP32", "shape": [rows, len(values[0])], "data": values}
+    tensor = processor(manifest.kind).sample_tensor(frame, manifest.feature_columns)
     return {"inputs": [tensor]}, frame[manifest.label_column].astype(str).tolist()
 
 

@@ -4,10 +4,9 @@ provenance, read without transformers.
 The folder is what `save_pretrained` writes (or a hub cache snapshot, whose files are symlinks):
 `config.json`, `model.safetensors` or shards listed in `model.safetensors.index.json`, and the
 tokenizer (`tokenizer.json`, or a BERT `vocab.txt`) or image processor
-(`preprocessor_config.json`). Its `model_type` picks a `Family`; each family names, as
-"module:attribute" like the task registry, the plain `torch.nn` module that takes the weights and
-the function that renames them. Nothing from the folder is executed (no remote code) and nothing
-is unpickled: weights are safetensors only.
+(`preprocessor_config.json`). Its `model_type` picks a family (app/models/families.py: the plain
+`torch.nn` module that takes the weights and the renaming of them). Nothing from the folder is
+executed (no remote code) and nothing is unpickled: weights are safetensors only.
 
 The run keeps a `record()` of the folder (URI, architecture, weights' sha256, license) inside its
 preprocessor, so checkpoints and artifacts rebuild the model without the folder and name their base.
@@ -18,13 +17,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib
 import json
 import logging
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 from app import storage
@@ -41,58 +38,6 @@ PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "
 CACHE_ENV = "RAYTORCH_PRETRAINED_CACHE"  # where remote folders are downloaded (default ~/.cache)
 
 
-@dataclass(frozen=True)
-class Family:
-    """One architecture: the dataset kind it trains on and its parts, as "module:attribute".
-
-    build(architecture: dict, preprocessor, model_config) -> nn.Module (random weights)
-    rename(state: dict of the folder's tensors) -> the module's state dict
-    """
-
-    model_type: str
-    kind: str  # "tokens" (causal LM), "text" or "image" (classifiers)
-    build: str
-    rename: str
-    preprocessing: tuple[str, ...]  # the files, any one of which carries its preprocessing
-
-    def part(self, name: str) -> Any:
-        module, _, attr = getattr(self, name).partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-
-FAMILIES = {
-    f.model_type: f
-    for f in (
-        Family(
-            "gpt2", "tokens", "app.models.gpt:from_gpt2", "app.models.gpt:rename_gpt2", (TOKENIZER,)
-        ),
-        Family(
-            "bert",
-            "text",
-            "app.models.bert:from_config",
-            "app.models.bert:rename",
-            (TOKENIZER, VOCAB),  # older BERT folders have only vocab.txt
-        ),
-        Family(
-            "vit",
-            "image",
-            "app.models.vit:from_config",
-            "app.models.vit:rename",
-            (IMAGE_PROCESSOR,),
-        ),
-    )
-}
-
-
-def family(model_type: str) -> Family:
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"config error: model.pretrained: unknown model_type {model_type!r} "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
-        )
-    return FAMILIES[model_type]
-
-
 class Pretrained:
     """An opened, checked folder. Opening reads only `config.json` and lists files."""
 
@@ -100,11 +45,13 @@ class Pretrained:
         self.uri = uri
         self.local = local_folder(uri)
         self.config = self._read_config()
-        self.family = self._family()
         self.weight_files = self._weight_files()
-        self._check_preprocessing()
 
-    def _fail(self, what: str) -> ConfigError:
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type"))
+
+    def fail(self, what: str) -> ConfigError:
         return ConfigError(f"config error: model.pretrained: {self.uri}: {what}")
 
     def _path(self, name: str) -> str:
@@ -114,58 +61,40 @@ class Pretrained:
         with open(self._path(name), encoding="utf-8") as f:
             return f.read()
 
-    def _has(self, name: str) -> bool:
+    def has(self, name: str) -> bool:
         return os.path.isfile(self._path(name))  # follows a snapshot's symlinks
 
     def _read_config(self) -> dict[str, Any]:
-        if not self._has(CONFIG):
-            raise self._fail(f"missing {CONFIG} (expected a folder written by save_pretrained)")
+        if not self.has(CONFIG):
+            raise self.fail(f"missing {CONFIG} (expected a folder written by save_pretrained)")
         try:
             config = json.loads(self._read(CONFIG))
         except (OSError, ValueError) as e:
-            raise self._fail(f"{CONFIG} unreadable ({e})") from None
+            raise self.fail(f"{CONFIG} unreadable ({e})") from None
         if not isinstance(config, dict):
-            raise self._fail(f"{CONFIG} is not a JSON object")
+            raise self.fail(f"{CONFIG} is not a JSON object")
         return config
 
-    def _family(self) -> Family:
-        model_type = self.config.get("model_type")
-        if model_type not in FAMILIES and self.config.get("auto_map"):
-            raise self._fail(
-                f"model_type {model_type!r} needs the folder's own code (auto_map), which is never "
-                f"run; supported: {', '.join(sorted(FAMILIES))}"
-            )
-        if model_type not in FAMILIES:
-            raise self._fail(
-                f"unknown model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})"
-            )
-        return FAMILIES[model_type]
-
     def _weight_files(self) -> list[str]:
-        if self._has(WEIGHTS):
+        if self.has(WEIGHTS):
             return [WEIGHTS]
-        if self._has(INDEX):
+        if self.has(INDEX):
             try:
                 index = json.loads(self._read(INDEX))
                 files = sorted(set(index["weight_map"].values()))
             except (OSError, ValueError, KeyError, AttributeError) as e:
-                raise self._fail(f"{INDEX} unreadable ({e})") from None
-            missing = [f for f in files if not self._has(f)]
+                raise self.fail(f"{INDEX} unreadable ({e})") from None
+            missing = [f for f in files if not self.has(f)]
             if missing:
-                raise self._fail(f"missing weight shard {missing[0]} listed in {INDEX}")
+                raise self.fail(f"missing weight shard {missing[0]} listed in {INDEX}")
             return files
-        pickled = [name for name in PICKLED if self._has(name)]
+        pickled = [name for name in PICKLED if self.has(name)]
         if pickled:
-            raise self._fail(
+            raise self.fail(
                 f"holds only pickled weights ({pickled[0]}), which are never unpickled: save it as "
                 "safetensors (model.save_pretrained(folder, safe_serialization=True))"
             )
-        raise self._fail(f"missing {WEIGHTS} (or {INDEX} and its shards)")
-
-    def _check_preprocessing(self) -> None:
-        needed = self.family.preprocessing
-        if not any(self._has(name) for name in needed):
-            raise self._fail(f"missing {' or '.join(needed)}")
+        raise self.fail(f"missing {WEIGHTS} (or {INDEX} and its shards)")
 
     # --- what the run takes from the folder ------------------------------------------------
 
@@ -178,7 +107,7 @@ class Pretrained:
     def tokenizer_json(self) -> str:
         """The tokenizer as `tokenizers` serialises it: tokenizer.json as written, or a BERT
         WordPiece tokenizer built from vocab.txt the way transformers builds its fast one."""
-        if self._has(TOKENIZER):
+        if self.has(TOKENIZER):
             return self._read(TOKENIZER)
         from tokenizers.implementations import BertWordPieceTokenizer
 
@@ -187,14 +116,14 @@ class Pretrained:
         return tokenizer._tokenizer.to_str()
 
     def tokenizer_config(self) -> dict[str, Any]:
-        if not self._has(TOKENIZER_CONFIG):
+        if not self.has(TOKENIZER_CONFIG):
             return {}
         return json.loads(self._read(TOKENIZER_CONFIG))
 
     def chat_template(self) -> str | None:
         """The tokenizer's chat template: `chat_template.jinja`, or tokenizer_config.json's
         `chat_template` (a string, or named templates of which "default" is used)."""
-        if self._has(CHAT_TEMPLATE):
+        if self.has(CHAT_TEMPLATE):
             return self._read(CHAT_TEMPLATE)
         template = self.tokenizer_config().get("chat_template")
         if isinstance(template, list):
@@ -250,7 +179,7 @@ class Pretrained:
         """The model card's `license:` (README.md front matter), or config.json's, if any."""
         if self.config.get("license"):
             return str(self.config["license"])
-        if not self._has("README.md"):
+        if not self.has("README.md"):
             return None
         match = re.search(r"^license:\s*(\S+)", self._read("README.md"), re.M)
         return match.group(1) if match else None
@@ -259,7 +188,7 @@ class Pretrained:
         """What checkpoints and artifacts keep of the folder (`load_record` rebuilds from it)."""
         return {
             "uri": self.uri,
-            "model_type": self.family.model_type,
+            "model_type": self.model_type,
             "architecture": self.config,
             "weights_sha256": self.weights_sha256(),
             "license": self.license(),
@@ -271,19 +200,6 @@ class Pretrained:
 @functools.lru_cache(maxsize=4)
 def open_pretrained(uri: str) -> Pretrained:
     return Pretrained(resolve_uri(uri))
-
-
-def base_for(model: Any, dataset_kind: str) -> Pretrained | None:
-    """The run's pretrained folder (`model.pretrained`), checked against the data it trains on."""
-    if not model.pretrained:
-        return None
-    base = open_pretrained(model.pretrained)
-    if base.family.kind != dataset_kind:
-        raise ConfigError(
-            f"config error: model.pretrained: a {base.family.model_type} model trains on "
-            f"{base.family.kind} data, but the dataset is {dataset_kind}"
-        )
-    return base
 
 
 def local_folder(uri: str) -> str:

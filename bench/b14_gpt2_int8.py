@@ -75,8 +75,8 @@ def export_report(config, checkpoint: str) -> dict[str, Any]:
 def decode_tokens_per_second(artifact: str, tokens: int = 32, repeats: int = 3) -> dict[str, float]:
     import numpy as np
 
-    from app.export.artifact import open_artifact
-    from app.export.generate import KVDecoder
+    from app.runtime.artifact import open_artifact
+    from app.runtime.kv import KVDecoder
 
     loaded = open_artifact(artifact)
     prompt = loaded.preprocessor.tokenizer.encode("import os\n\ndef main():\n").ids

@@ -43,7 +43,7 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     import torch
 
     from app.evaluate import labeled_batches, torch_predict
-    from app.export.artifact import create_session, open_artifact, run_logits
+    from app.runtime.artifact import create_session, open_artifact, run_logits
     from app.train.checkpoint import load_checkpoint
 
     info = ensure_artifact(work, workload, smoke)

@@ -1,7 +1,7 @@
 """B5a serving overhead: Ray Serve vs plain uvicorn + ONNX Runtime, same handler and model, driven
 by wrk (C) so that the client costs little of the 2 shared cores.
 
-- serve: the project's applications (app.serve.app.run_local: the digits model's application,
+- serve: the project's applications (app.serve.control.builders.run_local: the digits model's application,
   whose replica parses the request and owns the ONNX Runtime session, plus the index) in a
   private Ray started with Serve's high-throughput mode (HAProxy in front, direct ingress to the
   replica: bench.serve_child), one model replica;
@@ -70,7 +70,7 @@ def synthetic_body(artifact: str) -> bytes:
     import numpy as np
 
     from app.config import resolve_uri
-    from app.export.artifact import open_artifact
+    from app.runtime.artifact import open_artifact
 
     spec = open_artifact(resolve_uri(artifact)).schema["inputs"][0]
     width = int(spec["shape"][-1])

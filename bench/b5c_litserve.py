@@ -1,7 +1,7 @@
 """B5c: the project's Serve application vs LitServe (batching on) on the same artifact and the
 same requests, driven by wrk.
 
-- serve: app.serve.app.run_local in a private Ray with Serve's high-throughput mode (HAProxy ->
+- serve: app.serve.control.builders.run_local in a private Ray with Serve's high-throughput mode (HAProxy ->
   the model's replica), one replica, the workload config's serve section (batching on);
 - litserve: bench.lit_server, one LitServe worker with max_batch_size / batch_timeout equal to
   serve.batching.max_batch_size / serve.batching.batch_wait_timeout_s, the same validation, preprocessor and int8
@@ -75,7 +75,7 @@ WORDS = [
 
 def request_bodies(artifact_uri: str, n: int = 64) -> tuple[str, list[str], list[int]]:
     """(model name, v2 JSON bodies one per line, tokens per body)."""
-    from app.export.artifact import open_artifact
+    from app.runtime.artifact import open_artifact
 
     artifact = open_artifact(artifact_uri)
     spec, pre = artifact.schema["inputs"][0], artifact.preprocessor

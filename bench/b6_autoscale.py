@@ -1,7 +1,7 @@
 """B6 autoscaling: time from the start of load to a second model replica answering requests.
 
-The project's Serve app (app.serve.app.build_app, digits int8) with autoscaling min 1 / max 2 and
-short delays (target 2 ongoing requests, upscale_delay_s 1, metrics every 0.5 s, 2 s look-back)
+The project's Serve app (app.serve.control.builders.build_model_app, digits int8) with
+autoscaling min 1 / max 2 and short delays (target 2 ongoing requests, upscale_delay_s 1, metrics every 0.5 s, 2 s look-back)
 receives closed-loop load from 8 connections (bench.load). Every answer carries the model
 replica's pid (`x-model-replica`); the clock stops at the first answer from a second pid. Serve's
 own view (a second replica wanted, then RUNNING, in serve.status()) is recorded beside it.
@@ -119,7 +119,7 @@ def trial(
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
-    from app.serve.app import build_app
+    from app.serve.control.builders import build_model_app
     from bench.b5_serve import request_body
 
     bench = Bench(ID, GOAL, WHAT, out, smoke)
@@ -131,7 +131,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     after_s = 0.0 if smoke else 3.0
     trials = 1 if smoke else 3
     args = {
-        "models": [{"name": "digits", "artifact": artifact}],
+        "model": {"name": "digits", "artifact": artifact},
         "serve": config.serve.model_dump(mode="json"),
     }
     results = []
@@ -144,7 +144,16 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         try:
             for i in range(trials):
                 results.append(
-                    trial(serve, build_app, args, url, body, f"autoscale-{i}", timeout_s, after_s)
+                    trial(
+                        serve,
+                        build_model_app,
+                        args,
+                        url,
+                        body,
+                        f"autoscale-{i}",
+                        timeout_s,
+                        after_s,
+                    )
                 )
         finally:
             serve.shutdown()

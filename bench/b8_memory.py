@@ -89,12 +89,12 @@ def ingest_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from app.config import validate
-    from app.data.preprocess import Preprocessor
+    from app.data import kinds
     from app.train.trainer import feed
 
     config = validate(loop_config["config"])
     ctx = ray.train.get_context()
-    pre = Preprocessor.from_json(loop_config["preprocessor"])
+    pre = kinds.from_json(loop_config["preprocessor"])
     train = feed(
         config, loop_config["shards"], True, pre, ctx.get_world_rank(), ctx.get_world_size()
     )

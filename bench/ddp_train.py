@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from app.config import validate
-    from app.data.preprocess import Preprocessor
+    from app.data import kinds
     from app.tasks.registry import task_for_dataset
     from app.train.loop import epoch_batches, order_seed, train_epoch
     from bench.common import inprocess_state
@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     torch.set_num_threads(t.torch_threads)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    pre = Preprocessor.from_json(spec["preprocessor"])
+    pre = kinds.from_json(spec["preprocessor"])
     task = task_for_dataset(pre.kind)  # the run's loss and validation, as the Ray workers'
     validate_task = task.validator(spec["reference_metrics"])
     state = inprocess_state(config, pre, spec["train_rows"], world)

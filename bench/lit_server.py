@@ -3,7 +3,7 @@
     python -m bench.lit_server --artifact URI --port P [--max-batch-size 16] [--batch-timeout 0.005]
 
 The request is the v2 JSON body the Serve side gets (one BYTES tensor of text, or FP32 rows),
-read with the project's own validation (app.serve.rows) and preprocessor, and run in the
+read with the project's own validation (app.runtime.rows) and preprocessor, and run in the
 artifact's int8 ONNX Runtime session: only the serving framework differs.
 """
 
@@ -22,15 +22,15 @@ class ArtifactAPI(ls.LitAPI):
         self.artifact_uri = artifact_uri
 
     def setup(self, device: str) -> None:
-        from app.export.artifact import open_artifact
+        from app.runtime.artifact import open_artifact
 
         self.artifact = open_artifact(self.artifact_uri)
         self.session = self.artifact.session("int8", 1)
         self.pre = self.artifact.preprocessor
 
     def decode_request(self, request):  # type: ignore[no-untyped-def]  # untyped: LitServe reads the JSON body
-        from app.serve.rows import tensor_rows
-        from app.serve.types import Tensor
+        from app.runtime.rows import tensor_rows
+        from app.runtime.types import Tensor
 
         t = request["inputs"][0]
         tensor = Tensor(t["name"], t["datatype"], t["shape"], t["data"])
@@ -40,7 +40,7 @@ class ArtifactAPI(ls.LitAPI):
         return inputs  # predict concatenates (rows per request may differ)
 
     def predict(self, inputs: list[dict[str, np.ndarray]]) -> list[tuple[list[str], Any]]:
-        from app.export.artifact import run_logits, softmax
+        from app.runtime.artifact import run_logits, softmax
 
         batch = {k: np.concatenate([r[k] for r in inputs]) for k in inputs[0]}
         probabilities = softmax(run_logits(self.session, batch))

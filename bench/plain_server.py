@@ -1,11 +1,11 @@
-"""The no-Ray baseline of B5: plain uvicorn + the project's own FastAPI app (app.serve.api
-.create_api) with the model server (app.serve.model_server.ModelServer: artifact -> ONNX Runtime,
+"""The no-Ray baseline of B5: plain uvicorn + the project's own FastAPI app (app.serve.http.api
+.create_api) with the model server (app.serve.replicas.model_server.ModelServer: artifact -> ONNX Runtime,
 the same @serve.batch dynamic batching) in the same process.
 
     python -m bench.plain_server --artifact URI --port P [--serve-json '{...ServeConfig...}'] [--one-call]
 
 Only the transport differs from Ray Serve, where each model's replica runs this same app and
-model server (app.serve.app.ModelApp) behind Serve's proxy or HAProxy. Outside a Serve replica,
+model server (app.serve.replicas.apps.ModelApp) behind Serve's proxy or HAProxy. Outside a Serve replica,
 `@serve.batch` works as a plain asyncio batcher except for one start-up check that asks for the
 replica context; that check (a warning about max_ongoing_requests) is skipped here.
 
@@ -26,10 +26,10 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
     from ray.serve import batching
 
     from app.config import ServeConfig, resolve_uri
-    from app.export.artifact import resolve
-    from app.serve.api import IngressMetrics, create_api
-    from app.serve.clients import LocalModel, Models
-    from app.serve.model_server import ModelServer
+    from app.runtime.artifact import resolve
+    from app.serve.http.api import IngressMetrics, create_api
+    from app.serve.http.clients import LocalModel, Models
+    from app.serve.replicas.model_server import ModelServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
     cfg = ServeConfig.model_validate(

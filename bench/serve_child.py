@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     import ray
     from ray import serve
 
-    from app.serve.app import run_local
+    from app.serve.control.builders import run_local
     from bench.load import wait_ready
 
     start = time.perf_counter()

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from app import storage
+from app.data import kinds
 from app.data.ingest import rank_range
 from app.data.preprocess import Preprocessor
 
@@ -68,7 +69,7 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer, self.seed = shuffle_buffer or 0, seed
 
     def _chunks(self) -> Iterator[Batch]:
-        pre = Preprocessor.from_json(self.state_json)
+        pre = kinds.from_json(self.state_json)
         files = self.files
         info = get_worker_info()
         if info is not None and info.num_workers > 1:

@@ -3,7 +3,7 @@
 Needs a running cluster (make cluster-up); without one it exits 2 and says how to start one."""
 
 from app.cli import parser, run_job
-from app.serve.deploy import deploy
+from app.serve.control.deploy import deploy
 
 
 def main(argv: list[str] | None = None) -> None:

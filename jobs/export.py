@@ -29,7 +29,7 @@ def verify_only(argv: list[str]) -> None:
     p.add_argument("--summary-file")
     args = p.parse_args(argv)
     setup_logging()
-    from app.export.artifact import verify
+    from app.runtime.artifact import verify
 
     with one_line_failures():  # an altered or missing file: one line naming it, exit 1
         emit(verify(args.verify), args.summary_file)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = build_parser().parse_args([a for a in argv if a not in overrides])
     setup_logging()
-    from app.serve import lifecycle
+    from app.serve.control import lifecycle
 
     with one_line_failures():
         config = load_config(args.config, overrides)

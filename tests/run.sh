@@ -9,7 +9,7 @@
 # cluster/start.sh on the standard ports) runs alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTEST=(.venv/bin/python -m pytest --durations=15)
+PYTEST=(.venv/bin/python -m pytest --durations=${DURATIONS:-15})
 
 check() { # a pytest exit code -> ours (5, nothing collected, is a failure)
     if [ "$1" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; return 1; fi

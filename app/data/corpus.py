@@ -22,9 +22,10 @@ import numpy as np
 import pandas as pd
 
 from app.config import Config, ModelConfig
+from app.data.kinds.tokens import Tokens
 from app.data.sources import TEXT_COLUMN, SourceData
 from app.errors import UserError
-from app.pretrained import base_for
+from app.models.families import base_for
 
 if TYPE_CHECKING:
     from app.data.prepare import DatasetManifest
@@ -41,7 +42,7 @@ def tokenize_corpus(
 ) -> tuple[SourceData, dict[str, np.ndarray], dict[str, bytes]]:
     """(token rows, each split's rows, {file name: bytes} to store beside the shards)."""
     texts = data.frame[TEXT_COLUMN]
-    base = base_for(model, "tokens")
+    base = base_for(model, Tokens)
     if base is None:
         tokenizer = train_tokenizer(texts.iloc[splits["train"]], model.vocab_size)
     else:  # the pretrained model's own tokenizer: none is trained
@@ -116,8 +117,7 @@ def pack(ids: np.ndarray, block_size: int) -> np.ndarray:
 def dataset_preprocessor(config: Config, manifest: DatasetManifest) -> Preprocessor:
     """A token dataset's preprocessor: the tokenizer trained at prepare, adopted as it is."""
     from app.data.prepare import read_dataset_file
-    from app.data.preprocess import Preprocessor
 
     tokenizer = read_dataset_file(config.data_output, manifest, TOKENIZER_FILE).decode()
-    base = base_for(config.model, "tokens")
-    return Preprocessor.for_tokens(manifest.to_json_dict(), tokenizer, base)
+    base = base_for(config.model, Tokens)
+    return Tokens.adopt(manifest.to_json_dict(), tokenizer, base)

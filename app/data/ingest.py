@@ -28,9 +28,10 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import Config
+from app.data import kinds
+from app.data.kinds import processor
 from app.data.prepare import DatasetManifest, read_manifest, split_files
-from app.data.preprocess import Preprocessor
-from app.pretrained import base_for
+from app.data.preprocess import FitOptions, Preprocessor
 from app.ray_private import data_tasks_running, quiet_data_progress
 from app.tasks.registry import task_for_dataset
 
@@ -175,20 +176,21 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     if task.preprocessor:  # the dataset carries its own (a corpus tokenized at prepare)
         return task.part("preprocessor")(config, manifest)
     files = split_files(output, manifest, "train")
-    base = base_for(config.model, manifest.kind)
-    return Preprocessor.fit(
-        iter_shards(files),
-        manifest.to_json_dict(),  # Preprocessor.fit takes the manifest's JSON form
+    from app.models.families import base_for  # torch: the driver only, not Ray Data's workers
+
+    base = base_for(config.model, processor(manifest.kind))
+    options = FitOptions(
         max_length=config.model.sequence_length(base.max_positions if base else None),
         vocab_size=config.model.vocab_size,
         base=base,
     )
+    return kinds.fit(iter_shards(files), manifest.to_json_dict(), options)
 
 
 @functools.lru_cache(maxsize=4)
 def _preprocessor(state_json: str) -> Preprocessor:
     # Rebuilt once per Ray Data worker process, not once per batch (the tokenizer parse is costly).
-    return Preprocessor.from_json(state_json)
+    return kinds.from_json(state_json)
 
 
 def _read_pieces(

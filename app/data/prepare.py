@@ -29,9 +29,10 @@ from pydantic import Field, model_validator
 
 from app import storage
 from app.config import Config
-from app.data.sources import IMAGE_COLUMN, Kind, SourceData, load_source
+from app.data.kinds import processor
+from app.data.preprocess import Preprocessor
+from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
-from app.pretrained import base_for, open_pretrained
 from app.tasks.registry import task_for_source
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,10 @@ class DatasetManifest(storage.Contract):
 
 
 def prepare(config: Config) -> dict[str, Any]:
+    from app.models.families import base_for  # torch: only where a dataset is prepared
+
     cfg = config.data
-    if config.model.pretrained:  # a bad folder fails before any data is read
-        open_pretrained(config.model.pretrained)
+    base_for(config.model)  # a bad pretrained folder fails before any data is read
     data = load_source(cfg)
     splits = split_rows(len(data.frame), cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
@@ -99,7 +101,7 @@ def prepare(config: Config) -> dict[str, Any]:
     task = task_for_source(data.kind)
     if task and task.prepare:  # e.g. a corpus: tokenizer + packed token rows, split by document
         data, splits, files = task.part("prepare")(data, splits, config.model)
-    base_for(config.model, data.kind)  # the pretrained model must take this data
+    base_for(config.model, processor(data.kind))  # the pretrained model must take this data
     manifest = publish_generation(
         data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations
     )
@@ -208,20 +210,14 @@ def split_rows(
 
 
 def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
-    columns: dict[str, pa.Array] = {}
-    labels = [data.label_column] if data.label_column else []  # a token dataset has none
-    for col in [*data.feature_columns, *labels]:
-        values = frame[col]
-        if (col == IMAGE_COLUMN and data.kind == "image") or data.kind == "tokens":
-            dtype = np.int32 if data.kind == "tokens" else np.float32
-            flat = np.stack(values.to_list()).astype(dtype)
-            columns[col] = pa.FixedSizeListArray.from_arrays(
-                pa.array(flat.reshape(-1)), flat.shape[1]
-            )
-        else:
-            columns[col] = pa.array(
-                values.to_numpy() if values.dtype != object else values.to_list()
-            )
+    """The rows as their shards store them: feature columns as their kind encodes them, the
+    label column (a token dataset has none) as it is."""
+    kind = processor(data.kind)
+    columns = {c: kind.arrow_column(c, frame[c]) for c in data.feature_columns}
+    if data.label_column:
+        columns[data.label_column] = Preprocessor.arrow_column(
+            data.label_column, frame[data.label_column]
+        )
     return pa.table(columns)
 
 

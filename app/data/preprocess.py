@@ -1,18 +1,24 @@
 """The fitted preprocessor: the one transform that training and serving both apply.
 
-It is fitted on the train split only, serialises to JSON (it travels inside checkpoints and
-artifacts), and transforms plain numpy batches without Ray, so a replica calls the very code the
-training workers ran.
+One subclass per kind of data (app/data/kinds/: tabular, image, text, tokens, documents), chosen
+from one table there by the dataset's `kind`. Each owns what differs between kinds: fitting,
+model inputs from raw rows, the raw input a request sends, a sample row, the column encoding of
+its shards, the checks of raw rows read from a file, and its input names. It is fitted on the
+train split only, serialises to JSON (it travels inside checkpoints and artifacts), and
+transforms plain numpy batches without Ray, so a replica calls the very code the training
+workers ran.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from app.errors import UserError
 
@@ -20,102 +26,58 @@ if TYPE_CHECKING:
     from app.pretrained import Pretrained
 
 LABEL_KEY = "label"  # key of the label index in transformed batches
-PAD, UNK = "[PAD]", "[UNK]"
+Problems: TypeAlias = dict[int, str]  # row -> what is wrong with it; only bad rows are listed
+Column: TypeAlias = "pa.Array | pa.ChunkedArray | list[Any]"
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    max_length: int = 32  # tokens per text row
+    vocab_size: int = 2000  # of a tokenizer trained on the train split
+    base: Pretrained | None = None  # a pretrained folder whose preprocessing is adopted
 
 
 class Preprocessor:
-    """Raw features -> model inputs (`x`, or `input_ids` + `attention_mask`) and labels -> indices."""
+    """Raw features -> model inputs, and labels -> indices."""
+
+    kind: ClassVar[str]
+    input_name: ClassVar[str] = "features"  # the raw input tensor (schema.json, the v2 API)
+    labelled: ClassVar[bool] = True  # its rows carry a label to learn
+    variable_length: ClassVar[bool] = False  # inputs have a sequence axis a batch may cut
 
     def __init__(self, state: dict[str, Any]):
         self.state = state
-        self.kind: str = state["kind"]
         self.feature_columns: list[str] = state["feature_columns"]
         self.label_column: str = state["label_column"]
         self.labels: list[str] = state["labels"]
         self._label_index = {name: i for i, name in enumerate(self.labels)}
-        self._tokenizer = None
-        if self.kind in ("text", "tokens"):
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_str(state["tokenizer"])
-            if self.kind == "text":  # a token dataset is packed already: no truncation, no padding
-                pad = state.get("pad_token", PAD)
-                tokenizer.enable_truncation(state["max_length"])
-                tokenizer.enable_padding(
-                    length=state["max_length"],
-                    pad_id=tokenizer.token_to_id(pad) or 0,
-                    pad_token=pad,
-                )
-            self._tokenizer = tokenizer
-            self._max_chars = text_char_bound(tokenizer, state.get("max_length"))
-        self._images = None
-        if "image_processor" in state:  # a pretrained image model's own resize and normalize
-            from app.data.images import ImageProcessor
-
-            self._images = ImageProcessor(state["image_processor"])
-        self._mean = np.asarray(state.get("mean", 0.0), dtype=np.float32)
-        self._std = np.asarray(state.get("std", 1.0), dtype=np.float32)
 
     # --- fitting ---------------------------------------------------------------------------
 
     @classmethod
     def fit(
-        cls,
-        chunks: Iterable[pd.DataFrame],
-        manifest: dict[str, Any],
-        max_length: int = 32,
-        vocab_size: int = 2000,
-        base: Pretrained | None = None,
+        cls, chunks: Iterable[pd.DataFrame], manifest: dict[str, Any], options: FitOptions
     ) -> Preprocessor:
         """Fit on the train split, streamed chunk by chunk (one shard at a time, never all rows).
 
-        With a pretrained `base`, its tokenizer or image processor is adopted (none is trained
-        and no pixel statistics are taken) and its record travels in the state."""
-        kind = manifest["kind"]
-        features, label_column = manifest["feature_columns"], manifest["label_column"]
-        stats = _RunningStats()
+        With a pretrained `options.base`, its tokenizer or image processor is adopted (none is
+        trained and no statistics are taken) and its record travels in the state."""
         labels: set[str] = set()
 
-        def texts() -> Iterable[str]:
+        def labelled(chunks: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
             for chunk in chunks:
-                labels.update(chunk[label_column].astype(str))
-                if kind == "text":
-                    yield from (str(t) for t in chunk[features[0]])
-                elif kind == "image":
-                    stats.add(np.stack(chunk[features[0]].to_list()).reshape(-1, 1))
-                else:
-                    stats.add(chunk[features].to_numpy(dtype=np.float64))
+                labels.update(chunk[manifest["label_column"]].astype(str))
+                yield chunk
 
         state: dict[str, Any] = {
             "version": 1,
-            "kind": kind,
-            "feature_columns": features,
-            "label_column": label_column,
+            "kind": cls.kind,
+            "feature_columns": manifest["feature_columns"],
+            "label_column": manifest["label_column"],
         }
-        if base is not None:
-            state["pretrained"] = base.record()
-        if kind == "text" and base is not None:
-            state["max_length"] = max_length
-            state["tokenizer"], state["pad_token"] = base.tokenizer_json(), base.pad_token()
-            for _ in texts():
-                pass
-        elif kind == "text":
-            state["max_length"] = max_length
-            state["tokenizer"] = _train_tokenizer(texts(), vocab_size)
-        elif kind == "image" and base is not None:
-            state["image_shape"] = manifest["image_shape"]
-            state["image_processor"] = base.image_processor()
-            for _ in texts():
-                pass
-        else:
-            for _ in texts():
-                pass
-            mean, std = stats.result()
-            if kind == "image":
-                state["image_shape"] = manifest["image_shape"]
-                state["mean"], state["std"] = float(mean[0]), float(std[0])
-            else:
-                state["mean"], state["std"] = mean.tolist(), std.tolist()
+        if options.base is not None:
+            state["pretrained"] = options.base.record()
+        state |= cls.fit_state(labelled(chunks), manifest, options)
         if not labels:
             raise UserError("the train split is empty: nothing to fit the preprocessor on")
         # Labels come from the train split alone; an unseen label later is an error.
@@ -123,120 +85,48 @@ class Preprocessor:
         return cls(state)
 
     @classmethod
-    def for_tokens(
-        cls, manifest: dict[str, Any], tokenizer: str, base: Pretrained | None = None
-    ) -> Preprocessor:
-        """A token dataset (app/data/corpus.py) is already tokenized and packed: its preprocessor only
-        carries the dataset's tokenizer (for generation) and its sequence length."""
-        state = {
-            "version": 1,
-            "kind": "tokens",
-            "feature_columns": manifest["feature_columns"],
-            "label_column": manifest["label_column"],
-            "labels": [],
-            "tokenizer": tokenizer,
-            "block_size": manifest["block_size"],
-        }
-        if base is not None:
-            state["pretrained"] = base.record()
-            # Serving renders chat messages with it (app/serve/chat.py).
-            if (template := base.chat_template()) is not None:
-                state["chat_template"] = template
-                state["chat_special_tokens"] = base.special_tokens()
-        return cls(state)
-
-    # --- (de)serialisation -----------------------------------------------------------------
+    def fit_state(
+        cls, chunks: Iterator[pd.DataFrame], manifest: dict[str, Any], options: FitOptions
+    ) -> dict[str, Any]:
+        """This kind's fitted state, from every chunk of the train split (all consumed)."""
+        raise UserError(f"{cls.kind} data is not fitted: its task prepares it")
 
     def to_json(self) -> str:
         return json.dumps(self.state, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> Preprocessor:
-        return cls(json.loads(text))
-
-    # --- shapes that export and serving need -----------------------------------------------
+    # --- what export, serving and the data path ask -----------------------------------------
 
     @property
     def num_features(self) -> int:
-        if self.kind == "image":
-            return int(np.prod(self.state["image_shape"]))
-        return len(self.feature_columns) if self.kind == "tabular" else 1
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._tokenizer is not None
-        return int(self._tokenizer.get_vocab_size())
-
-    @property
-    def block_size(self) -> int:
-        """Tokens a model reads per sequence of a token dataset (its rows hold one more: the
-        last token's target)."""
-        return int(self.state["block_size"])
-
-    @property
-    def tokenizer(self) -> Any:
-        assert self._tokenizer is not None
-        return self._tokenizer
+        """Raw values a row holds (1 for a text row)."""
+        return 1
 
     def row_bytes(self) -> int:
         """Bytes of one transformed row (model inputs + label index): sizes the data cache."""
-        if self.kind == "tokens":
-            return 8 * (self.block_size + 1)  # int64 ids, no label
-        label = 8  # int64 label index
-        if self.kind == "text":
-            return 2 * 8 * int(self.state["max_length"]) + label  # int64 ids + mask
-        if self._images is not None:
-            return 4 * int(np.prod(self._images.output_shape)) + label
-        return 4 * self.num_features + label  # float32 features
+        return 4 * self.num_features + 8  # float32 features, int64 label index
 
     def input_names(self) -> list[str]:
-        if self.kind == "tokens":
-            return ["input_ids"]
-        return ["input_ids", "attention_mask"] if self.kind == "text" else ["x"]
-
-    @property
-    def variable_length(self) -> bool:
-        """Whether the model inputs have a sequence axis a batch may cut to its longest row."""
-        return self.kind == "text"
+        return ["x"]
 
     def raw_input(self) -> dict[str, Any]:
         """The one raw input tensor a request sends, as schema.json (and the v2 API) name it."""
-        if self.kind == "text":
-            return {"name": "text", "datatype": "BYTES", "shape": [-1]}
-        name = "image" if self.kind == "image" else "features"
-        return {"name": name, "datatype": "FP32", "shape": [-1, self.num_features]}
+        return {"name": self.input_name, "datatype": "FP32", "shape": [-1, self.num_features]}
 
     def sample_rows(self) -> Any:
         """One raw row of the right form (a replica's health check and warm-up)."""
-        if self.kind == "text":
-            return ["health check"]
         return np.zeros((1, self.num_features), np.float32)
 
     # --- transforms ------------------------------------------------------------------------
 
-    def features(self, raw: np.ndarray | Iterable[str]) -> dict[str, np.ndarray]:
-        """Model inputs for raw rows: [n, features] numbers, or n strings for text, or [n, tokens]
-        ids of a token dataset (inputs and targets in one: the loss shifts them)."""
-        if self.kind == "tokens":
-            return {"input_ids": np.asarray(raw, dtype=np.int64)}
-        if self.kind == "text":
-            assert self._tokenizer is not None
-            texts = [str(t)[: self._max_chars] for t in raw]
-            encoded = self._tokenizer.encode_batch(texts)
-            ids = np.asarray([e.ids for e in encoded], dtype=np.int64).reshape(len(texts), -1)
-            mask = np.asarray([e.attention_mask for e in encoded], dtype=np.int64).reshape(
-                len(texts), -1
-            )
-            return {"input_ids": ids, "attention_mask": mask}
-        if self._images is not None:
-            pixels = np.asarray(raw, dtype=np.float32).reshape(-1, *self.state["image_shape"])
-            return {"x": self._images(pixels)}
-        x = (
-            np.asarray(raw, dtype=np.float32).reshape(-1, self.num_features) - self._mean
-        ) / self._std
-        if self.kind == "image":
-            x = x.reshape(-1, *self.state["image_shape"])
-        return {"x": x.astype(np.float32)}
+    def features(self, raw: Any) -> dict[str, np.ndarray]:
+        """Model inputs for raw rows."""
+        raise NotImplementedError
+
+    def raw_features(self, batch: dict[str, np.ndarray] | pd.DataFrame) -> Any:
+        """Raw feature rows out of a batch of prepared shards (columns as the manifest lists)."""
+        column = np.asarray(batch[self.feature_columns[0]])
+        # Ray Data hands list columns over as an object array of per-row arrays.
+        return np.stack(list(column)) if column.dtype == object else column
 
     def label_indices(self, labels: Iterable[Any]) -> np.ndarray:
         out = []
@@ -249,19 +139,6 @@ class Preprocessor:
             out.append(index)
         return np.asarray(out, dtype=np.int64)
 
-    def raw_features(self, batch: dict[str, np.ndarray] | pd.DataFrame) -> Any:
-        """Raw feature rows out of a batch of prepared shards (columns as the manifest lists)."""
-        if self.kind == "tabular":
-            return np.stack(
-                [np.asarray(batch[c], dtype=np.float32) for c in self.feature_columns], axis=1
-            )
-        column = batch[self.feature_columns[0]]
-        if self.kind == "text":
-            return list(column)
-        column = np.asarray(column)
-        # Ray Data hands list columns over as an object array of per-row arrays.
-        return np.stack(list(column)) if column.dtype == object else column
-
     def transform_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A batch of shard rows -> model inputs + label indices (used in Ray Data map_batches)."""
         out = self.features(self.raw_features(batch))
@@ -269,19 +146,40 @@ class Preprocessor:
             out[LABEL_KEY] = self.label_indices(batch[self.label_column])
         return out
 
+    # --- raw data, before any fitting (prepare, the pipeline's sample, jobs.predict) ------------
 
-def text_char_bound(tokenizer: Any, max_length: int | None) -> int | None:
-    """Characters of a text kept before tokenizing: twice what `max_length` tokens of the
-    vocabulary's longest token (plus a space) can span. Tokenizing normalizes and splits the
-    whole string before truncating, so a 4 MiB text would cost seconds; cut first, in training
-    and serving alike, it costs nothing and ordinary text is never cut short of its tokens."""
-    if not max_length:
-        return None
-    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
-    return 2 * max_length * (longest + 1)
+    @classmethod
+    def arrow_column(cls, name: str, values: pd.Series) -> pa.Array:
+        """A source column as its shards store it (raw values, unchanged)."""
+        return pa.array(values.to_numpy() if values.dtype != object else values.to_list())
+
+    @classmethod
+    def sample_tensor(cls, frame: pd.DataFrame, columns: list[str]) -> dict[str, Any]:
+        """A v2 input tensor holding the raw rows of `frame` (the pipeline's sample request)."""
+        values = [list(map(float, r)) for r in frame[columns[0]]]
+        rows = len(values)
+        return {
+            "name": cls.input_name,
+            "datatype": "FP32",
+            "shape": [rows, len(values[0])],
+            "data": values,
+        }
+
+    @classmethod
+    def check_columns(
+        cls, columns: dict[str, Column], names: list[str], width: int
+    ) -> tuple[Any, Problems]:
+        """Raw rows read from a file (Arrow columns, or JSON values per column) -> the rows as
+        `features` takes them, and a problem per bad row (jobs.predict)."""
+        raise UserError(f"{cls.kind} data cannot be scored row by row")
+
+    @classmethod
+    def good_rows(cls, raw: Any, good: np.ndarray, width: int) -> Any:
+        """The rows of `raw` (as `check_columns` returned it) at the indices `good`."""
+        return raw[good] if len(good) else np.zeros((0, width), np.float32)
 
 
-class _RunningStats:
+class RunningStats:
     """Per-column mean and standard deviation over chunks, in float64."""
 
     def __init__(self) -> None:
@@ -299,16 +197,3 @@ class _RunningStats:
         mean = np.atleast_1d(self.total / self.n)
         std = np.sqrt(np.maximum(np.atleast_1d(self.squares / self.n) - mean**2, 0.0))
         return mean, np.where(std > 1e-8, std, 1.0)
-
-
-def _train_tokenizer(texts: Iterable[str], vocab_size: int) -> str:
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.WordPiece(unk_token=UNK))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, UNK], show_progress=False
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer.to_str()

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from app.config import DataConfig
+from app.data.kinds import processor
 from app.errors import UserError
 
 # "documents": a text corpus for language modelling (no labels); prepare turns it into "tokens".
@@ -53,7 +54,7 @@ def load_source(cfg: DataConfig) -> SourceData:
     data = loaders[cfg.source](cfg)
     if data.frame.empty:
         raise UserError(f"data source {cfg.source!r} produced no rows")
-    if data.kind != "documents":  # a corpus has no labels
+    if processor(data.kind).labelled:  # a corpus has no labels
         _check_labels(data, cfg.labels)
     return data
 

@@ -26,10 +26,10 @@ from app.config import Config
 from app.data.preprocess import Preprocessor
 from app.errors import GateError
 from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
-from app.export import artifact as art
 from app.export import quantize as q
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
+from app.runtime import artifact as art
 from app.tasks.registry import run_task
 from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
 

@@ -3,7 +3,7 @@
 One graph serves both phases of generation: `input_ids` [batch, tokens] after a cache of
 `past_key_<i>` / `past_value_<i>` per block ([batch, heads, cached, head_dim]; 0 cached for a
 prompt) -> `logits` [batch, tokens, vocab] and `present_key_<i>` / `present_value_<i>`, the cache
-extended by those tokens. The prompt is fed once and every later token alone (app/export/generate.py).
+extended by those tokens. The prompt is fed once and every later token alone (app/runtime/kv.py).
 
 int8 is onnxruntime's dynamic quantization of the weight matrices only (MatMul/Gemm with a
 constant weight; attention's activation x activation products stay fp32). The gate compares the
@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import Config
+from app.data.kinds.tokens import tokens_of
 from app.errors import GateError, UserError
-from app.export import artifact as art
-from app.export.generate import KEY_MASK, POSITIONS, KVDecoder, greedy, past_name, present_name
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
+from app.runtime import artifact as art
+from app.runtime.kv import KEY_MASK, POSITIONS, KVDecoder, greedy, past_name, present_name
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         quantize_weight_only(fp32, int8)
         report = verify_lm(config, model, fp32, int8, rows)
         gate_lm(report, config)
-        Path(work, TOKENIZER_FILE).write_text(loaded.preprocessor.tokenizer.to_str())
+        Path(work, TOKENIZER_FILE).write_text(tokens_of(loaded.preprocessor).tokenizer.to_str())
         schema = schema_for_lm(model, loaded.preprocessor)
         write_metadata(work, config, loaded, report, checkpoint_uri, schema)
         uri = publish(work, config.registry, config.artifact_name)

@@ -16,7 +16,7 @@ import torch
 from app import storage
 from app.config import Config
 from app.errors import GateError, UserError
-from app.export import artifact as art
+from app.runtime import artifact as art
 from app.train.checkpoint import LoadedCheckpoint
 
 

@@ -9,30 +9,36 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from app.config import ConfigError, ModelConfig
+from app.data.kinds.image import Image
+from app.data.kinds.tabular import Tabular
+from app.data.kinds.text import Text
+from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
 from app.models.cnn import ResNetCNN
 from app.models.gpt import GPT
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
-from app.pretrained import family, open_pretrained
+from app.pretrained import open_pretrained
 
-Builder = Callable[[ModelConfig, Preprocessor], nn.Module]
+# Each takes the preprocessor of the kind of data ACCEPTS names for it.
+Builder = Callable[[ModelConfig, Any], nn.Module]
 
 
-def _cnn(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
-    channels, _, _ = pre.state["image_shape"]
+def _cnn(cfg: ModelConfig, pre: Image) -> nn.Module:
+    channels, _, _ = pre.shape
     return ResNetCNN(channels, len(pre.labels), widths=cfg.channels, dropout=cfg.dropout)
 
 
-def _mlp(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
+def _mlp(cfg: ModelConfig, pre: Tabular) -> nn.Module:
     return MLP(pre.num_features, len(pre.labels), hidden=cfg.hidden, dropout=cfg.dropout)
 
 
-def _transformer(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
+def _transformer(cfg: ModelConfig, pre: Text) -> nn.Module:
     return TransformerClassifier(
         vocab_size=pre.vocab_size,
         num_classes=len(pre.labels),
@@ -45,7 +51,7 @@ def _transformer(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     )
 
 
-def _gpt(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
+def _gpt(cfg: ModelConfig, pre: Tokens) -> nn.Module:
     # The vocabulary is the dataset's tokenizer's; its sequences must fit the position table.
     block = pre.block_size
     if block > cfg.sequence_length():
@@ -70,8 +76,13 @@ REGISTRY: dict[str, Builder] = {
     "transformer": _transformer,
     "gpt": _gpt,
 }
-# Which preprocessor kinds each family accepts, so a mismatch fails before training starts.
-ACCEPTS = {"cnn": "image", "mlp": "tabular", "transformer": "text", "gpt": "tokens"}
+# The kind of data each family takes, so a mismatch fails before training starts.
+ACCEPTS: dict[str, type[Preprocessor]] = {
+    "cnn": Image,
+    "mlp": Tabular,
+    "transformer": Text,
+    "gpt": Tokens,
+}
 
 
 def resolve(name: str) -> Builder:
@@ -94,11 +105,14 @@ def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     folder); `load_pretrained` then copies the folder's weights in."""
     record = pre.state.get("pretrained")
     if record:
-        return family(record["model_type"]).part("build")(record["architecture"], pre, cfg)
+        from app.models.families import family
+
+        return family(record["model_type"]).build(record["architecture"], pre, cfg)
     expected = ACCEPTS.get(cfg.builder)
-    if expected and expected != pre.kind:
+    if expected and not isinstance(pre, expected):
         raise ConfigError(
-            f"config error: model.name: {cfg.builder!r} takes {expected} data, but the dataset is {pre.kind}"
+            f"config error: model.name: {cfg.builder!r} takes {expected.kind} data, "
+            f"but the dataset is {pre.kind}"
         )
     return resolve(cfg.builder)(cfg, pre)
 
@@ -113,7 +127,9 @@ def load_pretrained(model: nn.Module, pre: Preprocessor) -> None:
             f"config error: model.pretrained: {record['uri']}: the weights changed since this "
             "run began (sha256 differs); start a new run"
         )
-    state = base.family.part("rename")(base.weights())
+    from app.models.families import family_of
+
+    state = family_of(base).rename(base.weights())
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch: torch lists them, the first says enough

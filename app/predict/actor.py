@@ -11,16 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from app.export.artifact import open_artifact, run_logits, softmax
-from app.predict.rows import (
-    MISSING,
-    CheckedBatch,
-    Column,
-    InputSpec,
-    _values,
-    check_batch,
-    json_line_columns,
-)
+from app.data.checks import MISSING, values_of
+from app.data.preprocess import Column
+from app.predict.rows import CheckedBatch, InputSpec, check_batch, json_line_columns
+from app.runtime.artifact import open_artifact, run_logits, softmax
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +121,7 @@ def _good_ids(column: Column, good: np.ndarray) -> pa.Array:
 
 
 def _id_texts(column: Column, bad: np.ndarray, where: list[str] | None) -> list[str]:
-    values = _values(column)
+    values = values_of(column)
     out = []
     for i in bad:
         value = values[i]
@@ -137,7 +131,7 @@ def _id_texts(column: Column, bad: np.ndarray, where: list[str] | None) -> list[
 
 
 def _raw_rows(columns: dict[str, Column], bad: np.ndarray) -> list[str]:
-    values = {name: _values(col) for name, col in columns.items()} if len(bad) else {}
+    values = {name: values_of(col) for name, col in columns.items()} if len(bad) else {}
     return [
         json.dumps(
             {k: v[i] for k, v in values.items() if v[i] is not MISSING},

@@ -16,7 +16,6 @@ import pyarrow as pa
 from app import storage
 from app.config import Config, PredictConfig
 from app.errors import UserError
-from app.export.artifact import open_artifact
 from app.predict.actor import Predictor, split_predictions
 from app.predict.read import check_columns, input_files, read_input
 from app.predict.rows import InputSpec
@@ -28,6 +27,7 @@ from app.predict.write import (
     check_output,
     commit,
 )
+from app.runtime.artifact import open_artifact
 
 log = logging.getLogger(__name__)
 

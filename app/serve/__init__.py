@@ -1,11 +1,15 @@
-"""Serving on Ray Serve: one application per model, whose replica parses the HTTP request
-(Open Inference Protocol v2 + simple JSON) and runs its own ONNX Runtime session with dynamic
-batching and autoscaling, plus an index application for the routes that span models.
+"""Serving on Ray Serve: one application per model, whose replica parses the HTTP request and
+runs its model (app/runtime) with dynamic batching and autoscaling, plus an index application
+for the routes that span models. Three planes, each changing for its own reasons:
 
-- protocol.py: parsing and validating requests, encoding answers (pure functions, no Ray)
-- model_server.py: a model replica's state (artifact -> ONNX Runtime, batching off the event loop)
-- ingress.py: the HTTP API (the same routes in every application)
-- app.py: the application builders `serve deploy` and the deploy job use
-- lm_server.py, completions.py: text generation (the replica over app/export/generate.py, the HTTP contract)
-- deploy.py, deploy_lock.py, lifecycle.py: deploying, undeploying and pruning models
+- http/: what a request is on the wire. api.py (the app and its routes), routes/ (v2, v1,
+  generation), middleware.py, protocol.py (v2/v1 codecs), requests.py (the strict generation
+  request models), completions.py (OpenAI's response and SSE encoders), clients.py (how routes
+  reach models: in-process or through a handle; 404, 503, 504).
+- replicas/: what runs a model. model_server.py (a classifier), lm_server.py (a language model
+  over the decode loop), batching.py, chat.py (chat templates), apps.py (the Serve deployment
+  classes).
+- control/: what changes the cluster. builders.py (applications from config), deploy.py,
+  deploy_lock.py, lifecycle.py (list, undeploy, prune).
+- metrics.py: the request and generation metrics both planes record.
 """

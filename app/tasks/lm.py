@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.data.kinds.tokens import tokens_of
 from app.tasks.steps import all_reduce, autocast
 
 if TYPE_CHECKING:  # driver-side types; workers import this module too
@@ -85,7 +86,11 @@ def reference_metrics(
     config: Config, manifest: DatasetManifest, preprocessor: Preprocessor
 ) -> dict[str, float]:
     """Reported with every epoch: the unigram baseline's validation perplexity."""
-    return {"baseline_perplexity": baseline_perplexity(config, manifest, preprocessor.vocab_size)}
+    return {
+        "baseline_perplexity": baseline_perplexity(
+            config, manifest, tokens_of(preprocessor).vocab_size
+        )
+    }
 
 
 # --- reading token rows (driver side, no Ray) ----------------------------------------------------
@@ -145,13 +150,14 @@ def evaluate_lm(
     from app.data.prepare import read_manifest, split_files
 
     manifest = read_manifest(config.data_output)
-    vocab = loaded.preprocessor.vocab_size
+    pre = tokens_of(loaded.preprocessor)
+    vocab = pre.vocab_size
     batches = (
         {TOKENS_KEY: torch.from_numpy(rows)}
         for rows in token_rows(split_files(config.data_output, manifest, split), batch_rows)
     )
     scored = validate_lm(loaded.model, batches, torch.device("cpu"), "fp32")
-    tokens = manifest.rows[split] * loaded.preprocessor.block_size
+    tokens = manifest.rows[split] * pre.block_size
     return {
         "split": split,
         "loss": scored["val_loss"],

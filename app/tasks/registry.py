@@ -87,7 +87,7 @@ BUILTIN = (
         headline="app.tasks.classify:headline",
         evaluate="app.evaluate:evaluate_classifier",
         export="app.export.exporter:export_classifier",
-        server="app.serve.app:ModelApp",
+        server="app.serve.replicas.apps:ModelApp",
         smoke="app.pipeline:sample_infer",
     ),
     Task(
@@ -100,7 +100,7 @@ BUILTIN = (
         reference="app.tasks.lm:reference_metrics",
         evaluate="app.evaluate:evaluate_language_model",
         export="app.export.lm:export_lm",
-        server="app.serve.app:LMApp",
+        server="app.serve.replicas.apps:LMApp",
         smoke="app.pipeline:sample_completion",
         source_kinds=("documents",),
         prepare="app.data.corpus:tokenize_corpus",

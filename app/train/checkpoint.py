@@ -25,7 +25,7 @@ from torch import nn
 
 from app import storage
 from app.config import Config, validate
-from app.data.preprocess import Preprocessor
+from app.data import kinds
 from app.errors import CheckpointError
 
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
@@ -204,7 +204,7 @@ class LoadedCheckpoint:
         self.meta = read_meta(folder, origin)
         with reading(folder, META, origin):  # a bad config or preprocessor: the file's fault
             self.config: Config = validate(self.meta.config)
-            self.preprocessor = Preprocessor.from_json(self.meta.preprocessor)
+            self.preprocessor = kinds.from_json(self.meta.preprocessor)
         load_train_state(folder, origin)  # not needed to export, but a truncated one is damage
         from app.models import build_model
         from app.models.lora import merge_lora

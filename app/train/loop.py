@@ -137,16 +137,16 @@ class Schedule:
     """The learning-rate factor: linear warmup to the base rate, then constant, linear decay to
     0, or cosine decay to 10% of it (`train.lr_schedule`)."""
 
-    def __init__(self, kind: str, warmup: int, total: int):
-        self.kind, self.warmup, self.total = kind, warmup, max(total, 1)
+    def __init__(self, decay: str, warmup: int, total: int):
+        self.decay, self.warmup, self.total = decay, warmup, max(total, 1)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        if self.kind == "constant":
+        if self.decay == "constant":
             return 1.0
-        if self.kind == "linear":
+        if self.decay == "linear":
             return 1.0 - progress
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from app import storage
 from app.config import Config, dump, validate
+from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer, quiet_train_logs
@@ -281,7 +282,7 @@ def run_preprocessor(config: Config, run_dir: str, manifest: DatasetManifest, fi
     uri = storage.join(run_dir, PREPROCESSOR_FILE)
     if storage.exists(uri):
         log.info("train: reusing the preprocessor fitted for run %s", run_dir)
-        return Preprocessor.from_json(storage.read_bytes(uri).decode())
+        return kinds.from_json(storage.read_bytes(uri).decode())
     preprocessor = fit(config, manifest)
     storage.write_bytes(uri, preprocessor.to_json().encode())
     return preprocessor
@@ -434,7 +435,7 @@ def start_worker(loop_config: dict[str, Any]) -> Worker:
     config = validate(loop_config["config"])
     t, run_dir = config.train, loop_config["run_dir"]
     quiet_train_logs()
-    preprocessor = Preprocessor.from_json(loop_config["preprocessor"])
+    preprocessor = kinds.from_json(loop_config["preprocessor"])
     task: Task = loop_config["task"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import requests
 
-from app.export.artifact import open_artifact, run_logits
+from app.runtime.artifact import open_artifact, run_logits
 from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, TEST_API_KEY, TEST_API_KEY_ENV, get_json, run_job, wait_for
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.evaluate import labeled_batches
-from app.export import artifact as art
+from app.runtime import artifact as art
 
 pytestmark = pytest.mark.integration
 ROWS, MATES = 200, 255

@@ -182,11 +182,11 @@ def export_serve_predict(config, summary, tmp_path, root: str) -> tuple[str, str
     S3 input on the cluster; one row's label from the endpoint and from the batch output."""
     from ray import serve
 
-    from app.export.artifact import open_artifact
     from app.export.exporter import export
     from app.predict.driver import predict
     from app.predict.write import verify_output
-    from app.serve.app import run_local
+    from app.runtime.artifact import open_artifact
+    from app.serve.control.builders import run_local
 
     uri = export(config, summary["checkpoint"])["artifact"]
     columns = open_artifact(uri).schema["feature_columns"]

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from app.errors import GateError
-from app.export.artifact import open_artifact
 from app.export.exporter import export
+from app.runtime.artifact import open_artifact
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from app.config import dump
 from app.data.ingest import fit_preprocessor
 from app.data.prepare import prepare
 from app.errors import GateError
-from app.export import artifact as art
 from app.export.exporter import export
 from app.models import build_model
+from app.runtime import artifact as art
 from app.train.checkpoint import save
 from tests.conftest import REPO, make_config
 
@@ -113,7 +113,7 @@ def free_port() -> int:
 def lm_endpoint(lm_artifact):
     from ray import serve
 
-    from app.serve.app import run_local
+    from app.serve.control.builders import run_local
     from tests.integration.conftest import ensure_local_ray
 
     config, summary = lm_artifact
@@ -231,7 +231,7 @@ def test_int8_greedy_tokens_are_the_same_alone_and_batched(lm_artifact):
     depend on the other sequences in the call (per-call activation scales made them)."""
     import numpy as np
 
-    from app.export.generate import KVDecoder, greedy
+    from app.runtime.kv import KVDecoder, greedy
 
     _, summary = lm_artifact
     artifact = art.open_artifact(summary["artifact"])
@@ -529,8 +529,8 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
     first runs, and starts once it ended."""
     import asyncio
 
-    from app.serve.lm_server import LMServer
-    from app.serve.types import GenerationRequest, RequestError, Started
+    from app.runtime.types import GenerationRequest, RequestError, Started
+    from app.serve.replicas.lm_server import LMServer
 
     config, summary = lm_artifact
     cfg = config.serve.model_copy(deep=True)

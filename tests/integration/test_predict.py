@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.errors import UserError
-from app.export.artifact import open_artifact, run_logits, softmax
 from app.predict.driver import predict
 from app.predict.write import verify_output
+from app.runtime.artifact import open_artifact, run_logits, softmax
 
 pytestmark = pytest.mark.integration
 

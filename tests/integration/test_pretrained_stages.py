@@ -15,9 +15,9 @@ import pytest
 from safetensors.torch import load_file
 
 from app.data.prepare import prepare
-from app.export.artifact import open_artifact, run_logits, softmax
 from app.export.exporter import export
 from app.predict.write import verify_output
+from app.runtime.artifact import open_artifact, run_logits, softmax
 from app.train.trainer import train
 from tests.integration.conftest import ensure_local_ray, workload_config
 from tests.make_tiny_pretrained import make_bert, make_gpt2

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from app import storage
-from app.export.artifact import LATEST, MANIFEST, read_manifest, sha256_bytes, verify_files
 from app.export.publish import publish
+from app.runtime.artifact import LATEST, MANIFEST, read_manifest, sha256_bytes, verify_files
 from tests.s3_server import moto_s3
 
 pytestmark = [pytest.mark.integration]

@@ -17,7 +17,7 @@ import pytest
 from app import storage
 from app.config import Config, load_config
 from app.data.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
-from app.export.artifact import LATEST, open_artifact
+from app.runtime.artifact import LATEST, open_artifact
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray
 from tests.s3_server import moto_s3

@@ -9,9 +9,9 @@ import pytest
 import requests
 
 from app.evaluate import evaluate
-from app.export import artifact as art
 from app.export.exporter import export
 from app.pipeline import sample_body
+from app.runtime import artifact as art
 from app.train.trainer import train
 from tests.integration.conftest import workload_config
 from tests.s3_server import free_port
@@ -52,7 +52,7 @@ def test_a_toy_task_trains_with_its_own_loss_and_metrics(toy_run):
 def test_a_toy_task_is_evaluated_exported_and_served(toy_run, workspace):
     from ray import serve
 
-    from app.serve.app import run_local
+    from app.serve.control.builders import run_local
 
     config, summary = toy_run
     assert evaluate(config, summary["checkpoint"])["metrics"]["accuracy"] >= 0.9

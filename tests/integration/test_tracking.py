@@ -88,8 +88,8 @@ def test_evaluate_draws_the_confusion_matrix_and_the_run_curves(digits):
 def test_export_draws_fp32_vs_int8_and_tags_the_mlflow_run(digits, workspace, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from app.export.artifact import open_artifact
     from app.export.exporter import export
+    from app.runtime.artifact import open_artifact
 
     config, summary = digits
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri(workspace))

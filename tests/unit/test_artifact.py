@@ -17,7 +17,10 @@ from app.data.ingest import fit_preprocessor
 from app.data.prepare import prepare
 from app.errors import ArtifactError, GateError
 from app.evaluate import labeled_batches, torch_predict
-from app.export.artifact import (
+from app.export.exporter import export, gate
+from app.export.publish import next_version, publish
+from app.models import build_model
+from app.runtime.artifact import (
     LATEST,
     MANIFEST,
     check_no_external_data,
@@ -25,9 +28,6 @@ from app.export.artifact import (
     resolve,
     verify,
 )
-from app.export.exporter import export, gate
-from app.export.publish import next_version, publish
-from app.models import build_model
 from app.train import checkpoint
 from jobs import export as export_job
 from tests.unit.unit_helpers import run_main, sha256_of, snapshot, staging_leftovers

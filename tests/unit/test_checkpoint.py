@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 
 from app.config import dump, load_config
+from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import UserError
 from app.models import build_model
@@ -27,7 +28,7 @@ LABELS = ["x", "y", "z"]
 
 
 def tabular_pre() -> Preprocessor:
-    return Preprocessor(
+    return kinds.from_state(
         {
             "kind": "tabular",
             "feature_columns": ["a", "b", "c", "d"],

@@ -265,8 +265,8 @@ def test_serve_yaml_is_a_valid_serve_deploy_config() -> None:
     # Serve's deploy-config default host is 0.0.0.0: the file must pin loopback.
     assert deploy.http_options.host == "127.0.0.1"
     assert deploy.http_options.port == 8000
-    # Exactly what jobs.deploy would write for these models (app.serve.app.applications).
-    from app.serve.app import applications
+    # Exactly what jobs.deploy would write for these models (app.serve.control.builders.applications).
+    from app.serve.control.builders import applications
 
     apps = config["applications"]
     models = [a["args"]["model"] for a in apps if "model" in a["args"]]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.data import kinds
 from app.data.feed import MemoryFeed
 from app.data.ingest import plan_data_path
 from app.data.preprocess import Preprocessor
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 
 def tabular_pre(features: int = 4) -> Preprocessor:
-    return Preprocessor(
+    return kinds.from_state(
         {
             "kind": "tabular",
             "feature_columns": [f"f{i}" for i in range(features)],

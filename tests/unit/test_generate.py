@@ -1,5 +1,6 @@
-"""app/export/generate.py: sampling, incremental text, stop strings, limits, cancellation; and the
-exported KV-cache graph (app/export/lm.py) of a tiny random GPT against torch."""
+"""app/runtime: sampling, incremental text, stop strings, limits (a stream's `Decoding`), the
+decode loop (streams stepped together, leaving, failing); and the exported KV-cache graph
+(app/export/lm.py) of a tiny random GPT against torch."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import pytest
 import torch
 
 from app.data.corpus import train_tokenizer
-from app.export import artifact as art
-from app.export.generate import Generator, KVDecoder, PromptError, SamplingParams, greedy, sample
 from app.export.lm import (
     decode_parity,
     export_kv_onnx,
@@ -23,6 +22,10 @@ from app.export.lm import (
 )
 from app.export.quantize import quantize_weight_only
 from app.models.gpt import GPT
+from app.runtime import artifact as art
+from app.runtime.decoding import Decoding, Generator, PromptError
+from app.runtime.kv import KVDecoder, greedy, prefill
+from app.runtime.sampling import SamplingParams, sample
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +52,8 @@ class ScriptedSession:
             for i in range(self.layers)
             for k in ("key", "value")
         ]
-        return [SimpleNamespace(name="input_ids", shape=["batch", "tokens"]), *cache]
+        names = ("input_ids", "position_ids", "attention_mask")  # the last two are ignored
+        return [*(SimpleNamespace(name=n, shape=["batch", "tokens"]) for n in names), *cache]
 
     def get_outputs(self):
         return [SimpleNamespace(name="logits", shape=["batch", "tokens", self.vocab])]
@@ -71,6 +75,52 @@ def scripted(tokenizer, text: str, block_size: int = 64, **kwargs):
     return Generator(session, tokenizer, block_size, **kwargs), session, script
 
 
+class Stepped:
+    """One stream's `Decoding` driven by its model's steps, piece by piece: what the decode loop
+    does for each of its streams (the tests of text, stops and limits read every piece)."""
+
+    def __init__(self, generator, prompt, params):
+        decoder = generator.decoder
+        self.decoding = decoding = Decoding(generator, prompt, params)
+        self.pieces, self.logprobs = [], []
+        logits, caches = prefill(decoder, [prompt])
+        self._took(decoding.take(logits[0]))
+        cache = caches[0]
+        while decoding.finish_reason is None:
+            step, cache = decoder.step(np.asarray([[decoding.token]]), cache)
+            self._took(decoding.take(step[0, -1]))
+
+    def _took(self, pieces):
+        for i, piece in enumerate(pieces):
+            self.pieces.append(piece)
+            self.logprobs.append(self.decoding.pop_logprobs() if i == 0 else ())
+
+    def text(self):
+        return "".join(self.pieces)
+
+    @property
+    def finish_reason(self):
+        return self.decoding.finish_reason
+
+    @property
+    def completion_tokens(self):
+        return self.decoding.tokens
+
+
+def alone(generator, prompt, params):
+    """(text, finish reason, tokens, logprobs) of one stream in a decode loop of its own: the
+    answer a stream gets with no batch mates."""
+    from app.runtime.decode_loop import DecodeLoop
+
+    async def run():
+        loop = DecodeLoop(generator)
+        result = await read(loop.submit(prompt, params))
+        loop.close()
+        return result
+
+    return asyncio.run(run())
+
+
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
 
@@ -79,7 +129,7 @@ def test_multibyte_characters_come_out_whole(tokenizer):
     generator, _, script = scripted(tokenizer, text)
     # é, € and ✓ span several byte tokens: decoded alone, those are incomplete characters.
     assert sum("\ufffd" in tokenizer.decode([i]) for i in script) >= 3
-    pieces = list(generator.generate([1], SamplingParams(max_tokens=len(script), temperature=0)))
+    pieces = Stepped(generator, [1], SamplingParams(max_tokens=len(script), temperature=0)).pieces
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert len(pieces) > 1  # streamed, not one blob at the end
@@ -91,11 +141,11 @@ def test_logprobs_name_each_token_its_bytes_and_the_likeliest_alternatives(token
     text = "café 10 € ✓"
     generator, _, script = scripted(tokenizer, text)
     params = SamplingParams(max_tokens=len(script), temperature=0, logprobs=2)
-    generation = generator.generate([1], params)
+    generation = Stepped(generator, [1], params)
     tokens = []
-    for piece in generation:
-        assert generation.logprobs, f"the piece {piece!r} came without its tokens"
-        tokens += generation.logprobs
+    for piece, logprobs in zip(generation.pieces, generation.logprobs, strict=True):
+        assert logprobs, f"the piece {piece!r} came without its tokens"
+        tokens += logprobs
     assert len(tokens) == len(script)
     assert bytes(b for t in tokens for b in t.bytes) == text.encode()
     # The scripted model puts logit 10 on its token and 0 on each other one.
@@ -108,10 +158,10 @@ def test_logprobs_name_each_token_its_bytes_and_the_likeliest_alternatives(token
 
 def test_stop_string_cuts_the_text_and_never_streams_part_of_it(tokenizer):
     generator, session, _ = scripted(tokenizer, "print('hello world')\nreturn a")
-    generation = generator.generate(
-        [1], SamplingParams(max_tokens=64, temperature=0, stop=("\nret",))
+    generation = Stepped(
+        generator, [1], SamplingParams(max_tokens=64, temperature=0, stop=("\nret",))
     )
-    pieces = list(generation)
+    pieces = generation.pieces
     assert "".join(pieces) == "print('hello world')"
     assert generation.finish_reason == "stop"
     assert not any("\n" in p for p in pieces)  # the held-back start of the stop string
@@ -120,14 +170,12 @@ def test_stop_string_cuts_the_text_and_never_streams_part_of_it(tokenizer):
 
 def test_max_tokens_and_the_context_window_bound_a_generation(tokenizer):
     generator, session, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n")
-    generation = generator.generate([1, 2], SamplingParams(max_tokens=5, temperature=0))
-    generation.text()
+    generation = Stepped(generator, [1, 2], SamplingParams(max_tokens=5, temperature=0))
     assert (generation.completion_tokens, generation.finish_reason) == (5, "length")
     assert session.runs == 5  # the prompt once, then one step per token but the last
     assert session.fed[0] == [1, 2] and all(len(f) == 1 for f in session.fed[1:])
     short, _, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n", block_size=6)
-    bounded = short.generate([1, 2, 3, 4], SamplingParams(max_tokens=50, temperature=0))
-    bounded.text()
+    bounded = Stepped(short, [1, 2, 3, 4], SamplingParams(max_tokens=50, temperature=0))
     assert (bounded.completion_tokens, bounded.finish_reason) == (2, "length")
 
 
@@ -135,20 +183,9 @@ def test_end_of_text_token_stops_with_reason_stop(tokenizer):
     eos = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode("a + b", add_special_tokens=False).ids
     session = ScriptedSession([*ids, eos, *ids], tokenizer.get_vocab_size())
-    generation = Generator(session, tokenizer, 64).generate([1], GREEDY)
+    generation = Stepped(Generator(session, tokenizer, 64), [1], GREEDY)
     assert generation.text() == "a + b"
     assert (generation.finish_reason, generation.completion_tokens) == ("stop", len(ids))
-
-
-def test_a_consumer_that_stops_stops_the_model(tokenizer):
-    generator, session, _ = scripted(tokenizer, "def add(a, b):\n    return a + b\n" * 3)
-    generation = generator.generate([1], SamplingParams(max_tokens=40, temperature=0))
-    for _ in zip(range(3), generation, strict=False):
-        pass
-    runs = session.runs
-    generation.close()
-    assert list(generation) == []
-    assert session.runs == runs <= 4
 
 
 def test_prompt_limits_name_the_field(tokenizer):
@@ -200,7 +237,7 @@ def test_streams_of_different_lengths_stepped_together_get_their_own_tokens(expo
     """Three prompts (3, 5 and 8 tokens) prefilled alone, then decoded greedily in one batch
     (left-padded caches, masked), one joining late and one leaving early, give each stream the
     logits and tokens it gets decoded alone."""
-    from app.export.generate import KVBatch
+    from app.runtime.kv import KVBatch
 
     _, sessions = exported
     decoder = KVDecoder(sessions["fp32"])
@@ -273,13 +310,12 @@ def test_seeded_sampling_of_the_exported_model_is_deterministic(exported, tokeni
     _, sessions = exported
     generator = Generator(sessions["int8"], tokenizer, block_size=32)
     prompt = generator.encode("def ")
-    run = lambda seed: generator.generate(  # noqa: E731
-        prompt, SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=seed)
+    run = lambda seed: alone(  # noqa: E731
+        generator, prompt, SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=seed)
     )
     a, b = run(3), run(3)
-    assert a.text() == b.text()
-    assert a.completion_tokens == b.completion_tokens
-    assert len({run(seed).text() for seed in range(4)}) > 1  # the seed does drive the draws
+    assert a[:3] == b[:3]
+    assert len({run(seed)[0] for seed in range(4)}) > 1  # the seed does drive the draws
 
 
 def test_a_prompt_too_long_for_the_limit_is_refused_before_it_is_tokenized(exported, tokenizer):
@@ -323,19 +359,21 @@ def test_a_frequency_penalty_breaks_greedy_repetition(tokenizer):
     """A model that always predicts one token (logit 10, the rest 0) repeats it to max_tokens;
     with the penalties at their maximum the token loses its lead after four times."""
     generator, _, script = scripted(tokenizer, "x" * 64)
-    repeated = list(generator.generate([1], GREEDY))
-    penalized = generator.generate(
-        [1], SamplingParams(max_tokens=64, temperature=0, presence_penalty=2, frequency_penalty=2)
-    )
-    assert "".join(repeated).count("x") > 40
-    assert "".join(penalized).count("x") <= 4
+    repeated = Stepped(generator, [1], GREEDY).text()
+    penalized = Stepped(
+        generator,
+        [1],
+        SamplingParams(max_tokens=64, temperature=0, presence_penalty=2, frequency_penalty=2),
+    ).text()
+    assert repeated.count("x") > 40
+    assert penalized.count("x") <= 4
 
 
 def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, tokenizer):
     """Streams submitted together (greedy, seeded sampling with penalties, one asking for more
     than the position table has left) share the loop's steps and each gets the text, finish
     reason and token count it gets alone."""
-    from app.serve.decode_loop import DecodeLoop
+    from app.runtime.decode_loop import DecodeLoop
 
     _, sessions = exported
     generator = Generator(sessions["fp32"], tokenizer, block_size=32)
@@ -346,15 +384,8 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
         SamplingParams(max_tokens=20, temperature=1.0, seed=5, frequency_penalty=0.5),
         SamplingParams(max_tokens=40, temperature=0, logprobs=3),
     ]
-    alone = []
-    for prompt, p in zip(prompts, params, strict=True):
-        generation = generator.generate(prompt, p)
-        text, logprobs = "", []
-        for piece in generation:
-            text, logprobs = text + piece, logprobs + list(generation.logprobs)
-        ends = (generation.finish_reason, generation.completion_tokens)
-        alone.append((text, *ends, logprobs))
-    assert len(alone[2][3]) == alone[2][2]  # a logprob per token
+    answers = [alone(generator, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    assert len(answers[2][3]) == answers[2][2]  # a logprob per token
 
     async def together():
         loop = DecodeLoop(generator)
@@ -364,8 +395,8 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
         return results, loop.stats
 
     results, stats = asyncio.run(together())
-    assert [r[:3] for r in results] == [a[:3] for a in alone]
-    for together_, alone_ in zip(results, alone, strict=True):
+    assert [r[:3] for r in results] == [a[:3] for a in answers]
+    for together_, alone_ in zip(results, answers, strict=True):
         assert [t.token for t in together_[3]] == [t.token for t in alone_[3]]
         assert [t.logprob for t in together_[3]] == pytest.approx([t.logprob for t in alone_[3]])
     assert stats["batch_peak"] == 3  # the streams really shared steps
@@ -404,7 +435,7 @@ class GatedSession:
 def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step(
     exported, tokenizer
 ):
-    from app.serve.decode_loop import DecodeLoop
+    from app.runtime.decode_loop import DecodeLoop
 
     _, sessions = exported
     gated = GatedSession(sessions["fp32"])
@@ -425,9 +456,8 @@ def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step
 
     (left, stayed), stats = asyncio.run(scenario())
     assert left[1] == "cancelled" and left[2] <= 3  # at most the step already under way
-    alone = generator.generate([7], greedy_long)
     gated.permits.release(100)
-    assert stayed[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
+    assert stayed[:3] == alone(generator, [7], greedy_long)[:3]
 
 
 class RecordingSession(GatedSession):
@@ -449,7 +479,7 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
 ):
     """A 13-token prompt, 4 tokens a chunk, arrives while a stream runs: the running stream
     takes steps between its chunks, and the new stream's answer is the one it gets alone."""
-    from app.serve.decode_loop import DecodeLoop
+    from app.runtime.decode_loop import DecodeLoop
 
     _, sessions = exported
     recording = RecordingSession(sessions["fp32"])
@@ -475,15 +505,15 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
     assert len(chunk_calls) == 3  # 4 + 4 + 4, then the last token alone
     between = recording.shapes[chunk_calls[0] : chunk_calls[-1]]
     assert (1, 1) in between  # the running stream stepped while the prompt went in
-    alone = generator.generate(long_prompt, params)
-    assert late[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
+    recording.permits.release(1000)
+    assert late[:3] == alone(generator, long_prompt, params)[:3]
 
 
 def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():
     from types import SimpleNamespace
 
-    from app.serve.lm_server import KVBudget
-    from app.serve.types import RequestError
+    from app.runtime.types import RequestError
+    from app.serve.replicas.lm_server import KVBudget
 
     decoder = SimpleNamespace(layers=2, heads=4, head_dim=8)  # 512 bytes a token
     budget = KVBudget(1.0, decoder)  # 1 MiB: 2048 tokens
@@ -503,7 +533,7 @@ def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():
 def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, tokenizer):
     """Three short prompts of different lengths submitted at once take one right-padded call,
     and each stream's greedy answer is the one it gets alone."""
-    from app.serve.decode_loop import DecodeLoop
+    from app.runtime.decode_loop import DecodeLoop
 
     _, sessions = exported
     recording = RecordingSession(sessions["fp32"])
@@ -526,8 +556,7 @@ def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, to
     assert recording.shapes[0] == (1, 2) and (3, 5) in recording.shapes  # one call for three
     recording.permits.release(1000)
     for prompt, result in zip(prompts, together, strict=True):
-        alone = generator.generate(prompt, params)
-        assert result[:3] == (alone.text(), alone.finish_reason, alone.completion_tokens)
+        assert result[:3] == alone(generator, prompt, params)[:3]
 
 
 # --- a model call that fails ---------------------------------------------------------------------
@@ -545,7 +574,7 @@ def faults():
 
 async def outcome(stream):
     """(text, finish reason, tokens) of a stream, or the RequestError it ended with."""
-    from app.serve.types import RequestError
+    from app.runtime.types import RequestError
 
     text = ""
     try:
@@ -557,11 +586,7 @@ async def outcome(stream):
 
 
 def alone_answers(generator, prompts, params):
-    out = []
-    for prompt, p in zip(prompts, params, strict=True):
-        generation = generator.generate(prompt, p)
-        out.append((generation.text(), generation.finish_reason, generation.completion_tokens))
-    return out
+    return [alone(generator, p, s)[:3] for p, s in zip(prompts, params, strict=True)]
 
 
 def test_a_failed_step_ends_the_stream_it_belongs_to_and_the_others_go_on(
@@ -571,8 +596,8 @@ def test_a_failed_step_ends_the_stream_it_belongs_to_and_the_others_go_on(
     (an ONNX Runtime failure mid-stream). The batched step fails, each row steps alone once:
     the faulty stream ends with a 500 after the text it had, the others end as they do alone
     (never a truncated answer), and the loop serves the next stream."""
-    from app.serve.decode_loop import DecodeLoop
-    from app.serve.types import RequestError
+    from app.runtime.decode_loop import DecodeLoop
+    from app.runtime.types import RequestError
 
     _, sessions = exported
     generator = Generator(sessions["fp32"], tokenizer, block_size=32)
@@ -592,8 +617,8 @@ def test_a_failed_step_ends_the_stream_it_belongs_to_and_the_others_go_on(
         return results, after, loop.stats
 
     (first, failed, third), after, stats = asyncio.run(scenario())
-    expected = alone_answers(generator, prompts, params)
-    assert first == expected[0] and third == expected[2]
+    expected = alone_answers(generator, prompts[::2], params[::2])
+    assert [first, third] == expected
     assert isinstance(failed, RequestError) and failed.status == 500
     assert "tiny" in failed.message and "InjectedFault" in failed.message
     assert after == alone_answers(generator, [[11]], params[:1])[0]
@@ -606,8 +631,8 @@ def test_a_prompt_whose_fill_fails_ends_alone_and_a_join_without_memory_is_a_503
     """Prompts filled together, one of whose calls always fails: each is filled alone, and only
     that one ends (500). A stream whose join finds no memory ends with a 503 to retry; the
     running stream beside it is untouched."""
-    from app.serve.decode_loop import DecodeLoop
-    from app.serve.types import RequestError
+    from app.runtime.decode_loop import DecodeLoop
+    from app.runtime.types import RequestError
 
     _, sessions = exported
     generator = Generator(sessions["fp32"], tokenizer, block_size=32)

@@ -7,6 +7,7 @@ import torch
 
 from app.config import ModelConfig
 from app.data.corpus import train_tokenizer
+from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
 from app.models import build_model
@@ -78,7 +79,7 @@ def test_gpt2_small_builds_with_124m_parameters():
 def token_pre(block_size: int) -> Preprocessor:
     tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 3, vocab_size=300)
     manifest = {"feature_columns": ["input_ids"], "label_column": "", "block_size": block_size}
-    return Preprocessor.for_tokens(manifest, tokenizer.to_str())
+    return Tokens.adopt(manifest, tokenizer.to_str())
 
 
 def test_registry_builds_gpt_from_config_and_the_datasets_tokenizer():

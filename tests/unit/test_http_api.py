@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 
 from app.config import ServeConfig
 from app.ray_private import UNKNOWN_HOST, serve_http_host
-from app.serve.api import create_api
-from app.serve.clients import Models
-from app.serve.middleware import Admit, FullPath, Observe, api_key
-from app.serve.types import GenerationRequest, InferRequest, InferResult, ModelInfo, RequestError
+from app.runtime.types import GenerationRequest, InferRequest, InferResult, ModelInfo, RequestError
+from app.serve.http.api import create_api
+from app.serve.http.clients import Models
+from app.serve.http.middleware import Admit, FullPath, Observe, api_key
 
 pytestmark = pytest.mark.unit
 
@@ -161,7 +161,7 @@ def test_limits_errors_and_overload(monkeypatch):
 def test_a_body_of_more_values_than_the_rows_allowed_is_refused_before_it_is_parsed(monkeypatch):
     """A million empty rows (4 MiB, under the body limit) would take 380 ms to parse and 86 MiB
     of Python objects: refused from the first chunks, the parser never called, no model call."""
-    import app.serve.protocol as protocol
+    import app.serve.http.protocol as protocol
 
     parsed: list[int] = []
     real = protocol.json.loads
@@ -370,7 +370,7 @@ def test_completions_naming_a_classifier_is_a_400():
 
 
 def test_request_metrics_are_summed_and_recorded_off_the_request_path():
-    from app.serve.metric_buffer import MetricBuffer
+    from app.serve.metrics import MetricBuffer
 
     class Recorded:
         def __init__(self):
@@ -404,7 +404,7 @@ def test_request_metrics_are_summed_and_recorded_off_the_request_path():
 
 
 def test_a_failing_metric_record_costs_that_record_only():
-    from app.serve.metric_buffer import MetricBuffer
+    from app.serve.metrics import MetricBuffer
 
     class Refusing:
         def __init__(self):
@@ -575,7 +575,7 @@ def test_an_unknown_json_key_is_a_400_that_echoes_it_safely(monkeypatch, key):
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy():
-    from app.serve.requests import Sampling
+    from app.serve.http.requests import Sampling
 
     def temperature(t: float) -> float:
         return Sampling(temperature=t).params(ServeConfig())["temperature"]
@@ -596,7 +596,7 @@ class DyingLM(FakeModel):
     async def generate(self, request):
         from ray.exceptions import ActorDiedError
 
-        from app.serve.types import Piece, Started
+        from app.runtime.types import Piece, Started
 
         yield Started(prompt_tokens=1, version="1")
         yield Piece("half")
@@ -621,7 +621,7 @@ class FailingLM(DyingLM):
         self.status = status
 
     async def generate(self, request):
-        from app.serve.types import Piece, Started
+        from app.runtime.types import Piece, Started
 
         yield Started(prompt_tokens=1, version="1")
         yield Piece("half")
@@ -659,7 +659,7 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
 
     import httpx
 
-    from app.serve.routes import v2 as v2_routes
+    from app.serve.http.routes import v2 as v2_routes
 
     api = client(monkeypatch).app
     route = v2_routes.infer.__code__
@@ -683,8 +683,8 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
         assert answer.status_code == 200
 
     asyncio.run(one_request())
-    assert ("app.serve.clients", "infer") in called and (
-        "app.serve.protocol",
+    assert ("app.serve.http.clients", "infer") in called and (
+        "app.serve.http.protocol",
         "decode_v2",
     ) in called
     assert len(called) <= 6, sorted(called)
@@ -692,7 +692,7 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
 
 
 def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
-    from app.serve.completions import parse_chat
+    from app.serve.http.completions import parse_chat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
@@ -723,7 +723,7 @@ def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
 
 
 def test_n_echo_and_penalties_are_read_and_bounded():
-    from app.serve.completions import parse_chat, parse_completion
+    from app.serve.http.completions import parse_chat, parse_completion
 
     cfg = ServeConfig()
     body = {"model": "m", "prompt": "hi", "n": 2, "echo": True, "seed": 7, "presence_penalty": 1}

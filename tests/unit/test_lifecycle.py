@@ -1,4 +1,4 @@
-"""Registry listing and pruning (app.serve.lifecycle) on a local registry; no cluster involved."""
+"""Registry listing and pruning (app.serve.control.lifecycle) on a local registry; no cluster involved."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from app.config import Config
 from app.errors import ConfigError, UserError
-from app.export.artifact import LATEST, MANIFEST
-from app.serve import lifecycle
+from app.runtime.artifact import LATEST, MANIFEST
+from app.serve.control import lifecycle
 
 pytestmark = pytest.mark.unit
 

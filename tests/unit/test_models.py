@@ -9,7 +9,8 @@ from torch import nn
 
 import app.train.trainer
 from app.config import ModelConfig
-from app.data.preprocess import Preprocessor
+from app.data import kinds
+from app.data.preprocess import FitOptions, Preprocessor
 from app.errors import ConfigError
 from app.models import REGISTRY, build_model, is_conv_net, resolve
 from app.models.cnn import ResNetCNN
@@ -23,7 +24,7 @@ LABELS = ["a", "b", "c"]
 
 
 def image_pre(shape=(1, 8, 8)) -> Preprocessor:
-    return Preprocessor(
+    return kinds.from_state(
         {
             "kind": "image",
             "feature_columns": ["image"],
@@ -38,7 +39,7 @@ def image_pre(shape=(1, 8, 8)) -> Preprocessor:
 
 def tabular_pre(features: int = 5) -> Preprocessor:
     cols = [f"f{i}" for i in range(features)]
-    return Preprocessor(
+    return kinds.from_state(
         {
             "kind": "tabular",
             "feature_columns": cols,
@@ -55,7 +56,7 @@ def text_pre(max_length: int = 12) -> Preprocessor:
         {"text": ["one two three", "four five six seven", "two four six"], "label": LABELS}
     )
     manifest = {"kind": "text", "feature_columns": ["text"], "label_column": "label"}
-    return Preprocessor.fit(iter([frame]), manifest, max_length=max_length, vocab_size=64)
+    return kinds.fit(iter([frame]), manifest, FitOptions(max_length=max_length, vocab_size=64))
 
 
 def model_cfg(**kwargs) -> ModelConfig:

@@ -6,9 +6,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from app.data import kinds
 from app.data.ingest import fit_preprocessor, iter_shards
+from app.data.kinds.text import PAD
 from app.data.prepare import prepare, read_manifest, split_files, split_rows
-from app.data.preprocess import LABEL_KEY, PAD, Preprocessor
+from app.data.preprocess import LABEL_KEY, FitOptions
 from app.errors import UserError
 from tests.unit.unit_helpers import read_split
 
@@ -73,7 +75,7 @@ def as_batch(frame: pd.DataFrame) -> dict[str, np.ndarray]:
 
 def test_image_fit_uses_one_mean_and_std_over_all_pixels():
     chunks = image_chunks()
-    pre = Preprocessor.fit(iter(chunks), IMAGE_MANIFEST)
+    pre = kinds.fit(iter(chunks), IMAGE_MANIFEST, FitOptions())
     pixels = np.concatenate([np.stack(c["image"].to_list()) for c in chunks])
     assert pre.kind == "image"
     assert pre.state["mean"] == pytest.approx(pixels.mean())
@@ -88,7 +90,7 @@ def test_image_fit_uses_one_mean_and_std_over_all_pixels():
 
 def test_tabular_fit_standardises_each_column():
     chunks = table_chunks()
-    pre = Preprocessor.fit(iter(chunks), TABLE_MANIFEST)
+    pre = kinds.fit(iter(chunks), TABLE_MANIFEST, FitOptions())
     values = pd.concat(chunks)[["a", "b", "c"]].to_numpy()
     np.testing.assert_allclose(pre.state["mean"], values.mean(0))
     np.testing.assert_allclose(pre.state["std"][:2], values.std(0)[:2])
@@ -104,14 +106,14 @@ def test_tabular_fit_standardises_each_column():
 
 def test_chunked_fit_equals_one_chunk_fit():
     chunks = table_chunks()
-    chunked = Preprocessor.fit(iter(chunks), TABLE_MANIFEST)
-    whole = Preprocessor.fit(iter([pd.concat(chunks)]), TABLE_MANIFEST)
+    chunked = kinds.fit(iter(chunks), TABLE_MANIFEST, FitOptions())
+    whole = kinds.fit(iter([pd.concat(chunks)]), TABLE_MANIFEST, FitOptions())
     np.testing.assert_allclose(chunked.state["mean"], whole.state["mean"])
     np.testing.assert_allclose(chunked.state["std"], whole.state["std"])
 
 
 def test_text_pads_and_truncates_to_max_length():
-    pre = Preprocessor.fit(iter(text_chunks()), TEXT_MANIFEST, max_length=6, vocab_size=100)
+    pre = kinds.fit(iter(text_chunks()), TEXT_MANIFEST, FitOptions(max_length=6, vocab_size=100))
     assert pre.labels == ["bird", "cat", "dog"]
     out = pre.features(["the cat", "the cat and the dog sat on the mat in the park", ""])
     ids, mask = out["input_ids"], out["attention_mask"]
@@ -120,7 +122,7 @@ def test_text_pads_and_truncates_to_max_length():
     np.testing.assert_array_equal(mask[0], [1, 1, 0, 0, 0, 0])
     np.testing.assert_array_equal(mask[1], [1] * 6)
     np.testing.assert_array_equal(mask[2], [0] * 6)
-    pad_id = pre._tokenizer.token_to_id(PAD)
+    pad_id = pre.tokenizer.token_to_id(PAD)
     assert pad_id == 0
     assert (ids[mask == 0] == pad_id).all()
     assert (ids[mask == 1] != pad_id).all()
@@ -142,9 +144,9 @@ def test_text_pads_and_truncates_to_max_length():
     ids=["image", "tabular", "text"],
 )
 def test_json_round_trip_transforms_identically(manifest, chunks):
-    pre = Preprocessor.fit(iter(chunks()), manifest, max_length=8, vocab_size=64)
+    pre = kinds.fit(iter(chunks()), manifest, FitOptions(max_length=8, vocab_size=64))
     text = pre.to_json()
-    again = Preprocessor.from_json(text)
+    again = kinds.from_json(text)
     assert again.to_json() == text
     assert again.labels == pre.labels
     assert again.input_names() == pre.input_names()
@@ -157,7 +159,7 @@ def test_json_round_trip_transforms_identically(manifest, chunks):
 
 def test_object_array_rows_are_stacked():
     # Ray Data hands list columns over as an object array of per-row arrays.
-    pre = Preprocessor.fit(iter(image_chunks()), IMAGE_MANIFEST)
+    pre = kinds.fit(iter(image_chunks()), IMAGE_MANIFEST, FitOptions())
     chunk = image_chunks()[0]
     column = np.empty(3, dtype=object)
     for i, row in enumerate(chunk["image"]):
@@ -171,7 +173,7 @@ def test_object_array_rows_are_stacked():
 
 
 def test_unseen_label_is_refused_by_name():
-    pre = Preprocessor.fit(iter(table_chunks()), TABLE_MANIFEST)
+    pre = kinds.fit(iter(table_chunks()), TABLE_MANIFEST, FitOptions())
     with pytest.raises(UserError, match="'maybe'") as info:
         pre.label_indices(["yes", "no", "maybe"])
     assert "row 2" in str(info.value)
@@ -180,7 +182,7 @@ def test_unseen_label_is_refused_by_name():
 def test_empty_train_split_is_refused():
     empty = pd.DataFrame({"a": [], "b": [], "c": [], "y": []})
     with pytest.raises(UserError, match="empty"):
-        Preprocessor.fit(iter([empty]), TABLE_MANIFEST)
+        kinds.fit(iter([empty]), TABLE_MANIFEST, FitOptions())
 
 
 def test_fitted_on_train_split_only(config_factory):
@@ -237,9 +239,9 @@ def test_text_is_cut_before_tokenizing_without_changing_its_tokens():
     and the cut never changes the ids of the max_length tokens that are kept."""
     import time
 
-    from app.data.preprocess import text_char_bound
+    from app.data.kinds.text import text_char_bound
 
-    pre = Preprocessor.fit(iter(text_chunks()), TEXT_MANIFEST, max_length=16, vocab_size=100)
+    pre = kinds.fit(iter(text_chunks()), TEXT_MANIFEST, FitOptions(max_length=16, vocab_size=100))
     bound = text_char_bound(pre.tokenizer, 16)
     long_text = "the cat sat   on the mat " * 4000  # 100k characters
     assert bound is not None and bound < 10_000 < len(long_text)

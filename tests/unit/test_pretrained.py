@@ -16,14 +16,16 @@ import torch
 import transformers as hf
 
 from app.config import ModelConfig, TrainConfig
+from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
 from app.export.exporter import export_onnx
-from app.export.generate import KVDecoder
 from app.export.lm import export_kv_onnx
 from app.models import build_model, load_pretrained
+from app.models.families import family_of
 from app.models.lora import LoRALinear, apply_lora, merge_lora
 from app.pretrained import Pretrained, open_pretrained
+from app.runtime.kv import KVDecoder
 from app.train import finetune
 from app.train.loop import Schedule
 from tests.make_tiny_pretrained import make_bert, make_gpt2, make_vit
@@ -57,7 +59,7 @@ def folders(tmp_path_factory):
 
 
 def preprocessor(base: Pretrained, labels=("a", "b", "c"), max_length=16) -> Preprocessor:
-    kind = base.family.kind
+    kind = family_of(base).takes.kind
     state = {
         "version": 1,
         "kind": kind,
@@ -74,7 +76,7 @@ def preprocessor(base: Pretrained, labels=("a", "b", "c"), max_length=16) -> Pre
         state["block_size"] = max_length
     if kind == "image":
         state |= {"image_shape": [3, 20, 24], "image_processor": base.image_processor()}
-    return Preprocessor(state)
+    return kinds.from_state(state)
 
 
 def loaded(folder: str, **train) -> tuple[torch.nn.Module, Preprocessor]:
@@ -159,8 +161,8 @@ def test_gpt2_tokenizer_gives_transformers_ids_exactly(folders):
 
 @pytest.mark.parametrize("channels", [3, 1])
 def test_image_processor_gives_transformers_pixels_within_1_255(folders, channels):
-    pre = preprocessor(open_pretrained(folders["vit"]))
-    pre.state["image_shape"] = [channels, 20, 24]
+    state = preprocessor(open_pretrained(folders["vit"])).state
+    pre = kinds.from_state({**state, "image_shape": [channels, 20, 24]})
     raw = images(channels=channels)
     reference = hf.ViTImageProcessor.from_pretrained(folders["vit"])
     rgb = np.repeat(raw, 3, axis=-1) if channels == 1 else raw

@@ -8,7 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from app.serve.protocol import (
+from app.runtime.rows import instance_rows, numeric_rows, text_rows
+from app.runtime.types import InferResult, RequestError
+from app.serve.http.protocol import (
     MAX_DIM,
     check_content_type,
     claimed_rows,
@@ -17,8 +19,6 @@ from app.serve.protocol import (
     encode_v2,
     parse_json,
 )
-from app.serve.rows import instance_rows, numeric_rows, text_rows
-from app.serve.types import InferResult, RequestError
 
 TABULAR = {
     "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
@@ -253,7 +253,7 @@ class CountingList(list):
 
 
 def test_a_shape_product_stops_at_the_first_dim_past_its_limit():
-    from app.serve.protocol import bounded_product
+    from app.serve.http.protocol import bounded_product
 
     CountingList.seen = 0
     dims = CountingList([1, 999_999_999, *([999_999_999] * 100_000)])
@@ -295,7 +295,7 @@ BAD_BODIES = {
 
 def arrive(body: bytes, max_items: int, chunk: int = 65536) -> int:
     """Feeds `body` to an ItemGuard in chunks; the bytes that had arrived when it refused."""
-    from app.serve.protocol import ItemGuard
+    from app.serve.http.protocol import ItemGuard
 
     guard, received = ItemGuard(max_items), bytearray()
     for start in range(0, len(body), chunk):
@@ -311,7 +311,7 @@ def arrive(body: bytes, max_items: int, chunk: int = 65536) -> int:
 
 @pytest.mark.parametrize("name", sorted(BAD_BODIES))
 def test_a_body_holding_more_values_than_the_models_rows_can_is_refused_as_it_arrives(name):
-    from app.serve.protocol import max_json_items
+    from app.serve.http.protocol import max_json_items
 
     body = BAD_BODIES[name]
     max_items = max_json_items(DIGITS_INPUTS, 1024)
@@ -339,7 +339,7 @@ def well_formed_bodies() -> list[bytes]:
 
 @pytest.mark.parametrize("chunk", [65536, 7, 1 << 30])
 def test_the_largest_well_formed_bodies_pass_the_item_bound_however_they_arrive(chunk):
-    from app.serve.protocol import max_json_items
+    from app.serve.http.protocol import max_json_items
 
     digits_items = max_json_items(DIGITS_INPUTS, 1024)
     text_items = max_json_items(TEXT["inputs"], 1024)

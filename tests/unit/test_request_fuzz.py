@@ -1,11 +1,11 @@
 """Hostile values in every field of every request body: never a 500, and a number field given
 anything but a number in its range is a 400 naming that field.
 
-The generation fields are enumerated from their request models (app/serve/requests.py), so a
+The generation fields are enumerated from their request models (app/serve/http/requests.py), so a
 field added there is fuzzed too; the classifier routes' numeric fields (v2 tensors, v1
-instances) are listed here, as their wire format is read by hand (app/serve/protocol.py). The
+instances) are listed here, as their wire format is read by hand (app/serve/http/protocol.py). The
 models behind the routes are stand-ins that run what the real replicas run on the values: the
-row check (app/serve/rows.py) and the sampler (app/export/generate.py).
+row check (app/runtime/rows.py) and the sampler (app/runtime/sampling.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.config import ServeConfig
-from app.export.generate import SamplingParams, sample
-from app.serve.api import create_api
-from app.serve.clients import Models
-from app.serve.requests import ChatRequest, CompletionRequest, GenerateRequest, Strict
-from app.serve.rows import request_rows
-from app.serve.types import Finished, InferResult, ModelInfo, Piece, Started
+from app.runtime.rows import request_rows
+from app.runtime.sampling import SamplingParams, sample
+from app.runtime.types import Finished, InferResult, ModelInfo, Piece, Started
+from app.serve.http.api import create_api
+from app.serve.http.clients import Models
+from app.serve.http.requests import ChatRequest, CompletionRequest, GenerateRequest, Strict
 
 pytestmark = pytest.mark.unit
 

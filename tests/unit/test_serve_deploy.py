@@ -1,4 +1,4 @@
-"""app/serve/deploy.py and app/serve/deploy_lock.py without Ray: concurrent deploys under the lock keep
+"""app/serve/control/deploy.py and app/serve/control/deploy_lock.py without Ray: concurrent deploys under the lock keep
 every model, a version that does not come up is rolled back, the API key follows Serve's host."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pytest
 
 from app.config import ServeConfig
 from app.errors import UserError
-from app.serve import deploy as deploy_mod
-from app.serve.app import applications
-from app.serve.deploy_lock import DeployLease, hold
+from app.serve.control import deploy as deploy_mod
+from app.serve.control.builders import applications
+from app.serve.control.deploy_lock import DeployLease, hold
 
 pytestmark = pytest.mark.unit
 
 
 class FakeServe:
-    """The Serve REST API as app.serve.deploy uses it: one whole-config store. A submit takes effect
+    """The Serve REST API as app.serve.control.deploy uses it: one whole-config store. A submit takes effect
     after `write_delay`, long enough for unlocked read-modify-writes to interleave. Models whose
     artifact is in `failing` never start (their deployment is DEPLOY_FAILED); those in `silent`
     start but never answer over HTTP."""

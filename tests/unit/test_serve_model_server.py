@@ -13,10 +13,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app.data.preprocess import Preprocessor
-from app.serve.batching import measure_batch_calls, padding_groups, spread, takes_any_length
-from app.serve.model_server import ModelServer
-from app.serve.types import InferRequest, InferResult, RequestError, Tensor
+from app.data import kinds
+from app.data.preprocess import FitOptions, Preprocessor
+from app.runtime.types import InferRequest, InferResult, RequestError, Tensor
+from app.serve.replicas.batching import (
+    measure_batch_calls,
+    padding_groups,
+    spread,
+    takes_any_length,
+)
+from app.serve.replicas.model_server import ModelServer
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +65,7 @@ def text_pre() -> Preprocessor:
         {"text": ["a cat sat", "a dog ran", "cats and dogs"], "label": LABELS + LABELS[:1]}
     )
     manifest = {"kind": "text", "feature_columns": ["text"], "label_column": "label"}
-    return Preprocessor.fit(iter([frame]), manifest, max_length=8, vocab_size=60)
+    return kinds.fit(iter([frame]), manifest, FitOptions(max_length=8, vocab_size=60))
 
 
 def text_server(
@@ -88,7 +94,7 @@ def text_server(
     server.share_calls = share_calls
     server.max_request_rows = max_request_rows
     server.max_padding_waste = max_padding_waste
-    server.batch_wait_timeout_s, server.in_flight = 0.005, 0
+    server.in_flight = 0
     server._metrics = NoMetrics()  # type: ignore[assignment]
     server.infer_batch = Batcher(server)  # type: ignore[method-assign]
     return server
@@ -120,11 +126,20 @@ def v2(data, shape=None) -> InferRequest:
     return InferRequest(tensor=Tensor("text", "BYTES", shape, data))
 
 
-def run(server: ModelServer, *requests: InferRequest) -> list[InferResult | dict]:
-    """Each request's result, or its error as {"status", "error"}."""
+def run(
+    server: ModelServer, *requests: InferRequest, busy: bool = True
+) -> list[InferResult | dict]:
+    """Each request's result, or its error as {"status", "error"}. With `busy`, another client's
+    request is in flight meanwhile, so these go through the batcher (a request alone in the
+    replica is called at once)."""
 
     async def main():
-        return await asyncio.gather(*(server.infer(r) for r in requests), return_exceptions=True)
+        server.in_flight += busy
+        try:
+            gathered = (server.infer(r) for r in requests)
+            return await asyncio.gather(*gathered, return_exceptions=True)
+        finally:
+            server.in_flight -= busy
 
     outcomes = asyncio.run(main())
     for o in outcomes:
@@ -217,12 +232,13 @@ def test_text_is_cut_to_each_groups_longest_row_when_the_model_takes_any_length(
 
 
 def test_a_request_alone_does_not_wait_for_batch_mates(text_pre):
+    """Alone in the replica, a request is called at once; those that arrive while it runs go
+    through the batcher, together. The batcher itself is never reconfigured per request."""
     server = text_server(text_pre)
-    waits: list[float] = []
-    server.infer_batch.set_batch_wait_timeout_s = waits.append  # type: ignore[attr-defined]
-    run(server, v2(["a cat"]))  # alone: nothing else can join its batch
-    run(server, v2(["a cat"]), v2(["a dog"]), v2(["cats"]))  # others in flight: wait for them
-    assert waits == [0.0, 0.0, 0.005, 0.005] and server.in_flight == 0
+    run(server, v2(["a cat"]), busy=False)  # alone: nothing else can join its batch
+    assert server.infer_batch.sizes == [] and server.session.runs == [1]
+    run(server, v2(["a cat"]), v2(["a dog"]), v2(["cats"]), busy=False)  # two came meanwhile
+    assert server.infer_batch.sizes == [2] and server.in_flight == 0
 
 
 def test_spread_deals_groups_to_the_workers_by_padded_tokens():

@@ -149,7 +149,7 @@ def test_local_publishes_are_on_disk_before_their_rename(tmp_path, monkeypatch):
 
 def test_a_latest_pointer_that_is_not_a_version_number_is_refused(tmp_path):
     from app.errors import ArtifactError
-    from app.export.artifact import resolve
+    from app.runtime.artifact import resolve
 
     model = tmp_path / "registry" / "digits"
     model.mkdir(parents=True)

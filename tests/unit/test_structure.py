@@ -19,6 +19,7 @@ LAYERS = [
     ("app.export", 5),
     ("app.evaluate", 4),
     ("app.train", 3),
+    ("app.runtime", 2),  # what runs an artifact: export verifies with it, serve and predict run it
     ("app.tasks.registry", 1),
     ("app.tasks", 2),
     ("app.data", 1),
@@ -27,9 +28,8 @@ LAYERS = [
 ]
 # The names of the task axis: tasks and the dataset / source kinds only one task trains on.
 TASK_NAMES = {"classify", "lm", "tokens", "documents"}
-# Where the data's own encoding is written out per kind (shard dtypes, the preprocessor's
-# transforms): the kinds are data formats there, not a choice of task.
-ENCODES_KINDS = {"data/preprocess.py", "data/prepare.py", "data/sources.py"}
+# The two tables: tasks by name, kinds of data by kind. Nothing else looks either up.
+TABLES = {"tasks/registry.py", "data/kinds/__init__.py"}
 
 
 def modules() -> dict[str, Path]:
@@ -122,6 +122,18 @@ def test_no_stage_imports_a_later_stage():
     assert upward == []
 
 
+def test_serving_and_batch_inference_run_the_runtime_and_import_nothing_from_export():
+    graph = import_graph()
+    found = [
+        f"{m} -> {d}"
+        for m, deps in sorted(graph.items())
+        if m.startswith(("app.serve", "app.predict", "app.runtime"))
+        for d in sorted(deps)
+        if d.startswith(("app.export", "app.train"))
+    ]
+    assert found == []
+
+
 def test_the_task_registry_imports_only_config_and_errors():
     assert import_graph()["app.tasks.registry"] <= {"app.config", "app.errors"}
 
@@ -155,10 +167,59 @@ def test_no_dispatch_on_task_names_outside_the_registry():
     found = []
     for path in sorted(APP.rglob("*.py")):
         relative = path.relative_to(APP).as_posix()
-        if relative.startswith("tasks/") or relative in ENCODES_KINDS:
+        if relative.startswith("tasks/") or relative in TABLES:
             continue
         found += [f"{relative}:{n}" for n in dispatches_on_task_names(path.read_text())]
     assert found == []
+
+
+def _is_kind(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id == "kind"
+    if isinstance(node, ast.Attribute) and node.attr == "kind":  # numpy's dtype.kind is not ours
+        return not (isinstance(node.value, ast.Attribute) and node.value.attr == "dtype")
+    return False
+
+
+def dispatches_on_kind(source: str) -> list[int]:
+    """Lines that compare, match or look up a name or attribute called `kind`: choosing what to
+    do by the kind of data, which only its table does (by subject, not by the kinds' names,
+    which are also column and tensor names)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Compare)
+            and any(_is_kind(side) for side in [node.left, *node.comparators])
+            or isinstance(node, ast.Match)
+            and _is_kind(node.subject)
+            or isinstance(node, ast.Subscript)
+            and _is_kind(node.slice)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_dispatch_on_the_kind_of_data_outside_its_table():
+    found = []
+    for path in sorted(APP.rglob("*.py")):
+        relative = path.relative_to(APP).as_posix()
+        if relative not in TABLES:
+            found += [f"{relative}:{n}" for n in dispatches_on_kind(path.read_text())]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "if pre.kind == 'text': pass",
+        "x = 'image' != manifest.kind",
+        "match spec.kind:\n    case 'text': pass",
+        "cls = TABLE[kind]",
+        "ok = kind in ('tabular', 'image')",
+    ],
+)
+def test_the_kind_check_sees_each_form(source):
+    assert len(dispatches_on_kind(source)) == 1
 
 
 @pytest.mark.parametrize(

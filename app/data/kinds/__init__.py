@@ -1,0 +1,47 @@
+"""The kinds of data, one processor class each, chosen from this one table by a dataset's or an
+artifact's `kind`: the only place that looks a kind up (tests/unit/test_structure.py checks).
+A new kind of data is a class and an entry here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from app.data.kinds.documents import Documents
+from app.data.kinds.image import Image
+from app.data.kinds.tabular import Tabular
+from app.data.kinds.text import Text
+from app.data.kinds.tokens import Tokens
+from app.data.preprocess import FitOptions, Preprocessor
+from app.errors import UserError
+
+KINDS: dict[str, type[Preprocessor]] = {
+    cls.kind: cls for cls in (Tabular, Image, Text, Tokens, Documents)
+}
+
+
+def processor(kind: str) -> type[Preprocessor]:
+    """The processor class of data of this kind."""
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise UserError(f"unknown kind of data {kind!r} (known: {', '.join(sorted(KINDS))})")
+    return cls
+
+
+def from_state(state: dict[str, Any]) -> Preprocessor:
+    return processor(state["kind"])(state)
+
+
+def from_json(text: str) -> Preprocessor:
+    import json
+
+    return from_state(json.loads(text))
+
+
+def fit(
+    chunks: Iterable[pd.DataFrame], manifest: dict[str, Any], options: FitOptions
+) -> Preprocessor:
+    """A preprocessor fitted on the train split's chunks, of the manifest's kind."""
+    return processor(manifest["kind"]).fit(chunks, manifest, options)

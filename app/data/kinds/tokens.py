@@ -1,0 +1,78 @@
+"""Token rows: a corpus tokenized and packed at prepare (app/data/corpus.py), `block_size + 1`
+ids a row (inputs and targets in one: the loss shifts them). Not fitted: the preprocessor only
+carries the dataset's tokenizer (for generation) and its sequence length."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from app.data.preprocess import Preprocessor
+
+if TYPE_CHECKING:
+    from app.pretrained import Pretrained
+
+
+class Tokens(Preprocessor):
+    kind = "tokens"
+    labelled = False
+
+    def __init__(self, state: dict[str, Any]):
+        super().__init__(state)
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(state["tokenizer"])  # packed: no padding
+
+    @classmethod
+    def adopt(
+        cls, manifest: dict[str, Any], tokenizer: str, base: Pretrained | None = None
+    ) -> Tokens:
+        state = {
+            "version": 1,
+            "kind": cls.kind,
+            "feature_columns": manifest["feature_columns"],
+            "label_column": manifest["label_column"],
+            "labels": [],
+            "tokenizer": tokenizer,
+            "block_size": manifest["block_size"],
+        }
+        if base is not None:
+            state["pretrained"] = base.record()
+            # Serving renders chat messages with it (app/serve/replicas/chat.py).
+            if (template := base.chat_template()) is not None:
+                state["chat_template"] = template
+                state["chat_special_tokens"] = base.special_tokens()
+        return cls(state)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size())
+
+    @property
+    def block_size(self) -> int:
+        """Tokens a model reads per sequence (its rows hold one more: the last one's target)."""
+        return int(self.state["block_size"])
+
+    def row_bytes(self) -> int:
+        return 8 * (self.block_size + 1)  # int64 ids, no label
+
+    def input_names(self) -> list[str]:
+        return ["input_ids"]
+
+    def features(self, raw: Any) -> dict[str, np.ndarray]:
+        return {"input_ids": np.asarray(raw, dtype=np.int64)}
+
+    @classmethod
+    def arrow_column(cls, name: str, values: pd.Series) -> pa.Array:
+        flat = np.stack(values.to_list()).astype(np.int32)
+        return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+
+
+def tokens_of(pre: Preprocessor) -> Tokens:
+    """A language model's preprocessor, narrowed to its kind (its task only ever gets one)."""
+    if not isinstance(pre, Tokens):
+        raise TypeError(f"expected a token dataset's preprocessor, got {pre.kind}")
+    return pre

@@ -1,0 +1,281 @@
+"""The artifact: what export writes and the only thing serving loads.
+
+    <artifact>/manifest.json      name, version, sha256 of every other file, versions, lineage
+    <artifact>/model.onnx         fp32, self-contained (no external data)
+    <artifact>/model.int8.onnx    int8 (onnxruntime quantization)
+    <artifact>/preprocessor.json  the fitted preprocessor
+    <artifact>/schema.json        input/output tensors and label names
+    <artifact>/report.json        parity, accuracy, size and latency of each variant
+    <artifact>/quantization.png   the same comparison as a picture (for people; serving ignores it)
+
+Opening an artifact verifies every sha256 before anything is parsed, refuses missing, altered or
+truncated files by name, never unpickles, and refuses ONNX external-data references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ConfigDict, Field
+
+from app import storage
+from app.data import kinds
+from app.data.preprocess import Preprocessor
+from app.errors import ArtifactError
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+MODEL_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
+REQUIRED_FILES = (*MODEL_FILES.values(), "preprocessor.json", "schema.json", "report.json")
+QUANTIZATION_PNG = "quantization.png"  # hashed in the manifest like every file, not required
+LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
+
+
+# --- the artifact manifest: written by export (write_metadata, publish), read by serving -------
+# It lives here, not in app/export/exporter.py, so that serving reads it without importing torch.
+
+
+class ArtifactFile(storage.Contract):
+    sha256: str
+    size: int = Field(ge=0)
+
+
+class ArtifactManifest(storage.Contract):
+    """`<artifact>/manifest.json`: the artifact's identity, lineage and the hash of every file."""
+
+    # A version written as a number by an older tool is still read as its text.
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+    error = ArtifactError
+    name: str
+    version: str | None = None  # None until publish claims a number
+    files: dict[str, ArtifactFile]  # relative path -> sha256 and size, every file but this one
+    # Lineage, for people and /v1/models; serving needs none of it.
+    created: str | None = None
+    source_checkpoint: str | None = None
+    # The pretrained folder fine-tuned (model.pretrained): uri, model_type, weights_sha256, license.
+    base_model: dict[str, Any] | None = None
+    run_name: str | None = None
+    train_metrics: dict[str, float | int] = {}
+    workload: str | None = None
+    quantization: dict[str, Any] = {}  # method, weight type, nodes kept in fp32
+    opset: int | None = None
+    versions: dict[str, str] = {}  # library -> version that built the artifact
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def resolve(uri: str) -> str:
+    """An artifact version folder, or `<registry>/<name>/latest` -> the version it points at."""
+    uri = uri.rstrip("/")
+    if storage.exists(storage.join(uri, MANIFEST)):
+        return uri
+    if os.path.basename(uri) == LATEST and storage.is_file(uri):
+        version = storage.read_bytes(uri).decode(errors="replace").strip()
+        if not version.isdigit():  # never a path: the pointer names a version folder
+            raise ArtifactError(f"{uri}: holds {version[:40]!r}, not a version number")
+        return storage.join(uri.rsplit("/", 1)[0], version)
+    if not storage.exists(uri):
+        raise ArtifactError(f"{uri}: no such artifact")
+    raise ArtifactError(f"{uri}: {MANIFEST} is missing")
+
+
+def versions(folder: str) -> list[int]:
+    """Version numbers under `<registry>/<name>/`, claimed or complete, ascending."""
+    return sorted(int(v) for v in storage.list_dir(folder) if v.isdigit())
+
+
+def newest_complete_version(folder: str) -> int:
+    """The highest version of `<registry>/<name>/` that has its manifest (0 when none): a version
+    counts only once its manifest, written last, is there."""
+    for version in reversed(versions(folder)):
+        if storage.exists(storage.join(folder, str(version), MANIFEST)):
+            return version
+    return 0
+
+
+def verify_files(folder: str, manifest: ArtifactManifest) -> dict[str, bytes]:
+    """Read every listed file once, check its sha256 and size; return the verified bytes."""
+    verified: dict[str, bytes] = {}
+    for rel, expected in sorted(manifest.files.items()):
+        path = os.path.normpath(os.path.join(folder, rel))
+        if os.path.dirname(os.path.relpath(path, folder)).startswith(".."):
+            raise ArtifactError(f"{rel}: path leaves the artifact folder")
+        if not os.path.isfile(path):
+            raise ArtifactError(f"{rel}: missing from {folder}")
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != expected.size:
+            raise ArtifactError(
+                f"{rel}: size {len(data)} != {expected.size} in the manifest (truncated or altered)"
+            )
+        if sha256_bytes(data) != expected.sha256:
+            raise ArtifactError(f"{rel}: sha256 mismatch (altered)")
+        verified[rel] = data
+    return verified
+
+
+def check_no_external_data(name: str, model_bytes: bytes) -> None:
+    """Refuse a model any of whose tensors points at external data (a file path ONNX Runtime
+    would open): initializers, sparse initializers and tensor attributes (Constant), in the main
+    graph, in every subgraph (If/Loop/Scan bodies, nested to any depth) and in model functions."""
+    import onnx
+
+    model = onnx.load_model_from_string(model_bytes)
+    for tensor in all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+            raise ArtifactError(
+                f"{name}: tensor {tensor.name!r} refers to external data; artifacts must be "
+                "self-contained"
+            )
+
+
+def all_tensors(model) -> Iterator[Any]:
+    """Every TensorProto a model holds, wherever it sits."""
+    training = [g for info in model.training_info for g in (info.initialization, info.algorithm)]
+    for graph in [model.graph, *training]:
+        yield from _graph_tensors(graph)
+    for function in model.functions:
+        yield from _nodes_tensors(function.node)
+
+
+def _graph_tensors(graph) -> Iterator[Any]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    yield from _nodes_tensors(graph.node)
+
+
+def _nodes_tensors(nodes) -> Iterator[Any]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            sparse = list(attr.sparse_tensors)
+            if attr.HasField("sparse_tensor"):
+                sparse.append(attr.sparse_tensor)
+            for s in sparse:
+                yield from (s.values, s.indices)
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for graph in attr.graphs:
+                yield from _graph_tensors(graph)
+
+
+def read_manifest(folder: str, origin: str | None = None) -> ArtifactManifest:
+    """The manifest of the local artifact folder `folder` (a copy of `origin`, when given)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        raise ArtifactError(f"{MANIFEST}: missing from {origin or folder}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    return ArtifactManifest.parse_json(raw, storage.join(origin or folder, MANIFEST))
+
+
+@dataclass
+class Artifact:
+    uri: str
+    manifest: ArtifactManifest
+    schema: dict[str, Any]
+    report: dict[str, Any]
+    preprocessor: Preprocessor
+    models: dict[str, bytes]  # variant -> verified ONNX bytes
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest.version)
+
+    def session(self, variant: str, threads: int = 1):
+        return create_session(self.models[variant], threads)
+
+
+def open_artifact(uri: str) -> Artifact:
+    uri = resolve(uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = storage.download_dir(uri, tmp)
+        manifest = read_manifest(folder, origin=uri)
+        files = verify_files(folder, manifest)
+    if manifest.version is None:
+        raise ArtifactError(f"{storage.join(uri, MANIFEST)}: version: not set (never published)")
+    for name in REQUIRED_FILES:
+        if name not in files:
+            raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
+    for name in MODEL_FILES.values():
+        check_no_external_data(name, files[name])
+    return Artifact(
+        uri=uri,
+        manifest=manifest,
+        schema=json.loads(files["schema.json"]),
+        report=json.loads(files["report.json"]),
+        preprocessor=kinds.from_json(files["preprocessor.json"].decode()),
+        models={v: files[n] for v, n in MODEL_FILES.items()},
+    )
+
+
+def verify(uri: str) -> dict[str, Any]:
+    """`jobs.export --verify`: the integrity check alone."""
+    artifact = open_artifact(uri)
+    return {
+        "stage": "verify",
+        "artifact": artifact.uri,
+        "ok": True,
+        "files": sorted(artifact.manifest.files),
+    }
+
+
+# --- ONNX Runtime sessions -------------------------------------------------------------------
+
+
+def providers() -> list[str]:
+    """CUDA when a GPU is really usable, else CPU (onnxruntime-gpu lists CUDA even without one)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" in available and _gpu_present():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _gpu_present() -> bool:
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+def create_session(model_bytes: bytes, threads: int = 1):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = max(1, threads)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model_bytes, options, providers=providers())
+    except Exception as e:  # noqa: BLE001 - a broken CUDA setup must not stop a CPU replica
+        if providers() == ["CPUExecutionProvider"]:
+            raise
+        log.warning("CUDA session failed (%s); falling back to CPU", e)
+        return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def run_logits(session, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    return session.run(["logits"], inputs)[0]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Class probabilities from logits: what the online endpoint and batch inference return."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)

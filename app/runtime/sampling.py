@@ -1,0 +1,117 @@
+"""Picking each next token: sampling parameters (temperature, top-k, top-p, seed, OpenAI's
+penalties) and token log-probabilities as OpenAI reports them. numpy only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature` 0 is greedy (argmax); `top_k` 0 and `top_p` 1
+    are off; `seed` makes sampling reproducible (None: fresh entropy per generation);
+    `presence_penalty` and `frequency_penalty` lower the logit of each token already generated,
+    once and once per time (OpenAI's definition), greedy decoding included. `logprobs` (None:
+    off) reports each token's log-probability with that many most likely alternatives."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
+
+    def penalized(self, logits: np.ndarray, counts: dict[int, int]) -> np.ndarray:
+        """`logits` less the penalties for the tokens generated so far (`counts`: id -> times)."""
+        if not counts or (self.presence_penalty == 0 and self.frequency_penalty == 0):
+            return logits
+        ids = np.fromiter(counts, dtype=np.int64, count=len(counts))
+        times = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        out = logits.astype(np.float64)
+        out[ids] -= self.presence_penalty + self.frequency_penalty * times
+        return out
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from a position's logits: greedy at temperature 0, else softmax sampling
+    restricted to the `top_k` most likely tokens and to the smallest set whose probability
+    reaches `top_p` (nucleus)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    z = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < len(z):
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        # Keep a token while the mass before it is below top_p: the most likely always stays.
+        keep = np.cumsum(sorted_probs) - sorted_probs < params.top_p
+        probs = np.zeros_like(probs)
+        probs[order[keep]] = sorted_probs[keep]
+        probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    return int(
+        min(
+            np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token as OpenAI's `logprobs` report it: its text and UTF-8 bytes, its
+    log-probability under the model (before temperature, top-k/top-p and penalties, as vLLM
+    reports them) and the `top` most likely tokens at that position, most likely first."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
+class TokenTexts:
+    """A token id's text and bytes. Byte-level BPE tokens map back to their bytes exactly (a
+    token that ends inside a multi-byte character has bytes but no whole text of its own)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+
+    def __call__(self, token: int) -> tuple[str, tuple[int, ...]]:
+        text = self.tokenizer.decode([token])
+        piece = self.tokenizer.id_to_token(token) or ""
+        if piece and all(c in self.byte_of for c in piece):
+            return text, tuple(self.byte_of[c] for c in piece)
+        return text, tuple(text.encode())
+
+    def logprobs(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+        z = logits.astype(np.float64)
+        z -= z.max()
+        logp = z - np.log(np.exp(z).sum())
+        best = np.argpartition(-logp, top)[:top] if 0 < top < len(logp) else np.arange(len(logp))
+        best = best[np.argsort(-logp[best], kind="stable")][:top]
+        alternatives = tuple((*self(int(i)), float(logp[i])) for i in best)
+        return TokenLogprob(*self(token), float(logp[token]), alternatives)
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-character table (byte b is character [b]): printable bytes stand for
+    themselves, the rest are shifted past 255."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return [chars[b] for b in range(256)]

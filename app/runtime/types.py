@@ -1,0 +1,136 @@
+"""The typed contract between the HTTP routes, the model replicas, batch inference and tests.
+
+A request crosses a process boundary (a DeploymentHandle call) only as these types; a problem
+with it is a `RequestError` raised (never returned in a result), which the routes answer as
+JSON with its status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from app.runtime.sampling import TokenLogprob
+
+
+class RequestError(Exception):
+    """A request the model cannot answer: its HTTP status and a message naming the field."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
+        super().__init__(status, message, retry_after_s)
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def bad(message: str, status: int = 400) -> RequestError:
+    return RequestError(status, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One Open Inference Protocol v2 input tensor as the client sent it (checked for form, not
+    yet against the model's schema)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: Any  # nested lists, a flat list, or a numpy array from the binary extension
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """Rows for a classifier: a v2 tensor or v1 instances (one instance per row)."""
+
+    tensor: Tensor | None = None
+    instances: list[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    labels: list[str]
+    probabilities: np.ndarray  # [rows, classes]
+    version: str
+    label_names: list[str]
+    replica_pid: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a replica says about the model it serves (`GET /v2/models/{name}`, `/v1/models`)."""
+
+    name: str
+    version: str
+    variant: str
+    artifact: str
+    task: str
+    generates: bool  # answers /v1/completions and the generate extension, not /infer
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    labels: list[str]
+    manifest: dict[str, Any]
+    replica_pid: int
+    batching: dict[str, Any] | None = None  # classifiers: how batched requests share calls
+    generation: dict[str, int] | None = None  # language models: streams running, tokens
+
+    def listing(self) -> dict[str, Any]:
+        """The model's entry in `GET /v1/models`."""
+        entry = {
+            "name": self.name,
+            "version": self.version,
+            "variant": self.variant,
+            "artifact": self.artifact,
+            "task": self.task,
+            "manifest": self.manifest,
+        }
+        return entry | ({"batching": self.batching} if self.batching is not None else {})
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt: str
+    params: dict[str, Any]  # app.runtime.sampling.SamplingParams keyword arguments
+    field: str = "prompt"  # the request field the prompt came in, for error messages
+    # Chat messages ({"role", "content"} each), rendered into the prompt by the replica with
+    # its model's chat template; `prompt` is then unused.
+    messages: tuple[dict[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    prompt_tokens: int
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind `text`, when asked for
+
+
+# How a generation that ran to its end ended: end of text or a stop string; max_tokens or the
+# model's window. (A stream that could not finish raises its RequestError instead.)
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    version: str
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+# A generation is Started, then a Piece per piece of text, then Finished.
+GenerationEvent = Started | Piece | Finished

@@ -1,0 +1,258 @@
+"""Model lifecycle on a registry: list versions, take a model off Serve, prune old versions.
+
+The registry (`<export.registry>/<name>/<version>/`, with `<name>/latest` pointing at the newest
+good version) is the source of truth for what exists; the running Serve application for what is
+live. Without a cluster nothing is live, which `list` reports as "unknown" (a registry on shared
+storage may still be served by a cluster this machine cannot see).
+
+Pruning never deletes the version `latest` points at, nor one a running cluster serves or pins,
+nor a version without its manifest (an export still writing it: the manifest is written last);
+it asks the cluster under the deploy lock, and without a cluster it refuses unless forced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any
+
+from app import storage
+from app.config import NAME_PATTERN, Config
+from app.runtime import artifact as art
+
+log = logging.getLogger(__name__)
+UNKNOWN = "unknown"
+
+
+def list_models(config: Config) -> dict[str, Any]:
+    live = live_versions(config)
+    models = [model_entry(config.registry, name, live) for name in model_names(config.registry)]
+    return {"stage": "models", "action": "list", "registry": config.registry, "models": models}
+
+
+def model_names(registry: str) -> list[str]:
+    if not storage.exists(registry):
+        return []
+    return sorted(
+        n
+        for n in storage.list_dir(registry)
+        if storage.exists(storage.join(registry, n, art.LATEST))
+    )
+
+
+def model_entry(registry: str, name: str, live: dict[str, str] | None) -> dict[str, Any]:
+    folder = storage.join(registry, name)
+    latest = str(storage.read_int(storage.join(folder, art.LATEST)))
+    serving = UNKNOWN if live is None else live.get(name)
+    versions = []
+    for version in complete_versions(folder):
+        versions.append(
+            {
+                "version": version,
+                "latest": version == latest,
+                "live": UNKNOWN if live is None else version == serving,
+                **version_facts(storage.join(folder, version)),
+            }
+        )
+    return {"name": name, "latest": latest, "live": serving, "versions": versions}
+
+
+def complete_versions(folder: str) -> list[str]:
+    """Versions with their manifest (written last, so complete), oldest first."""
+    return [
+        str(v)
+        for v in art.versions(folder)
+        if storage.exists(storage.join(folder, str(v), art.MANIFEST))
+    ]
+
+
+def version_facts(uri: str) -> dict[str, Any]:
+    """When it was made, from what, and its gate report in brief (the whole one is report.json)."""
+    from app.errors import ArtifactError
+
+    manifest = art.read_manifest(uri)
+    path = storage.join(uri, "report.json")
+    try:
+        report = json.loads(storage.read_bytes(path))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
+    return {
+        "created": manifest.created,
+        "source_checkpoint": manifest.source_checkpoint,
+        "base_model": manifest.base_model,
+        "gate": gate_figures(report),
+    }
+
+
+def gate_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The gate's headline figures: accuracy for a classifier, perplexity and greedy agreement
+    for a language model (report.json has the rest)."""
+    common = {
+        "size_ratio_int8": report.get("size_ratio_int8"),
+        "thresholds": report.get("thresholds", {}),
+    }
+    if "perplexity" in report:
+        return {
+            "perplexity": report["perplexity"],
+            "perplexity_increase": report.get("perplexity_increase"),
+            "greedy_agreement": (report.get("greedy") or {}).get("token_agreement"),
+            **common,
+        }
+    accuracy = report.get("accuracy", {})
+    return {
+        "fp32_accuracy": accuracy.get("onnx_fp32"),
+        "int8_accuracy": accuracy.get("onnx_int8"),
+        "accuracy_drop_points": report.get("accuracy_drop_points"),
+        **common,
+    }
+
+
+# --- what a running cluster serves -------------------------------------------------------------
+
+
+def live_versions(config: Config) -> dict[str, str] | None:
+    """{model name: version served} for this project's Serve applications; None when no cluster
+    runs (nothing can be known to be live)."""
+    from app.config import resolve_uri
+    from app.errors import NoClusterError
+    from app.ray_runtime import connect_ray
+    from app.serve.control.deploy import current_apps, serve_client, served_models, serving_address
+
+    try:
+        connect_ray(require_cluster=True)
+    except NoClusterError:
+        return None
+    details = serve_client().get_serve_details()
+    host, port = serving_address(details, config.serve)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    live = {}
+    for name, uri in served_models(current_apps(details), config.serve).items():
+        live[name] = served_version(resolve_uri(uri), url, name, config.serve.api_key_env)
+    return live
+
+
+def served_version(uri: str, url: str, name: str, api_key_env: str) -> str:
+    """The version a model's replicas run: the folder its application names, or, when that is a
+    `latest` pointer (cluster/serve.yaml), what the model answers over HTTP (its replicas pinned
+    whatever `latest` was when they started, which need not be what it is now)."""
+    from app.serve.control.deploy import serving_version
+
+    if uri.rstrip("/").rsplit("/", 1)[-1] != art.LATEST:
+        return uri.rstrip("/").rsplit("/", 1)[-1]
+    return serving_version(url, name, api_key_env)
+
+
+def undeploy(config: Config, names: list[str], timeout_s: float = 120.0) -> dict[str, Any]:
+    """Take these models' Serve applications away, in one config update; the other models'
+    applications do not change, so Serve leaves their replicas alone (the index is updated to
+    list the rest)."""
+    from app.errors import UserError
+    from app.ray_runtime import connect_ray
+    from app.serve.control.deploy import (
+        ROLLBACK_TIMEOUT_S,
+        current_apps,
+        serve_client,
+        serve_config,
+        served_models,
+        wait_for_app,
+        without_model,
+    )
+    from app.serve.control.deploy_lock import cluster_lock
+    from app.serve.replicas.apps import model_app_name
+
+    connect_ray(require_cluster=True)
+    cfg = config.serve
+    with cluster_lock(ttl_s=timeout_s + ROLLBACK_TIMEOUT_S, wait_s=timeout_s):
+        client = serve_client()
+        apps = current_apps(client.get_serve_details())
+        served = served_models(apps, cfg)
+        missing = [n for n in names if n not in served]
+        if missing:
+            listing = ", ".join(sorted(served)) or "none"
+            raise UserError(f"{missing[0]} is not deployed (serving: {listing})")
+        for name in names:
+            apps = without_model(apps, cfg, name)
+        client.deploy_applications(serve_config(cfg, apps))
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            state = wait_for_app(client, model_app_name(cfg, name), False, deadline)
+            if state != "absent":
+                raise UserError(f"{name}: its application is still {state} after {timeout_s:g}s")
+    log.info("undeploy: %s removed", ", ".join(names))
+    remaining = sorted(n for n in served if n not in names)
+    return {"stage": "models", "action": "undeploy", "undeployed": names, "models": remaining}
+
+
+# --- pruning ------------------------------------------------------------------------------------
+
+
+def prune(
+    config: Config, keep: int, model: str | None = None, force: bool = False
+) -> dict[str, Any]:
+    """Delete all but the newest `keep` complete versions of each model (or of `model`). The
+    latest version stays, and so does every version a running application serves or its deploy
+    config pins, read under the deploy lock so that no deploy changes them meanwhile. Without a
+    reachable cluster nothing can be known to be unused: refused unless `force`."""
+    from app.errors import ConfigError, NoClusterError
+
+    if keep < 1:
+        raise ConfigError(f"--keep must be at least 1 (got {keep})")
+    if model is not None and not re.match(NAME_PATTERN, model):
+        raise ConfigError(f"--model {model!r}: not a model name (letters, digits, _.- only)")
+    names = [model] if model else model_names(config.registry)
+    if not force:
+        try:
+            return _prune_under_lock(config, keep, names)
+        except NoClusterError as e:
+            raise NoClusterError(
+                f"prune: {e}; without a cluster nothing tells which versions are served "
+                "(a replica restart would fail on a deleted one): start it, or pass --force"
+            ) from None
+    deleted = {name: prune_model(config.registry, name, keep, set()) for name in names}
+    return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
+
+
+def _prune_under_lock(config: Config, keep: int, names: list[str]) -> dict[str, Any]:
+    from app.ray_runtime import connect_ray
+    from app.serve.control.deploy import ROLLBACK_TIMEOUT_S
+    from app.serve.control.deploy_lock import cluster_lock
+
+    connect_ray(require_cluster=True)
+    with cluster_lock(ttl_s=ROLLBACK_TIMEOUT_S, wait_s=ROLLBACK_TIMEOUT_S):
+        in_use = versions_in_use(config)
+        deleted = {
+            name: prune_model(config.registry, name, keep, in_use.get(name, set()))
+            for name in names
+        }
+    return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
+
+
+def versions_in_use(config: Config) -> dict[str, set[str]]:
+    """Per model, the version the running Serve config pins (its artifact folder), or, for a
+    `latest` pointer, the one its replicas answer with (what `latest` was when they started)."""
+    live = live_versions(config) or {}
+    return {name: {version} for name, version in live.items()}
+
+
+def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[str]:
+    from app.errors import UserError
+
+    folder = storage.join(registry, name)
+    if not storage.exists(storage.join(folder, art.LATEST)):
+        raise UserError(f"{folder}: no such model in the registry")
+    unknown = sorted(v for v in in_use if not v.isdigit())
+    if unknown:
+        raise UserError(f"{name}: cannot tell which version is live ({unknown[0]}); nothing pruned")
+    latest = str(storage.read_int(storage.join(folder, art.LATEST)))
+    versions = complete_versions(folder)
+    protected = set(versions[-keep:]) | {latest} | in_use
+    doomed = [v for v in versions if v not in protected]
+    for version in doomed:
+        # The manifest goes first: a reader then sees an incomplete version, never a
+        # half-deleted one that still claims to be whole.
+        storage.delete_file(storage.join(folder, version, art.MANIFEST))
+        storage.delete_dir(storage.join(folder, version))
+        log.info("prune: deleted %s/%s", name, version)
+    return doomed

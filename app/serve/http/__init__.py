@@ -1,0 +1,1 @@
+"""The HTTP plane: what a request is on the wire (app/serve/__init__.py)."""

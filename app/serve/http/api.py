@@ -1,0 +1,116 @@
+"""The HTTP API of every application: the routers of app/serve/routes over a `Models`
+directory, inside the middleware of app/serve/http/middleware.py.
+
+Routes (README.md, "The HTTP API"): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
+(also under /versions/{version}), /v1/models, /v1/models/{name}:predict, /v1/completions,
+/v2/models/{name}/generate[_stream]. Every error is a JSON body naming the problem:
+{"error": ...}; never a traceback, never a 500 for bad input; 413 for oversize bodies or too
+many rows, 503 (with Retry-After where ours) when a model's queue is full or its replica died,
+504 when it does not answer within serve.request_timeout_s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import __version__
+from app.config import ServeConfig
+from app.runtime.types import RequestError
+from app.serve.http.clients import Models
+from app.serve.http.middleware import Admit, FullPath, Observe, api_key, error, request_id
+from app.serve.http.routes import generation, v1, v2
+from app.serve.metrics import model_histogram, process_buffer
+
+log = logging.getLogger("ray.serve")
+
+
+def create_api(
+    cfg: ServeConfig,
+    models: Models,
+    metrics: Any = None,
+    serve_host: str | None = None,
+    under_serve: bool = False,
+) -> FastAPI:
+    """The HTTP API over `models`. `serve_host`: the host Serve listens on (the API key rule);
+    `under_serve`: the app runs in a Serve replica, whose own middleware echoes the request id."""
+    api = FastAPI(title="raytorch", version=__version__, docs_url=None, redoc_url=None)
+    api.state.models, api.state.config = models, cfg
+    # Each route on the app itself (FastAPI matches an included router through a wrapper of its
+    # own on every request), the POST routes first: a request is matched against each route in
+    # turn, and inference is nearly all of the traffic (no two routes overlap).
+    routers = (v2.router, v1.router, generation.router)
+    routes = [route for r in routers for route in r.routes if isinstance(route, APIRoute)]
+    for route in sorted(routes, key=lambda route: "POST" not in (route.methods or ())):
+        methods = sorted(route.methods or ())
+        api.add_api_route(route.path, route.endpoint, methods=methods, name=route.name)
+    api.add_api_route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    api.add_exception_handler(RequestError, request_error)
+    api.add_exception_handler(StarletteHTTPException, http_error)
+    api.add_exception_handler(RequestValidationError, validation_error)
+    # Added innermost first: Observe wraps Admit wraps FullPath wraps the routes.
+    api.add_middleware(FullPath)
+    api.add_middleware(Admit, key=api_key(cfg, serve_host), max_body_bytes=cfg.max_body_bytes)
+    observe = _observer(models, metrics) if metrics is not None else None
+    api.add_middleware(Observe, observe=observe, echo_request_id=not under_serve)
+    return api
+
+
+async def not_found(path: str):
+    return error(404, f"no route /{path}")
+
+
+async def request_error(request: Request, exc: Exception):
+    assert isinstance(exc, RequestError)
+    log.info("request %s: %d %s", request_id(request.scope), exc.status, exc.message)
+    return error(exc.status, exc.message, exc.retry_after_s, request.url.path)
+
+
+async def http_error(request: Request, exc: Exception):
+    assert isinstance(exc, StarletteHTTPException)
+    return error(exc.status_code, str(exc.detail), path=request.url.path)
+
+
+async def validation_error(request: Request, exc: Exception):
+    assert isinstance(exc, RequestValidationError)
+    return error(400, str(exc.errors()[0].get("msg", "invalid request")), path=request.url.path)
+
+
+def _observer(models: Models, metrics: Any):
+    def observe(scope: dict[str, Any], status: int, latency_ms: float) -> None:
+        # Routing put the matched route's path parameters into this same scope (FullPath).
+        name = scope.get("path_params", {}).get("name")
+        try:
+            metrics.observe("-" if name is None else models.metrics_tag(name), status, latency_ms)
+        except Exception:  # noqa: BLE001 - a metrics failure must never change the answer
+            log.exception("could not record request metrics")
+
+    return observe
+
+
+class IngressMetrics:
+    """Requests and latency by *model*: Serve's own request metrics are per application, and the
+    index application answers v1 predictions for every model."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter
+
+        self.requests = Counter(
+            "raytorch_requests_total",
+            description="HTTP requests by model and status",
+            tag_keys=("model", "code"),
+        )
+        self.latency = model_histogram(
+            "raytorch_request_latency_ms",
+            "request latency (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+        )
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        process_buffer().inc(self.requests, {"model": model, "code": str(code)})
+        process_buffer().observe(self.latency, latency_ms, {"model": model})

@@ -1,0 +1,1 @@
+"""The replica plane: what runs a model behind its routes (app/serve/__init__.py)."""

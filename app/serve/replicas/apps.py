@@ -1,0 +1,68 @@
+"""The Serve deployment classes: a model's replica answering its own routes (`ModelApp` for a
+classifier, `LMApp` for a language model: its HTTP stack and its model in one process), and the
+`Index` answering the routes that span models through the model applications' handles. Which
+class a model gets is its task's `server` part; app/serve/control/builders.py deploys them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from app.config import ServeConfig
+from app.ray_private import serve_http_host
+from app.runtime.artifact import Artifact
+from app.serve.http.api import IngressMetrics, create_api
+from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
+from app.serve.replicas.lm_server import LMServer
+from app.serve.replicas.model_server import ModelServer
+
+
+def model_app_name(cfg: ServeConfig, model: str) -> str:
+    return f"{cfg.app_name}-{model}"
+
+
+class SelfServing:
+    """Mixed into a replica class: the replica answers its own model's routes (its HTTP stack
+    and its model in one process, no hop between them)."""
+
+    artifact: Artifact
+
+    def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
+        self.config = ServeConfig.model_validate(serve_config)
+        super().__init__(artifact_uri, self.config)  # type: ignore[call-arg]
+
+    async def __serve_build_asgi_app__(self):
+        # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
+        # RayService set it in http_options, not in these args): ask the controller.
+        host = await serve_http_host()
+        models = Models.configured({self.artifact.name: LocalModel(self)}, self.config)
+        return create_api(self.config, models, IngressMetrics(), serve_host=host, under_serve=True)
+
+
+@serve.ingress()
+class ModelApp(SelfServing, ModelServer):
+    """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
+
+
+@serve.ingress()
+class LMApp(SelfServing, LMServer):
+    """A language model's replica: the same routes, generation instead of batched inference."""
+
+
+@serve.ingress()
+class Index:
+    """Routes across models; reaches each model's application through its handle."""
+
+    def __init__(self, serve_config: dict[str, Any], models: list[str]):
+        self.config = ServeConfig.model_validate(serve_config)
+        clients: dict[str, ModelClient] = {
+            m: RayModel(model_app_name(self.config, m)) for m in models
+        }
+        self.models = Models.configured(clients, self.config)
+
+    async def __serve_build_asgi_app__(self):
+        host = await serve_http_host()
+        return create_api(
+            self.config, self.models, IngressMetrics(), serve_host=host, under_serve=True
+        )

@@ -1,0 +1,257 @@
+"""One language model's replica state: a verified artifact's ONNX Runtime session generating
+text in one decode loop (app/runtime/decode_loop.py), at most
+`serve.generation.max_streams` generations at once.
+
+`generate` is an async generator of typed events (app/runtime/types.py), the contract between the
+HTTP routes and the replica (local call or a streaming DeploymentHandle): `Started`, a `Piece`
+per piece of text, `Finished`; a refusal (bad prompt, too many streams) is a `RequestError`
+raised before the first event, and a stream the model could not continue raises its
+`RequestError` (500, or 503 for lack of memory) after the pieces it got. When the consumer stops
+(the client disconnected and Serve cancelled the request) the stream leaves the batch at the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from app.config import ServeConfig
+from app.runtime.artifact import Artifact, open_artifact
+from app.runtime.decode_loop import DecodeLoop, LoopGeneration
+from app.runtime.decoding import Generator, PromptError
+from app.runtime.sampling import SamplingParams
+from app.runtime.types import (
+    FINISH_REASONS,
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    InferRequest,
+    ModelInfo,
+    RequestError,
+    Started,
+)
+from app.serve.metrics import model_counter, model_gauge, model_histogram, process_buffer
+from app.serve.replicas.chat import from_preprocessor as chat_template
+from app.serve.replicas.model_server import model_info
+
+log = logging.getLogger("ray.serve")
+HEALTH_PROBE = SamplingParams(max_tokens=1, temperature=0)
+
+
+class LMServer:
+    def __init__(self, artifact_uri: str, cfg: ServeConfig):
+        self.artifact: Artifact = open_artifact(artifact_uri)
+        self.cfg = cfg
+        self.threads = max(1, math.floor(cfg.replica_cpus))
+        self.variant = cfg.variant
+        self.generator = self._generator(self.variant)
+        self.loop = DecodeLoop(self.generator, model=self.artifact.name)
+        # What this replica did, for metadata (and the disconnect test): generations running now,
+        # finished by reason, and tokens generated in all.
+        self.stats: dict[str, int] = {
+            "active": 0,
+            "tokens": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "kv_cache_tokens": 0,  # prompt and generated tokens the running streams' caches hold
+        }
+        self._metrics = _GenerationMetrics(self.artifact.name)
+        self.kv_budget = KVBudget(cfg.generation.max_kv_cache_mib, self.generator.decoder)
+        self.chat = chat_template(self.artifact.preprocessor.state)
+        log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
+
+    def _generator(self, variant: str) -> Generator:
+        try:
+            return Generator.from_artifact(
+                self.artifact,
+                variant,
+                self.threads,
+                max_prompt_tokens=self.cfg.generation.max_prompt_tokens,
+            )
+        except ValueError as e:  # an older graph: one line naming the artifact
+            raise ValueError(f"{self.artifact.uri}: {e}") from None
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        variant = user_config.get("variant", "int8")
+        if variant not in self.artifact.models:
+            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        if variant != self.variant:
+            self.generator, self.variant = self._generator(variant), variant
+            self.loop.close()  # its streams finish on the old session
+            self.loop = DecodeLoop(self.generator, model=self.artifact.name)
+
+    async def check_health(self) -> None:
+        """One greedy token through the decode loop: a loop thread that died or hangs fails
+        the check (Serve's health_check_timeout_s), and Serve replaces the replica."""
+        if not self.loop.alive():
+            raise RuntimeError("the decode loop's thread has ended")
+        probe = self.loop.submit(self.generator.encode("\n"), HEALTH_PROBE)
+        try:
+            async for _ in probe:
+                pass
+        finally:
+            probe.close()
+
+    async def info(self) -> ModelInfo:
+        reserved = self.kv_budget.reserved // self.kv_budget.bytes_per_token
+        stats = self.stats | self.loop.stats | {"kv_reserved_tokens": reserved}
+        return model_info(self.artifact, self.variant, generation=stats)
+
+    async def infer(self, request: InferRequest) -> Any:
+        raise RequestError(
+            400, f"model {self.artifact.name!r} generates text: POST /v1/completions"
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """A generation's events; the request was validated by app.serve.http.completions."""
+        if self.stats["active"] >= self.cfg.generation.max_streams:
+            raise RequestError(
+                503,
+                f"model {self.artifact.name!r} is running serve.generation.max_streams="
+                f"{self.cfg.generation.max_streams} generations; retry later",
+                retry_after_s=1,
+            )
+        prompt = self.chat.render(request.messages) if request.messages else request.prompt
+        try:
+            ids = self.generator.encode(prompt, request.field)
+        except PromptError as e:
+            raise RequestError(400, str(e)) from None
+        params = SamplingParams(**request.params)
+        need = len(ids) + min(params.max_tokens, self.generator.block_size - len(ids))
+        self.kv_budget.reserve(need, self.artifact.name)
+        generation = self.loop.submit(ids, params)
+        timing = _Timing()
+        self._hold(1, len(ids))
+        held = len(ids)  # the tokens this stream's cache holds, as last counted
+        try:
+            yield Started(prompt_tokens=len(ids), version=self.artifact.version)
+            async for piece in generation:
+                timing.token_came()
+                self._hold(0, len(ids) + generation.completion_tokens - held)
+                held = len(ids) + generation.completion_tokens
+                yield piece
+            yield self._end(generation)
+            self.stats["completed"] += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stats["cancelled"] += 1
+            raise
+        finally:
+            generation.close()
+            self.kv_budget.release(need)
+            self._hold(-1, -held)
+            self.stats["tokens"] += generation.completion_tokens
+            self._metrics.observe(timing, generation.completion_tokens)
+
+    def _hold(self, streams: int, tokens: int) -> None:
+        """Streams and cached tokens now, in the stats and the gauges: a stream waits until its
+        prompt is in its cache (the decode loop's prefill), then runs."""
+        self.stats["active"] += streams
+        self.stats["kv_cache_tokens"] += tokens
+        waiting = self.loop.waiting_count()
+        self._metrics.levels(self.stats["active"] - waiting, waiting, self.stats["kv_cache_tokens"])
+
+    def _end(self, generation: LoopGeneration) -> Finished:
+        reason = generation.finish_reason
+        if reason in FINISH_REASONS:  # the loop ends any other with an error
+            return Finished(
+                finish_reason=cast(FinishReason, reason),
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens,
+                version=self.artifact.version,
+            )
+        raise RequestError(500, f"model {self.artifact.name!r} ended a generation early")
+
+
+class KVBudget:
+    """The KV-cache memory running streams may come to hold, each reserved at its most (prompt
+    plus the tokens it may generate) when it starts, within serve.generation.max_kv_cache_mib."""
+
+    def __init__(self, limit_mib: float | None, decoder: Any):
+        self.limit = None if limit_mib is None else limit_mib * 2**20
+        # A float32 key and value per layer, head and position.
+        self.bytes_per_token = 2 * decoder.layers * decoder.heads * decoder.head_dim * 4
+        self.reserved = 0
+
+    def reserve(self, tokens: int, model: str) -> None:
+        size = tokens * self.bytes_per_token
+        if self.limit is None:
+            self.reserved += size
+            return
+        mib = f"serve.generation.max_kv_cache_mib={self.limit / 2**20:g}"
+        if size > self.limit:
+            raise RequestError(
+                400, f"prompt + max_tokens need {size / 2**20:.1f} MiB of KV cache, over {mib}"
+            )
+        if self.reserved + size > self.limit:
+            raise RequestError(
+                503,
+                f"model {model!r} has its KV cache ({mib}) in use; retry later",
+                retry_after_s=1,
+            )
+        self.reserved += size
+
+    def release(self, tokens: int) -> None:
+        self.reserved -= tokens * self.bytes_per_token
+
+
+class _Timing:
+    """When a generation started and produced its first and latest piece."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def token_came(self) -> None:
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+
+
+class _GenerationMetrics:
+    """What Serve's request metrics cannot see inside a stream (vLLM's names for them): the time
+    to the first token, the time per output token after it, and the streams running and tokens
+    held in KV caches now."""
+
+    def __init__(self, model: str):
+        self.tags = {"model": model}
+        self.ttft = model_histogram(
+            "raytorch_generation_ttft_ms",
+            "time from a generation's start to its first text (ms)",
+            [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000],
+        )
+        self.tpot = model_histogram(
+            "raytorch_generation_tpot_ms",
+            "time per output token after the first, per generation (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+        )
+        self.tokens = model_counter("raytorch_generation_tokens_total", "tokens generated")
+        self.running = model_gauge("raytorch_generation_running", "generations decoding")
+        self.waiting = model_gauge(
+            "raytorch_generation_waiting", "generations admitted, their prompt not yet in cache"
+        )
+        self.kv_tokens = model_gauge(
+            "raytorch_generation_kv_cache_tokens",
+            "tokens held in the running generations' KV caches",
+        )
+
+    def observe(self, timing: _Timing, tokens: int) -> None:
+        if tokens:
+            process_buffer().inc(self.tokens, self.tags, by=tokens)
+        if timing.first is None:  # refused, cancelled or ended before any text
+            return
+        process_buffer().observe(self.ttft, 1000 * (timing.first - timing.start), self.tags)
+        if tokens > 1 and timing.last is not None:
+            tpot = 1000 * (timing.last - timing.first) / (tokens - 1)
+            process_buffer().observe(self.tpot, tpot, self.tags)
+
+    def levels(self, running: int, waiting: int, kv_tokens: int) -> None:
+        process_buffer().set(self.running, running, self.tags)
+        process_buffer().set(self.waiting, waiting, self.tags)
+        process_buffer().set(self.kv_tokens, kv_tokens, self.tags)
