@@ -185,13 +185,6 @@ class ModelConfig(_Section):
         return self
 
 
-class FaultInjection(_Section):
-    """Test-only: make `rank` raise once at the start of `epoch` (1-based)."""
-
-    rank: int = Field(ge=0)
-    epoch: int = Field(ge=1)
-
-
 class TrainConfig(_Section):
     # What the run learns: a registered task (app/tasks/registry.py) or "pkg.module:TASK";
     # by default the one the dataset's kind calls for (classify labelled rows, lm token rows).
@@ -276,7 +269,6 @@ class TrainConfig(_Section):
     max_failures: int = Field(
         0, ge=-1
     )  # worker group restarts from the latest checkpoint (-1: no limit)
-    fail_at: FaultInjection | None = None
     # Progress line every N optimizer steps inside an epoch (long streamed epochs); 0: one
     # line per epoch only.
     log_every_steps: int = Field(0, ge=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -18,12 +18,23 @@ from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.prepare import DatasetManifest, read_manifest, split_files, verify_shards
 from app.data.preprocess import Preprocessor
-from app.tasks.registry import run_task
+from app.tasks.registry import Part, run_task
 from app.train.checkpoint import META, CheckpointMeta, LoadedCheckpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 Predict = Callable[[dict[str, np.ndarray]], np.ndarray]  # model inputs -> logits
 EVALUATION_FILE = "evaluation.json"
+
+
+class Evaluate(Protocol):
+    """A checkpoint scored on a held-out split: the evaluate summary."""
+
+    def __call__(
+        self, config: Config, checkpoint_uri: str, loaded: LoadedCheckpoint, split: str, /
+    ) -> dict[str, Any]: ...
+
+
+EVALUATE = Part[Evaluate]("evaluate")
 CONFUSION_PNG, CURVES_PNG = "confusion_matrix.png", "training_curves.png"
 
 
@@ -33,7 +44,7 @@ def evaluate(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     split = "test" if "test" in manifest.splits else "val"
     verify_shards(config.data_output, manifest, split)
     task = run_task(loaded.config.train.task, loaded.preprocessor.kind)
-    return task.part("evaluate")(config, checkpoint_uri, loaded, split)
+    return task.part(EVALUATE)(config, checkpoint_uri, loaded, split)
 
 
 def evaluate_classifier(
@@ -62,7 +73,7 @@ def evaluate_language_model(
     """Task `lm`: next-token loss and perplexity beside the unigram baseline's (app/tasks/lm.py)."""
     from app.tasks.lm import evaluate_lm
 
-    metrics = evaluate_lm(config, loaded, split)
+    metrics = evaluate_lm(config, loaded.model, loaded.preprocessor, split)
     storage.write_json(storage.join(checkpoint_uri, EVALUATION_FILE), metrics)
     log.info(
         "evaluate: perplexity %.2f (unigram baseline %.1f) on %d %s tokens",

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import requests
 
@@ -19,7 +19,18 @@ from app.data.kinds import processor
 from app.data.prepare import read_manifest, split_files
 from app.errors import UserError
 from app.ray_runtime import connect_ray
-from app.tasks.registry import run_task
+from app.tasks.registry import Part, run_task
+
+
+class Smoke(Protocol):
+    """One real request to the deployed model (jobs.pipeline's last step): its summary."""
+
+    def __call__(
+        self, config: Config, url: str, model: str, headers: dict[str, str], /
+    ) -> dict[str, Any]: ...
+
+
+SMOKE = Part[Smoke]("smoke")
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +40,7 @@ def pipeline(config: Config) -> dict[str, Any]:
     from app.evaluate import evaluate
     from app.export.exporter import export
     from app.serve.control.deploy import deploy
-    from app.train.trainer import train
+    from app.train.driver import train
 
     connect_ray(require_cluster=True)  # deploy needs a cluster: find out before any work
     stages: dict[str, Any] = {}
@@ -59,7 +70,7 @@ def sample_request(config: Config, url: str, model: str) -> dict[str, Any]:
     if key:
         headers["Authorization"] = f"Bearer {key}"
     task = run_task(config.train.task, read_manifest(config.data_output).kind)
-    return task.part("smoke")(config, url, model, headers)
+    return task.part(SMOKE)(config, url, model, headers)
 
 
 def sample_infer(config: Config, url: str, model: str, headers: dict[str, str]) -> dict[str, Any]:

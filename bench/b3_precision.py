@@ -49,7 +49,7 @@ def fixed_batch(config, pre, batch_size: int) -> tuple[dict[str, Any], Any]:
 
 
 def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> float:
-    """Training steps per second of app.train.trainer's step code for one precision."""
+    """Training steps per second of app.train.driver's step code for one precision."""
     import torch
     import torch.nn.functional as F
 
@@ -131,7 +131,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "accuracy": accuracy,
         "accuracy_drop_points": drop,
         "method": (
-            "steps/s of forward+backward+AdamW step (app.train.trainer code) on a fixed real batch; "
+            "steps/s of forward+backward+AdamW step (app.train.driver code) on a fixed real batch; "
             f"{rounds} alternating rounds of >= {seconds}s per precision, median. bf16 = "
             "torch.autocast(cpu, bfloat16): matmuls/convs in bf16, weights and optimizer in fp32. "
             "Small models at batch 32 are bound by per-op overhead and the casts autocast adds, "

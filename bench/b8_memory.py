@@ -3,7 +3,7 @@
 configs/stream.yaml's generator at N rows and at 10N rows (both over the cache budget, so both
 stream), shards of the workload's own `data.rows_per_shard` (10x the data is 10x the files).
 Each size runs in a fresh private Ray: the training job's trainer (app.ray_private.lean_torch_trainer) with
-2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.trainer.feed:
+2 workers whose loop pulls one epoch of batches through the feed training uses (app.train.worker.feed:
 each rank streams its share, app.data.ingest.stream_split + app.data.feed.StreamFeed) and updates no model. A sampler sums the proportional set
 size (PSS: shared pages, the object store's included, counted once) of this process and every
 process under it (GCS, raylet, object store, workers, Ray Data tasks) every 0.2 s.
@@ -90,7 +90,7 @@ def ingest_loop(loop_config: dict[str, Any]) -> None:
 
     from app.config import validate
     from app.data import kinds
-    from app.train.trainer import feed
+    from app.train.worker import feed
 
     config = validate(loop_config["config"])
     ctx = ray.train.get_context()

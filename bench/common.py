@@ -450,7 +450,7 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
     from app.train.loop import TrainState, steps_per_epoch
 
     t = config.train
-    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.trainer.train_loop
+    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.worker.train_loop
     model = trainable_model(config, preprocessor, base_weights=True)
     return TrainState.create(model, config, steps_per_epoch(train_rows, world, config) * t.epochs)
 
@@ -498,7 +498,7 @@ def train_inprocess(
 
 
 def save_checkpoint(folder: str, state, preprocessor, config, metrics: dict[str, Any]) -> None:
-    """The same folder layout app.train.trainer's rank 0 reports (model.safetensors, train_state.pt, meta.json)."""
+    """The same folder layout app.train.driver's rank 0 reports (model.safetensors, train_state.pt, meta.json)."""
     import torch
 
     from app.config import dump

@@ -3,7 +3,7 @@
     python -m bench.ddp_train --config configs/digits.yaml [overrides] --summary-file F
         [--loader-workers 1]
 
-What a user without Ray would write: fit the preprocessor on the driver (as app.train.trainer does),
+What a user without Ray would write: fit the preprocessor on the driver (as app.train.driver does),
 `torch.multiprocessing.spawn` one gloo process per `train.num_workers`, each reading its equal
 share of the prepared shards through a torch DataLoader with its own worker process(es)
 (bench.torch_data), and running the project's own Ray-free epoch (app.train.loop.train_epoch /
@@ -16,6 +16,7 @@ the train summary's timing keys: `epoch_seconds` (steady median), `epoch_seconds
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     from app.data import kinds
     from app.tasks.registry import task_for_dataset
     from app.train.loop import epoch_batches, order_seed, train_epoch
+    from app.train.parts import LOSS, VALIDATE
     from bench.common import inprocess_state
     from bench.torch_data import TorchShard
 
@@ -42,7 +44,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pre = kinds.from_json(spec["preprocessor"])
     task = task_for_dataset(pre.kind)  # the run's loss and validation, as the Ray workers'
-    validate_task = task.validator(spec["reference_metrics"])
+    validate_task = functools.partial(task.part(VALIDATE), reference=spec["reference_metrics"])
     state = inprocess_state(config, pre, spec["train_rows"], world)
     torch.manual_seed(t.seed + rank)
     state.model = torch.nn.parallel.DistributedDataParallel(state.model)
@@ -52,14 +54,22 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     val = TorchShard(spec["val_files"], pre, rank, world, loaders)
     epochs = []
     for epoch in range(1, t.epochs + 1):
-        seed = order_seed(t.seed, epoch, rank)  # as app.train.trainer.train_loop
+        seed = order_seed(t.seed, epoch, rank)  # as app.train.worker.train_loop
         batches = epoch_batches(train, t.batch_size, seed, config, state.step)
-        stats = train_epoch(state, batches, device, loss_fn=task.part("loss"))
+        stats = train_epoch(state, batches, device, loss_fn=task.part(LOSS))
         stats.update(validate_task(state.model, val.batches(t.batch_size * 4), device, "fp32"))
         epochs.append(stats)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"epochs": epochs, "first": state.first_step_at}))
     dist.destroy_process_group()
+
+
+def reference_metrics(config, manifest, pre) -> dict[str, float]:
+    from app.tasks.registry import task_for_dataset
+    from app.train.parts import REFERENCE
+
+    task = task_for_dataset(pre.kind)
+    return task.part(REFERENCE)(config, manifest, pre) if task.has(REFERENCE) else {}
 
 
 def run(config, loader_workers: int, out: str) -> dict[str, Any]:
@@ -68,7 +78,6 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
     from app.config import dump
     from app.data.ingest import fit_preprocessor
     from app.data.prepare import read_manifest
-    from app.tasks.registry import task_for_dataset
     from app.train.loop import steady_median
 
     manifest = read_manifest(config.data_output)
@@ -76,7 +85,7 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
     spec = {
         "config": dump(config),
         "preprocessor": pre.to_json(),
-        "reference_metrics": task_for_dataset(pre.kind).reference_metrics(config, manifest, pre),
+        "reference_metrics": reference_metrics(config, manifest, pre),
         "train_rows": manifest["rows"]["train"],
         "train_files": train_files(config, manifest, "train"),
         "val_files": train_files(config, manifest, "val"),

@@ -2,7 +2,7 @@
 
     python -m bench.gate_seeds [--workloads digits,tabular,text] [--seeds 0,1,2,3,4] [--work DIR]
 
-For each workload and `train.seed`, trains the default config (the real `app.train.trainer.train` on a
+For each workload and `train.seed`, trains the default config (the real `app.train.driver.train` on a
 private local Ray) and exports it (the real `app.export.exporter.export`, gate included), then checks the
 issue's bar: int8 accuracy >= fp32 accuracy - max(0.5 points, one validation sample), and for the
 Linear-heavy models (tabular, text) int8 <= 0.3x the fp32 size. Trained runs are kept in the work
@@ -42,7 +42,7 @@ def run_config(work: Path, workload: str, seed: int):
 
 def trained(work: Path, workload: str, seed: int) -> dict[str, Any]:
     """The train summary of this run, training it only if no earlier call did."""
-    from app.train.trainer import train
+    from app.train.driver import train
 
     cached = work / "summaries" / f"{workload}-seed{seed}.json"
     if cached.exists():

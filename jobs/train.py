@@ -1,7 +1,7 @@
 """python -m jobs.train --config configs/digits.yaml [section.key=value ...]"""
 
 from app.cli import parser, run_job
-from app.train.trainer import train
+from app.train.driver import train
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
-"""Faults the tests inject into the decode loop (app/hooks.py), keyed by a request's `seed`, so
-one stream among many is the faulty one. Installed in a process by naming this module in
+"""Faults and holds the tests inject (app/hooks.py): into the decode loop, keyed by a request's
+`seed`, so one stream among many is the faulty one; into training, by markers in a run's folder. Installed in a process by naming this module in
 $RAYTORCH_TEST_HOOKS (tests/integration/conftest.py does, before its Ray starts, so Serve
 replicas install it too), or in-process with `install_hooks()`.
 
@@ -13,9 +13,10 @@ replicas install it too), or in-process with `install_hooks()`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-from app import hooks
+from app import hooks, storage
 
 FAIL_SEED = 990_001
 FAIL_AT_ONCE_SEED = 990_002
@@ -49,3 +50,40 @@ def decode_join(streams: list[Any]) -> None:
 def install_hooks() -> None:
     hooks.install("decode.call", decode_call)
     hooks.install("decode.join", decode_join)
+    hooks.install("train.epoch", train_epoch)
+
+
+# --- training ------------------------------------------------------------------------------------
+# At the start of every epoch, each rank fails once where `fail_at` left a marker, and waits
+# while `hold` has one (rank 0 saying so first), so a test can change the cluster at a known
+# point of a run. The markers live in the run's folder: they reach every node the run does.
+
+
+def fail_at(run_dir: str, rank: int, epoch: int) -> None:
+    """`rank` raises once at the start of `epoch` of the run at `run_dir`."""
+    storage.write_bytes(storage.join(run_dir, f"fail-rank{rank}-epoch{epoch}"), b"")
+
+
+def hold(run_dir: str, epoch: int) -> None:
+    storage.write_bytes(storage.join(run_dir, f"hold-epoch-{epoch}"), b"")
+
+
+def release(run_dir: str, epoch: int) -> None:
+    storage.delete_file(storage.join(run_dir, f"hold-epoch-{epoch}"))
+
+
+def held(run_dir: str, epoch: int, world: int) -> bool:
+    """Whether the run waits at `epoch` with `world` ranks."""
+    return storage.exists(storage.join(run_dir, f"held-epoch-{epoch}-world-{world}"))
+
+
+def train_epoch(run_dir: str, rank: int, world: int, epoch: int) -> None:
+    fault = storage.join(run_dir, f"fail-rank{rank}-epoch{epoch}")
+    if storage.exists(fault):
+        storage.delete_file(fault)
+        raise InjectedFault(f"injected fault: rank {rank} at epoch {epoch}")
+    waiting = storage.join(run_dir, f"hold-epoch-{epoch}")
+    if rank == 0 and storage.exists(waiting):
+        storage.write_bytes(storage.join(run_dir, f"held-epoch-{epoch}-world-{world}"), b"")
+    while storage.exists(waiting):
+        time.sleep(0.2)

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from app.compose import classify
 from app.tasks.classify import split_batch, validate_classifier
-from app.tasks.registry import BUILTIN, Task
+from app.tasks.registry import Task
 from app.tasks.steps import all_reduce
-
-CLASSIFY = next(t for t in BUILTIN if t.name == "classify")
+from app.train.parts import HEADLINE, LOSS, VALIDATE
 
 
 def smoothed_loss(model, batch, device) -> tuple[torch.Tensor, int]:
@@ -40,15 +40,14 @@ def headline(metrics: dict[str, Any]) -> str:
     return f"val_accuracy {metrics['val_accuracy']:.4f} val_margin {metrics['val_margin']:.3f}"
 
 
+# The classifier's evaluation, export, replica and smoke request; its own loss, validation and
+# log line.
 SMOOTHED = Task(
     name="smoothed",
     dataset_kinds=("tabular",),
     metrics=("val_loss", "val_accuracy", "val_margin"),
-    loss="tests.toy_task:smoothed_loss",
-    validate="tests.toy_task:validate_with_margin",
-    headline="tests.toy_task:headline",
-    evaluate=CLASSIFY.evaluate,
-    export=CLASSIFY.export,
-    server=CLASSIFY.server,
-    smoke=CLASSIFY.smoke,
+    parts={
+        **classify.spec().parts,
+        **dict([LOSS.of(smoothed_loss), VALIDATE.of(validate_with_margin), HEADLINE.of(headline)]),
+    },
 )

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pandas as pd
@@ -33,10 +33,20 @@ from app.data.kinds import processor
 from app.data.prepare import DatasetManifest, read_manifest, split_files
 from app.data.preprocess import FitOptions, Preprocessor
 from app.ray_private import data_tasks_running, quiet_data_progress
-from app.tasks.registry import task_for_dataset
+from app.tasks.registry import Part, task_for_dataset
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
+
+
+class DatasetPreprocessor(Protocol):
+    """A dataset that carries its own preprocessing (a corpus tokenized at prepare): its
+    preprocessor, adopted instead of fitted."""
+
+    def __call__(self, config: Config, manifest: DatasetManifest, /) -> Preprocessor: ...
+
+
+DATASET_PREPROCESSOR = Part[DatasetPreprocessor]("preprocessor")  # optional
 # Share of the object store that the cache may take by default: the rest stays for Ray Data
 # blocks in flight, Serve and checkpoints on the same cluster.
 DEFAULT_BUDGET_FRACTION = 0.25
@@ -173,8 +183,8 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     output = config.data_output
     manifest = manifest or read_manifest(output)
     task = task_for_dataset(manifest.kind)
-    if task.preprocessor:  # the dataset carries its own (a corpus tokenized at prepare)
-        return task.part("preprocessor")(config, manifest)
+    if task.has(DATASET_PREPROCESSOR):  # the dataset carries its own (a corpus, tokenized)
+        return task.part(DATASET_PREPROCESSOR)(config, manifest)
     files = split_files(output, manifest, "train")
     from app.models.families import base_for  # torch: the driver only, not Ray Data's workers
 

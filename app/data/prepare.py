@@ -19,7 +19,7 @@ import hashlib
 import logging
 import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -28,17 +28,29 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from app import storage
-from app.config import Config
+from app.config import Config, ModelConfig
 from app.data.kinds import processor
 from app.data.preprocess import Preprocessor
 from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
-from app.tasks.registry import task_for_source
+from app.tasks.registry import Part, task_for_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 GENERATION_MARK = "gen-"
 REQUIRED_SPLITS = ("train", "val")
+
+
+class Prepare(Protocol):
+    """A task that prepares raw rows of its own kind: (rows, splits) -> (its rows, their
+    splits, files to store beside the shards by name)."""
+
+    def __call__(
+        self, data: SourceData, splits: dict[str, np.ndarray], model: ModelConfig, /
+    ) -> tuple[SourceData, dict[str, np.ndarray], dict[str, bytes]]: ...
+
+
+PREPARE = Part[Prepare]("prepare")
 
 
 # --- the dataset manifest: written here, read by every stage that reads the shards -------------
@@ -99,8 +111,8 @@ def prepare(config: Config) -> dict[str, Any]:
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
     files: dict[str, bytes] = {}
     task = task_for_source(data.kind)
-    if task and task.prepare:  # e.g. a corpus: tokenizer + packed token rows, split by document
-        data, splits, files = task.part("prepare")(data, splits, config.model)
+    if task and task.has(PREPARE):  # a corpus: tokenizer + packed token rows, split by document
+        data, splits, files = task.part(PREPARE)(data, splits, config.model)
     base_for(config.model, processor(data.kind))  # the pretrained model must take this data
     manifest = publish_generation(
         data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations

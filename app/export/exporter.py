@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,17 +30,28 @@ from app.export import quantize as q
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
 from app.runtime import artifact as art
-from app.tasks.registry import run_task
+from app.tasks.registry import Part, run_task
 from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+class Export(Protocol):
+    """A checkpoint exported, verified, gated and published: the export summary."""
+
+    def __call__(
+        self, config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str, /
+    ) -> dict[str, Any]: ...
+
+
+EXPORT = Part[Export]("export")
 
 
 def export(config: Config, checkpoint_uri: str) -> dict[str, Any]:
     """The checkpoint's task builds, verifies, gates and publishes its artifact."""
     loaded = load_checkpoint(checkpoint_uri)
     task = run_task(loaded.config.train.task, loaded.preprocessor.kind)
-    return task.part("export")(config, loaded, checkpoint_uri)
+    return task.part(EXPORT)(config, loaded, checkpoint_uri)
 
 
 def export_classifier(

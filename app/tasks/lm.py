@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # driver-side types; workers import this module too
     from app.config import Config
     from app.data.prepare import DatasetManifest
     from app.data.preprocess import Preprocessor
-    from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
 TOKENS_KEY = "input_ids"
@@ -144,19 +143,19 @@ def baseline_perplexity(
 
 
 def evaluate_lm(
-    config: Config, loaded: LoadedCheckpoint, split: str, batch_rows: int = 32
+    config: Config, model: nn.Module, preprocessor: Preprocessor, split: str, batch_rows: int = 32
 ) -> dict[str, Any]:
-    """Loss, perplexity and the unigram baseline of a checkpoint on the held-out split."""
+    """Loss, perplexity and the unigram baseline of a model on the held-out split."""
     from app.data.prepare import read_manifest, split_files
 
     manifest = read_manifest(config.data_output)
-    pre = tokens_of(loaded.preprocessor)
+    pre = tokens_of(preprocessor)
     vocab = pre.vocab_size
     batches = (
         {TOKENS_KEY: torch.from_numpy(rows)}
         for rows in token_rows(split_files(config.data_output, manifest, split), batch_rows)
     )
-    scored = validate_lm(loaded.model, batches, torch.device("cpu"), "fp32")
+    scored = validate_lm(model, batches, torch.device("cpu"), "fp32")
     tokens = manifest.rows[split] * pre.block_size
     return {
         "split": split,

@@ -1,115 +1,68 @@
-"""The task registry: what a run learns, and every stage's part for it, in one object per task.
+"""The task registry: what a run learns, as one spec of real functions per task.
+
+Each stage declares the part it calls as a typed `Part`, beside the Protocol the part follows
+(`LOSS = Part[Loss]("loss")` in app/train/parts.py, `EXPORT` in app/export/exporter.py, ...),
+and asks a task for it: `task.part(EXPORT)(config, loaded, uri)`. A task is a `Task` holding
+its parts; the built-in ones are composed in app/compose/ (the top layer, which imports every
+stage), where mypy checks each function against its part's Protocol (`EXPORT.of(fn)`).
 
 A prepared dataset's kind picks the task (`task_for_dataset`), an artifact's schema names it
-(`task_of_schema`). Training, evaluation, export, the pipeline and serving ask the task for
-their part instead of comparing names. Every part is named as "module:attribute" and imported
-when first used: the registry itself imports only config and errors, so no stage imports
-upward through it.
-
-A new task is one `register(Task(...))`, from anywhere (tests register a toy one).
+(`task_of_schema`). The registry loads the composition root the first time a task is looked up,
+so every process (a job, Serve building an application, a Tune trial) finds the built-ins; a
+user's own task is `train.task: "pkg.module:TASK"`, a `Task` object imported by that name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar, cast
 
 from app.config import Config
 from app.errors import ConfigError
 
-if TYPE_CHECKING:
-    from app.data.prepare import DatasetManifest
-    from app.data.preprocess import Preprocessor
-
 # Reported by every task's training epoch (app/train/loop.py train_epoch) besides its own metrics.
 TRAIN_METRICS = ("train_loss", "samples_per_second", "epoch_seconds", "learning_rate")
+COMPOSITION_ROOT = "app.compose"  # registers the built-in tasks (its `register`)
+DEFAULT = "classify"  # artifacts whose schema names no task are classifiers
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Part(Generic[P]):
+    """A part of a task that a stage calls, typed by the Protocol it follows."""
+
+    name: str
+
+    def of(self, impl: P) -> tuple[str, P]:
+        """`impl` as this part (type-checked against the Protocol)."""
+        return self.name, impl
 
 
 @dataclass(frozen=True)
 class Task:
-    """What differs between tasks; everything else (feeds, DDP/FSDP, checkpoints) is shared.
-
-    Each part is named "module:attribute" and imported on first use (`part`), so looking a task
-    up imports nothing: a serving process never pays for torch. Parts and their signatures:
-      loss(model, batch, device) -> (mean loss, rows)
-      validate(model, batches, device, precision, reference) -> metrics summed over ranks
-      headline(metrics) -> the task's part of the epoch log line
-      reference(config, manifest, preprocessor) -> metrics the driver computes once, reported
-        with every epoch
-      evaluate(config, checkpoint_uri, loaded_checkpoint, split) -> summary
-      export(config, loaded_checkpoint, checkpoint_uri) -> summary (publishes the artifact)
-      server: the Serve deployment class of one model's application
-      smoke(config, url, model, headers) -> summary of one real request (jobs.pipeline)
-      prepare(rows, splits, model_config) -> (rows, splits, extra files), for `source_kinds`
-      preprocessor(config, manifest) -> Preprocessor, when the dataset carries its own
-    """
+    """What differs between tasks; everything else (feeds, DDP/FSDP, checkpoints) is shared."""
 
     name: str
     dataset_kinds: tuple[str, ...]  # prepared datasets this task trains on
-    metrics: tuple[str, ...]  # what `validate` reports
-    loss: str
-    validate: str
-    headline: str
-    evaluate: str
-    export: str
-    server: str
-    smoke: str
-    reference: str | None = None
+    metrics: tuple[str, ...]  # what its validation reports
+    parts: Mapping[str, Any]  # part name -> the function or class (see `Part`)
     source_kinds: tuple[str, ...] = ()  # raw sources this task prepares itself
-    prepare: str | None = None
-    preprocessor: str | None = None  # None: a preprocessor fitted on the train split
     generates: bool = False  # answers /v1/completions streams instead of v2 inference
 
-    def part(self, name: str) -> Any:
-        """The function or class named by field `name`, imported on first use."""
-        return _resolve(getattr(self, name))
+    def part(self, key: Part[P]) -> P:
+        if key.name not in self.parts:
+            raise ConfigError(f"config error: task {self.name!r} has no {key.name} part")
+        return cast(P, self.parts[key.name])
 
-    def validator(self, reference: dict[str, float] | None) -> Callable[..., dict[str, float]]:
-        return functools.partial(self.part("validate"), reference=reference)
-
-    def reference_metrics(
-        self, config: Config, manifest: DatasetManifest, preprocessor: Preprocessor
-    ) -> dict[str, float]:
-        return self.part("reference")(config, manifest, preprocessor) if self.reference else {}
+    def has(self, key: Part[Any]) -> bool:
+        return key.name in self.parts
 
 
-BUILTIN = (
-    Task(
-        name="classify",
-        dataset_kinds=("image", "tabular", "text"),
-        metrics=("val_loss", "val_accuracy"),
-        loss="app.tasks.classify:classification_loss",
-        validate="app.tasks.classify:validate_classifier",
-        headline="app.tasks.classify:headline",
-        evaluate="app.evaluate:evaluate_classifier",
-        export="app.export.exporter:export_classifier",
-        server="app.serve.replicas.apps:ModelApp",
-        smoke="app.pipeline:sample_infer",
-    ),
-    Task(
-        name="lm",
-        dataset_kinds=("tokens",),
-        metrics=("val_loss", "val_perplexity", "val_token_accuracy", "baseline_perplexity"),
-        loss="app.tasks.lm:next_token_loss",
-        validate="app.tasks.lm:validate_lm",
-        headline="app.tasks.lm:headline",
-        reference="app.tasks.lm:reference_metrics",
-        evaluate="app.evaluate:evaluate_language_model",
-        export="app.export.lm:export_lm",
-        server="app.serve.replicas.apps:LMApp",
-        smoke="app.pipeline:sample_completion",
-        source_kinds=("documents",),
-        prepare="app.data.corpus:tokenize_corpus",
-        preprocessor="app.data.corpus:dataset_preprocessor",
-        generates=True,
-    ),
-)
-_TASKS: dict[str, Task] = {task.name: task for task in BUILTIN}
-DEFAULT = "classify"  # artifacts whose schema names no task are classifiers
+_TASKS: dict[str, Task] = {}
 
 
 def register(task: Task) -> Task:
@@ -117,16 +70,22 @@ def register(task: Task) -> Task:
     return task
 
 
+def _tasks() -> dict[str, Task]:
+    if not _TASKS:
+        importlib.import_module(COMPOSITION_ROOT).register()
+    return _TASKS
+
+
 def task_named(name: str) -> Task:
     """A registered task, or the `Task` object at "pkg.module:NAME" (registered on first use,
     so a task from outside app/ is found in every process that can import its module)."""
-    if name in _TASKS:
-        return _TASKS[name]
+    tasks = _tasks()
+    if name in tasks:
+        return tasks[name]
     if ":" in name:
-        task = _import_task(name)
-        return _TASKS.setdefault(name, task)
+        return tasks.setdefault(name, _import_task(name))
     raise ConfigError(
-        f"config error: train.task: unknown task {name!r} (known: {', '.join(sorted(_TASKS))}, "
+        f"config error: train.task: unknown task {name!r} (known: {', '.join(sorted(tasks))}, "
         "or 'pkg.module:TASK')"
     )
 
@@ -146,8 +105,9 @@ def run_task(name: str | None, dataset_kind: str) -> Task:
 
 
 def _import_task(path: str) -> Task:
+    module, _, attr = path.partition(":")
     try:
-        task = _resolve(path)
+        task = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"config error: train.task: cannot load {path!r} ({e})") from None
     if not isinstance(task, Task):
@@ -158,7 +118,7 @@ def _import_task(path: str) -> Task:
 
 def task_for_dataset(kind: str) -> Task:
     """The task that trains on a prepared dataset of this kind."""
-    for task in _TASKS.values():
+    for task in _tasks().values():
         if kind in task.dataset_kinds:
             return task
     raise ConfigError(f"no task trains on datasets of kind {kind!r}")
@@ -166,7 +126,7 @@ def task_for_dataset(kind: str) -> Task:
 
 def task_for_source(kind: str) -> Task | None:
     """The task that prepares raw rows of this kind itself, if any (else rows are kept as is)."""
-    return next((t for t in _TASKS.values() if kind in t.source_kinds), None)
+    return next((t for t in _tasks().values() if kind in t.source_kinds), None)
 
 
 def task_of_schema(schema: dict[str, Any]) -> Task:
@@ -187,9 +147,3 @@ def check_metric(config: Config, task: Task) -> None:
                 f"config error: {key}: {metric!r} is not reported by task "
                 f"{task.name!r} (reports: {', '.join(known)})"
             )
-
-
-@functools.cache
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)

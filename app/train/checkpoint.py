@@ -34,8 +34,8 @@ WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 class CheckpointMeta(storage.Contract):
     """`meta.json`: what a checkpoint was trained with and how far its run got.
 
-    Written by rank 0 each epoch (app/train/trainer.py `report`); read to resume (app/train/loop.py), to
-    summarize a run (app/train/trainer.py), and to evaluate and export (`LoadedCheckpoint`).
+    Written by rank 0 each epoch (app/train/worker.py `report`); read to resume (app/train/loop.py), to
+    summarize a run (app/train/driver.py), and to evaluate and export (`LoadedCheckpoint`).
     """
 
     error = CheckpointError

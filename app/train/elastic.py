@@ -5,7 +5,7 @@ Ray Train 2.60 starts the group once `min` workers fit, considers a resize every
 `train.elastic_resize_interval_s` (its `elastic_resize_monitor_interval_s`) and restarts the
 group at the new size from the latest checkpoint; a worker or node lost restarts it with the
 workers that fit (within `train.max_failures`). Every restart recomputes each rank's share of
-the data for the new world size (app/train/trainer.py:feed). What this module adds:
+the data for the new world size (app/train/worker.py:feed). What this module adds:
 
 - The global batch stays what `max` workers make: a rank accumulates gradients over
   ceil(max / world) times `train.grad_accum_steps` micro-batches (the same global batch when the

@@ -1,6 +1,6 @@
 """The training loop without Ray: state, one training epoch, one validation pass.
 
-Ray Train workers (app/train/trainer.py) and the plain-PyTorch DDP baseline of the benchmarks call these
+Ray Train workers (app/train/driver.py) and the plain-PyTorch DDP baseline of the benchmarks call these
 same functions, so a benchmark ratio measures the data path and Ray, never two different loops.
 Batches come from any iterable of dicts of tensors (app/data/feed.py); ranks agree through
 `torch.distributed` when a process group exists.

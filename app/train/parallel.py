@@ -3,7 +3,7 @@ checkpointing, `torch.compile`, and the per-rank memory those choices leave.
 
 The model code (app/models) knows nothing of this: `parallelize` takes the module a builder
 returned and wraps it in place, the way torchtitan keeps "what the model is" apart from "how it
-is spread over devices". No Ray here: Ray Train workers (app/train/trainer.py) and the plain
+is spread over devices". No Ray here: Ray Train workers (app/train/driver.py) and the plain
 `torch.distributed` benchmarks (bench/b11_fsdp_memory.py) call the same functions.
 
 - `train.strategy: ddp`: every rank holds the whole model, gradients are all-reduced

@@ -1,6 +1,6 @@
 """Tune: a hyperparameter search over the same training run, with Ray Tune and ASHA.
 
-Each trial is one ordinary training run (app.train.trainer.train: the same TorchTrainer, data path,
+Each trial is one ordinary training run (app.train.driver.train: the same TorchTrainer, data path,
 checkpoints and summary) with the trial's values applied as config overrides and its own run
 name, `<search name>-<trial id>`, under `train.storage_path`. The Tune trial itself only drives
 that run (Ray's pattern for Train inside Tune), so it asks for no CPU; Tune's reporter callback
@@ -178,14 +178,14 @@ def run_trial(params: dict[str, Any], base: dict[str, Any], search: str) -> None
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from app.train.trainer import train
+    from app.train.driver import train
 
     config = trial_config(base, params, f"{search}-{ray.tune.get_context().get_trial_id()}")
     train(config, callbacks=[TuneReportCallback()], job_outlives_run=True)
 
 
 def summarize(config: Config, spec: TuneSection, name: str, grid) -> dict[str, Any]:
-    from app.train.trainer import checkpoint_uri
+    from app.train.driver import checkpoint_uri
 
     trials = [trial_entry(config, spec, result) for result in grid]
     finished = [t for t in trials if t["best_value"] is not None]

@@ -84,7 +84,7 @@ def trained(prepared, workspace):
 
     Every run writes TensorBoard events; digits also logs to MLflow (tests/integration/
     test_tracking.py reads both back)."""
-    from app.train.trainer import train
+    from app.train.driver import train
 
     done: dict[str, tuple[Config, dict]] = {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.train.trainer import train
+from app.train.driver import train
 from tests.integration.conftest import workload_config
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,8 @@ import requests
 
 from app import storage
 from app.data.prepare import prepare
-from app.train.trainer import HOLD_ENV, train
+from app.train.driver import train
+from tests import fault_hooks
 from tests.conftest import REPO
 from tests.integration.conftest import workload_config
 from tests.integration.test_faults import registered_epoch
@@ -96,7 +97,6 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
     from ray.cluster_utils import Cluster
 
     ray.shutdown()  # needs its own multi-node cluster; later tests re-init a local one
-    monkeypatch.setenv(HOLD_ENV, f"{GROW_AT},{SHRINK_AT}")
     # A restart right after the node loss may first try two workers (Ray's view of free
     # resources lags by up to 20 s): let each such try time out in 10 s, not 60.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
@@ -116,8 +116,8 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
         "export.parity_rows=32",
     )
     run_dir = storage.join(config.storage_path, "tabular-elastic")
-    for epoch in (GROW_AT, SHRINK_AT):
-        storage.write_bytes(storage.join(run_dir, f"hold-epoch-{epoch}"), b"")
+    for epoch in (GROW_AT, SHRINK_AT):  # tests/fault_hooks.py, installed on every node
+        fault_hooks.hold(run_dir, epoch)
     before = outputs_listing()
     # The head (no CPUs: it runs no worker) is this machine, the driver's, with its HOME.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -133,7 +133,7 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
             outcome["error"] = e
 
     def held(epoch: int, world: int) -> bool:
-        return storage.exists(storage.join(run_dir, f"held-epoch-{epoch}-world-{world}"))
+        return fault_hooks.held(run_dir, epoch, world)
 
     try:
         ray.init(address=cluster.address, log_to_driver=False)
@@ -145,11 +145,11 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
         wait_until(lambda: held(GROW_AT, 1), 180, alive, "epoch 3 never held on one worker")
         joined = cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "joined"))
         wait_until(lambda: held(GROW_AT, 2), 120, alive, "the group never grew to two")
-        storage.delete_file(storage.join(run_dir, f"hold-epoch-{GROW_AT}"))
+        fault_hooks.release(run_dir, GROW_AT)
         wait_until(lambda: held(SHRINK_AT, 2), 120, alive, "epoch 6 never held on two")
         wait_until(lambda: registered_epoch(run_dir) == SHRINK_AT - 1, 60, alive, "no checkpoint")
         cluster.remove_node(joined)  # kills its raylet and the rank on it
-        storage.delete_file(storage.join(run_dir, f"hold-epoch-{SHRINK_AT}"))
+        fault_hooks.release(run_dir, SHRINK_AT)
         trainer.join(timeout=300)
         assert not trainer.is_alive(), "training did not finish after the node loss"
         assert "error" not in outcome, outcome.get("error")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from app.evaluate import evaluate
-from app.train.trainer import train
+from app.train.driver import train
+from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config
 
 pytestmark = pytest.mark.integration
@@ -71,10 +72,9 @@ def test_fsdp_rank_killed_at_an_epoch_resumes_from_its_shards_to_the_same_loss(f
         # Room for a restart this test did not cause: on a loaded 2-core box a worker group can
         # fail to come up once (a gloo rendezvous timing out), which Ray Train retries too.
         "train.max_failures=3",
-        "train.fail_at.rank=1",
-        "train.fail_at.epoch=3",
         "train.run_name=digits-fsdp-fault",
     )
+    fail_at(f"{config.storage_path}/digits-fsdp-fault", rank=1, epoch=3)  # tests/fault_hooks.py
     summary = train(config)
     # Restarted from epoch 2's shards, or epoch 1's if the controller had not polled epoch 2's
     # report yet when the rank died (it registers checkpoints only when it polls).

@@ -18,7 +18,8 @@ from app.data.prepare import prepare
 from app.export.exporter import export
 from app.predict.write import verify_output
 from app.runtime.artifact import open_artifact, run_logits, softmax
-from app.train.trainer import train
+from app.train.driver import train
+from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config
 from tests.make_tiny_pretrained import make_bert, make_gpt2
 
@@ -46,10 +47,9 @@ def test_gpt2_fsdp_bf16_run_resumes_from_its_shards_and_exports(folders, workspa
         "train.max_steps_per_epoch=3",
         "train.max_steps=5",
         "train.max_failures=3",
-        "train.fail_at.rank=1",
-        "train.fail_at.epoch=2",
         "train.run_name=gpt2-fsdp",
     )
+    fail_at(f"{config.storage_path}/gpt2-fsdp", rank=1, epoch=2)  # tests/fault_hooks.py
     prepare(config)
     ensure_local_ray()
     summary = train(config)

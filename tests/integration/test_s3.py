@@ -122,7 +122,7 @@ def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(s3
 def test_pipeline_on_s3(s3_root, ray_with_s3_env):
     from app.evaluate import evaluate
     from app.export.exporter import export
-    from app.train.trainer import train
+    from app.train.driver import train
 
     config = s3_config(
         s3_root,

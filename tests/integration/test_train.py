@@ -9,7 +9,8 @@ import re
 import pytest
 
 from app.errors import ConfigError
-from app.train.trainer import check_precision, train
+from app.train.driver import check_precision, train
+from tests.fault_hooks import fail_at
 from tests.integration.conftest import workload_config
 
 pytestmark = pytest.mark.integration
@@ -92,10 +93,10 @@ def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_
         # Room for a restart this test did not cause (a worker group that fails to come up
         # once on a loaded box is retried as well).
         "train.max_failures=3",
-        "train.fail_at.rank=1",
-        "train.fail_at.epoch=3",
         "train.run_name=digits-fault",
     )
+    run_dir = os.path.join(config.storage_path, "digits-fault")
+    fail_at(run_dir, rank=1, epoch=3)  # tests/fault_hooks.py, installed in every worker
     summary = train(config)
     # Restarted workers went on from a checkpoint, not from scratch: epoch 2's, or epoch 1's if
     # the controller had not yet polled epoch 2's report when rank 1 died (Ray Train registers a
@@ -103,9 +104,7 @@ def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_
     assert summary["resume_history"], "the run restarted from scratch"
     assert summary["resume_history"][-1] in (2, 3)
     assert summary["final_epoch"] == 3  # ("epoch" is the best checkpoint's, possibly earlier)
-    assert os.path.exists(
-        os.path.join(config.storage_path, "digits-fault", "fault-injected-rank1-epoch3")
-    )
+    assert not os.listdir(run_dir) or "fail-rank1-epoch3" not in os.listdir(run_dir)  # it fired
 
 
 def test_same_run_name_resumes_instead_of_restarting(prepared, workspace, ray_local_module):

@@ -135,7 +135,7 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):
     from app.data.prepare import prepare, read_manifest
     from app.errors import UserError
-    from app.train.trainer import train
+    from app.train.driver import train
 
     config = config_factory("train.run_name=altered")
     prepare(config)
@@ -296,7 +296,7 @@ def test_a_seeded_order_is_the_same_in_a_fresh_process_as_after_earlier_epochs()
 
 
 def test_controller_settings_default_but_an_exported_value_wins(config_factory, monkeypatch):
-    from app.train.trainer import set_controller_env
+    from app.train.driver import set_controller_env
 
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # so teardown restores it
     monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")

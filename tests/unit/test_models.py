@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import app.train.trainer
+import app.train.driver
 from app.config import ModelConfig
 from app.data import kinds
 from app.data.preprocess import FitOptions, Preprocessor
@@ -180,7 +180,7 @@ def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatc
     # brief: "an unknown key or a bad value is a one-line error naming the key, exit code 2,
     # before any work starts"). Today it surfaces as a ValueError inside a Ray Train worker.
     from app.data.prepare import prepare
-    from app.train.trainer import train
+    from app.train.driver import train
 
     config = config_factory("data.source=wine", "model.name=cnn", "train.run_name=mismatch")
     prepare(config)
@@ -188,6 +188,6 @@ def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatc
     def no_ray(*args, **kwargs):
         raise AssertionError("train() connected to Ray before checking the model against the data")
 
-    monkeypatch.setattr(app.train.trainer, "connect_ray", no_ray)
+    monkeypatch.setattr(app.train.driver, "connect_ray", no_ray)
     with pytest.raises(ConfigError, match="model.name"):
         train(config)

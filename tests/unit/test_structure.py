@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit
 APP = Path(__file__).resolve().parents[2] / "app"
 # Stages in flow order; a module may import its own stage or an earlier one, never a later one.
 LAYERS = [
+    ("app.compose", 8),  # the composition root: the built-in tasks from every stage's parts
     ("app.pipeline", 7),
     ("app.predict", 7),
     ("app.serve", 6),
@@ -41,19 +42,11 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:` (annotations only, never imported)."""
-    for child in ast.iter_child_nodes(tree):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            continue
-        yield child
-        yield from _nodes(child)
-
-
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The app modules `path` imports, at the top or inside functions."""
+    """The app modules `path` imports: at the top, inside functions, and for type checking
+    alone (an annotation that names a later stage is an upward arrow too)."""
     found = set()
-    for node in _nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("app"):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"

@@ -23,7 +23,7 @@ Everything tunable comes from `serve` (cluster/serve.yaml or the workload config
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
@@ -31,10 +31,20 @@ from ray import serve
 from app.config import NAME_PATTERN, ServeConfig, resolve_uri
 from app.runtime.artifact import resolve
 from app.serve.replicas.apps import Index, model_app_name
-from app.tasks.registry import Task, task_of_schema
+from app.tasks.registry import Part, Task, task_of_schema
 
 MODEL_IMPORT_PATH = "app.serve.control.builders:build_model_app"
 INDEX_IMPORT_PATH = "app.serve.control.builders:build_index_app"
+
+
+class Server(Protocol):
+    """A model replica's Serve class (app/serve/replicas/apps.py), built from an artifact and
+    the serve section."""
+
+    def __call__(self, artifact_uri: str, serve_config: dict[str, Any], /) -> Any: ...
+
+
+SERVER = Part[Server]("server")
 
 
 class ModelSpec(BaseModel):
@@ -84,7 +94,7 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
     a = cfg.autoscaling
     # Pin the concrete version: a replica started later must not pick up a newer `latest`.
     artifact = resolve(resolve_uri(spec.artifact))
-    replica = artifact_task(artifact).part("server")  # the task's replica class
+    replica = artifact_task(artifact).part(SERVER)  # the task's replica class
     return (
         serve.deployment(replica)
         .options(  # type: ignore[attr-defined]

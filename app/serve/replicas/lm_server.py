@@ -101,7 +101,7 @@ class LMServer:
     async def info(self) -> ModelInfo:
         reserved = self.kv_budget.reserved // self.kv_budget.bytes_per_token
         stats = self.stats | self.loop.stats | {"kv_reserved_tokens": reserved}
-        return model_info(self.artifact, self.variant, generation=stats)
+        return model_info(self.artifact, self.variant, generates=True, generation=stats)
 
     async def infer(self, request: InferRequest) -> Any:
         raise RequestError(

@@ -34,7 +34,7 @@ from app.serve.replicas.batching import (
     spread,
     takes_any_length,
 )
-from app.tasks.registry import task_of_schema
+from app.tasks.registry import DEFAULT as DEFAULT_TASK
 
 log = logging.getLogger("ray.serve")
 Answer = tuple[list[str], np.ndarray]  # one request's labels and probabilities
@@ -267,16 +267,16 @@ class _ReplicaMetrics:
         process_buffer().observe(self.batch_rows, rows, self.tags)
 
 
-def model_info(a: Artifact, variant: str, **extra: Any) -> ModelInfo:
-    """What a replica says about the artifact it serves."""
-    task = task_of_schema(a.schema)
+def model_info(a: Artifact, variant: str, generates: bool = False, **extra: Any) -> ModelInfo:
+    """What a replica says about the artifact it serves (a replica never loads the task
+    registry: it would import every stage)."""
     return ModelInfo(
         name=a.name,
         version=a.version,
         variant=variant,
         artifact=a.uri,
-        task=task.name,
-        generates=task.generates,
+        task=str(a.schema.get("task", DEFAULT_TASK)),
+        generates=generates,
         inputs=a.schema["inputs"],
         outputs=a.schema["outputs"],
         labels=a.schema.get("labels", []),

@@ -1,64 +1,42 @@
-"""Train: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from Parquet shards.
+"""Train, the driver side: Ray Train `TorchTrainer` workers (DDP or FSDP, native AMP) fed from
+Parquet shards.
 
-The driver fits the preprocessor, chooses the data path (app/data/ingest.py: each worker reads its rows
-into memory, or streams them through its own Ray Data execution) and launches the trainer; each
-worker runs `train_loop` top to bottom: build model -> maybe resume -> epochs of
-(train, validate, report + checkpoint). The epoch itself is Ray-free (app/train/loop.py). Re-running with the same run name and storage path resumes.
+The driver plans the run (fits the preprocessor, picks the task, chooses the data path:
+app/data/ingest.py, each worker reads its rows into memory or streams them through its own Ray
+Data execution, and checks the model fits a worker), sets up Ray Train and summarizes the result.
+Each rank runs app/train/worker.py. Re-running with the same run name and storage path resumes.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from app import storage
-from app.config import Config, dump, validate
+from app.config import Config, dump
 from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError, UserError
-from app.ray_private import lean_torch_trainer, quiet_train_logs
+from app.ray_private import lean_torch_trainer
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
-from app.train import checkpoint, elastic, finetune, parallel, tracking
+from app.train import checkpoint, elastic, finetune, tracking
 from app.train.loop import (
-    TrainState,
-    all_reduce,
     best_index,
-    budget_spent,
-    epoch_batches,
-    order_seed,
-    should_stop_early,
     steady_median,
-    steps_per_epoch,
-    train_epoch,
 )
-from app.train.profiling import PROFILE_DIR, RunProbes
+from app.train.parts import REFERENCE
+from app.train.profiling import PROFILE_DIR
+from app.train.worker import train_loop
 
 if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the driver only
     from app.data.ingest import DataPlan
     from app.data.prepare import DatasetManifest
 
 log = logging.getLogger(__name__)
-FAULT_ENV = "RAYTORCH_FAIL_AT"  # "rank:epoch", test-only, same as train.fail_at
-# Test-only: "3,6": each rank waits at the start of those epochs while <run>/hold-epoch-<n>
-# exists (rank 0 says so in <run>/held-epoch-<n>-world-<w>), so a test can change the cluster
-# at a known point of a run.
-HOLD_ENV = "RAYTORCH_HOLD_EPOCHS"
 PREPROCESSOR_FILE = "preprocessor.json"
-
-
-# --------------------------------------------------------------------------------------------
-# Driver side
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -137,6 +115,13 @@ def plan_run(config: Config) -> RunPlan:
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)
 
 
+def reference_metrics(config: Config, run: RunPlan) -> dict[str, float]:
+    """What the task's driver computes once for the run (a baseline), if anything."""
+    if not run.task.has(REFERENCE):
+        return {}
+    return run.task.part(REFERENCE)(config, run.manifest, run.preprocessor)
+
+
 def memory_per_worker(config: Config) -> float | None:
     """Bytes of memory one train worker can use: the cluster's Ray memory over the workers (the
     most an elastic run may have)."""
@@ -159,7 +144,7 @@ def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner:
         "shards": run.shards,
         "stream": {split: run.data.split_mode(split) == "stream" for split in run.shards},
         "task": run.task,  # the object itself: a task registered in the driver only works too
-        "reference_metrics": run.task.reference_metrics(config, run.manifest, run.preprocessor),
+        "reference_metrics": reference_metrics(config, run),
         "mlflow": {"uri": tracking.mlflow_uri(), "run_id": run.mlflow_run}
         if run.mlflow_run
         else None,
@@ -382,337 +367,3 @@ def early_stopping_summary(
         "stopped_after_epoch": last.epoch if last.stopped_early else None,
         "best_epoch": last.history[best]["epoch"] if best is not None else None,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Worker:
-    """One rank's run: what `train_loop` sets up once and every epoch uses."""
-
-    config: Config
-    rank: int
-    world: int
-    device: torch.device
-    task: Task
-    validate: Callable[..., dict[str, float]]
-    preprocessor: Preprocessor
-    train_feed: Any
-    val_feed: Any
-    state: TrainState
-    build: Callable[[], nn.Module]
-    probes: RunProbes
-    run_dir: str
-    mlflow_run: str | None
-    metrics_sink: TrainMetrics | None
-    tracker: tracking.EpochTracker | None
-
-    def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-        self.probes.close()
-
-
-def train_loop(loop_config: dict[str, Any]) -> None:
-    w = start_worker(loop_config)
-    # A resumed run that had already stopped early stays stopped (unless patience was raised).
-    done = should_stop_early(w.state.history, w.config) or budget_spent(w.state)
-    last_epoch = w.state.epoch if done else w.config.train.epochs
-    for epoch in range(w.state.epoch + 1, last_epoch + 1):
-        if run_epoch(w, epoch):
-            break
-    w.close()
-
-
-def start_worker(loop_config: dict[str, Any]) -> Worker:
-    """Feeds, model (parallelized), optimizer state (resumed if a checkpoint exists), probes."""
-    import ray.train
-    import ray.train.torch
-
-    config = validate(loop_config["config"])
-    t, run_dir = config.train, loop_config["run_dir"]
-    quiet_train_logs()
-    preprocessor = kinds.from_json(loop_config["preprocessor"])
-    task: Task = loop_config["task"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    config = elastic.for_world(config, world)  # an elastic run keeps its global batch
-    t = config.train
-    torch.set_num_threads(t.torch_threads)
-    torch.manual_seed(t.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    device = ray.train.torch.get_device()
-    if t.precision == "fp16" and device.type != "cuda":
-        raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
-    shards, stream = loop_config["shards"], loop_config["stream"]
-    train_feed, val_feed = (
-        feed(config, shards[s], stream[s], preprocessor, rank, world) for s in ("train", "val")
-    )
-    resumed = ray.train.get_checkpoint()
-    if not resumed:  # streamed: Ray Data starts its first pass while the model is built
-        train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
-    build = functools.partial(finetune.trainable_model, config, preprocessor)
-    # DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the
-    # optimizer is built over what that leaves (under FSDP, this rank's shards). A fresh run
-    # starts from the pretrained folder's weights; a resumed one from its checkpoint.
-    model = parallel.parallelize(build(base_weights=not resumed), t, device)
-    total_steps = steps_per_epoch(loop_config["train_rows"], world, config) * t.epochs
-    state = TrainState.create(model, config, total_steps)
-    if resumed:
-        with resumed.as_directory() as folder:
-            state.restore(folder, rank)
-        log.info("rank %d: resumed from epoch %d (step %d)", rank, state.epoch, state.step)
-    else:
-        torch.manual_seed(t.seed + rank)  # ranks then differ in dropout
-    state.worker_nodes = gather_node_ids(world)
-    state.num_workers_history = elastic.record_size(
-        state.num_workers_history, world, state.epoch + 1, t, announce=rank == 0
-    )
-    mlflow = loop_config.get("mlflow")
-    return Worker(
-        config=config,
-        rank=rank,
-        world=world,
-        device=device,
-        task=task,
-        validate=task.validator(loop_config.get("reference_metrics")),
-        preprocessor=preprocessor,
-        train_feed=train_feed,
-        val_feed=val_feed,
-        state=state,
-        build=build,
-        # Memory, step times, profiler trace: optimizer hooks, so after restoring (may step).
-        probes=RunProbes(state, config, run_dir, rank, device),
-        run_dir=run_dir,
-        mlflow_run=mlflow and mlflow["run_id"],
-        metrics_sink=TrainMetrics(run_dir) if rank == 0 else None,
-        tracker=tracking.EpochTracker(run_dir, mlflow) if rank == 0 else None,
-    )
-
-
-def run_epoch(w: Worker, epoch: int) -> bool:
-    """Train, validate, report (a barrier every rank calls); whether the run stops early."""
-    t, state = w.config.train, w.state
-    maybe_inject_fault(w.config, w.run_dir, w.rank, epoch)
-    maybe_hold(w.run_dir, w.rank, w.world, epoch)
-    seed = order_seed(t.seed, epoch, w.rank)
-    batches = epoch_batches(w.train_feed, t.batch_size, seed, w.config, state.step)
-    w.probes.before_epoch()
-    log_every = t.log_every_steps if w.rank == 0 else 0
-    train_stats = train_epoch(state, batches, w.device, log_every, w.task.part("loss"))
-    if epoch < t.epochs and not budget_spent(state):  # the next pass overlaps validation
-        w.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, w.rank))
-    val_stats = w.validate(state.model, w.val_feed.batches(t.batch_size * 4), w.device, t.precision)
-    state.epoch = epoch
-    state.data_wait_history.append(train_stats["data_wait_fraction"])
-    state.epoch_seconds_history.append(train_stats["epoch_seconds"])
-    metrics = {"epoch": epoch, "step": state.step, **train_stats, **val_stats}
-    state.history.append(dict(metrics))
-    # Every rank must leave the loop after the same report (it is a barrier): the decision is
-    # on all-reduced metrics, and the flag is all-reduced too.
-    stop = all_reduce([float(should_stop_early(state.history, w.config))], w.device, "max")[0] > 0
-    if w.metrics_sink is not None:
-        log_epoch(metrics, t.epochs, w.task)
-        w.metrics_sink.record(metrics)
-    run_stats = w.probes.after_epoch()
-    report(
-        state,
-        metrics,
-        w.preprocessor,
-        w.config,
-        w.rank,
-        stop,
-        w.mlflow_run,
-        build=w.build,
-        run_stats=run_stats,
-    )
-    if w.tracker is not None:
-        w.tracker.log(metrics)
-    if stop and w.rank == 0:
-        log.info(
-            "early stopping after epoch %d: %s has not improved for %d epochs",
-            epoch,
-            t.early_stopping_metric,
-            t.early_stopping_patience,
-        )
-    return stop or budget_spent(state)
-
-
-def feed(
-    config: Config,
-    shards: list[tuple[str, int]],
-    stream: bool,
-    preprocessor: Preprocessor,
-    rank: int,
-    world: int,
-):
-    """This worker's batches of one split: its row range of `shards` read once and kept in
-    memory (the memory path), or streamed by Ray Data each epoch."""
-    from app.data.feed import MemoryFeed, StreamFeed
-    from app.data.ingest import read_rank_share, stream_split
-
-    if not stream:
-        return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
-    d = config.data
-    share = stream_split(config, shards, preprocessor, rank, world)
-    return StreamFeed(share, d.stream.prefetch_blocks, config.train.shuffle_buffer)
-
-
-def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:
-    log.info(
-        "epoch %d/%d: train_loss %.4f %s | %.2fs %.0f samples/s data_wait %.1f%%",
-        metrics["epoch"],
-        epochs,
-        metrics["train_loss"],
-        task.part("headline")(metrics),
-        metrics["epoch_seconds"],
-        metrics["samples_per_second"],
-        100 * metrics["data_wait_fraction"],
-    )
-
-
-def gather_node_ids(world: int) -> list[str]:
-    """The Ray node of every rank, in rank order (recorded so placement can be checked)."""
-    import ray
-
-    node = ray.get_runtime_context().get_node_id()
-    if world == 1 or not dist.is_initialized():
-        return [node]
-    nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, node)
-    return [str(n) for n in nodes]
-
-
-def report(
-    state: TrainState,
-    metrics: dict[str, Any],
-    preprocessor: Preprocessor,
-    config: Config,
-    rank: int,
-    stopped_early: bool = False,
-    mlflow_run_id: str | None = None,
-    *,
-    build: Callable[[], nn.Module] | None = None,
-    run_stats: dict[str, Any] | None = None,
-) -> None:
-    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint, except
-    under FSDP, where every rank attaches its shards and Ray Train merges the folders.
-
-    The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
-    the checkpoint is persisted under `train.storage_path`. `build` makes a plain copy of the
-    model (FSDP's consolidated `model.safetensors`); `run_stats` are extra `meta.json` fields.
-    """
-    import ray.train
-
-    folder, weights = None, state.model
-    if parallel.is_sharded(state.model):
-        assert build is not None, "an FSDP checkpoint needs the model builder"
-        folder, weights = sharded_checkpoint(state, build, rank)
-    upload = {
-        "checkpoint_upload_mode": ray.train.CheckpointUploadMode[
-            config.train.checkpoint_upload.upper()
-        ],
-        "delete_local_checkpoint_after_upload": True,
-    }
-    if rank != 0:
-        if folder is None:
-            ray.train.report(metrics)
-        else:
-            ray.train.report(
-                metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload
-            )
-        return
-    meta = checkpoint.CheckpointMeta(
-        config=dump(config),
-        epoch=state.epoch,
-        step=state.step,
-        metrics=metrics,
-        resume_history=state.resume_history,
-        data_wait_history=state.data_wait_history,
-        epoch_seconds_history=state.epoch_seconds_history,
-        first_step_at=state.first_step_at,
-        worker_nodes=state.worker_nodes,
-        num_workers_history=state.num_workers_history,
-        preprocessor=preprocessor.to_json(),
-        torch_version=torch.__version__,
-        history=state.history,
-        stopped_early=stopped_early,
-        mlflow_run_id=mlflow_run_id,
-        **(run_stats or {}),
-    )
-    folder = folder or tempfile.mkdtemp(prefix="raytorch-ckpt-")
-    checkpoint.save(folder, weights, state.train_state(), meta)
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload)
-
-
-def sharded_checkpoint(
-    state: TrainState, build: Callable[[], nn.Module], rank: int
-) -> tuple[str, nn.Module | None]:
-    """Collective (FSDP): every rank writes its shards into a local folder of its own; rank 0
-    also gets a plain, consolidated copy of the model for `model.safetensors`."""
-    folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
-    checkpoint.save_sharded(folder, state.model, state.optimizer, rank)
-    full = parallel.full_state_dict(state.model)  # gathered to rank 0, on CPU
-    return folder, parallel.plain_model(build, full) if rank == 0 else None
-
-
-def maybe_inject_fault(config: Config, run_dir: str, rank: int, epoch: int) -> None:
-    """Test-only: raise once on `rank` at the start of `epoch` (train.fail_at or $RAYTORCH_FAIL_AT)."""
-    target = config.train.fail_at
-    spec = os.environ.get(FAULT_ENV)
-    want = (
-        (target.rank, target.epoch)
-        if target
-        else tuple(int(v) for v in spec.split(":"))
-        if spec
-        else None
-    )
-    if want != (rank, epoch):
-        return
-    marker = storage.join(run_dir, f"fault-injected-rank{rank}-epoch{epoch}")
-    if storage.exists(marker):
-        return  # already failed once in this run
-    storage.write_bytes(marker, b"")
-    raise RuntimeError(f"injected fault: rank {rank} at epoch {epoch}")
-
-
-def maybe_hold(run_dir: str, rank: int, world: int, epoch: int) -> None:
-    """Test-only ($RAYTORCH_HOLD_EPOCHS): wait here while the test holds this epoch."""
-    import time
-
-    if str(epoch) not in os.environ.get(HOLD_ENV, "").split(","):
-        return
-    hold = storage.join(run_dir, f"hold-epoch-{epoch}")
-    if rank == 0 and storage.exists(hold):
-        storage.write_bytes(storage.join(run_dir, f"held-epoch-{epoch}-world-{world}"), b"")
-    while storage.exists(hold):
-        time.sleep(0.2)
-
-
-class TrainMetrics:
-    """Ray custom metrics (dashboard / Prometheus), created lazily on rank 0."""
-
-    def __init__(self, run_dir: str):
-        from ray.util.metrics import Gauge
-
-        self.tags = {"run": os.path.basename(run_dir.rstrip("/"))}
-        names = [
-            "train_loss",
-            "val_loss",
-            "val_accuracy",
-            "samples_per_second",
-            "data_wait_fraction",
-        ]
-        self.gauges = {
-            n: Gauge(
-                f"raytorch_{n}", description=f"training {n.replace('_', ' ')}", tag_keys=("run",)
-            )
-            for n in names
-        }
-
-    def record(self, metrics: dict[str, float]) -> None:
-        for name, gauge in self.gauges.items():
-            if name in metrics:  # val_accuracy is the classifiers' only
-                gauge.set(float(metrics[name]), tags=self.tags)

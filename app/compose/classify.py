@@ -1,0 +1,31 @@
+"""Task `classify`: labelled rows (tables, images, text) -> a label and its probabilities."""
+
+from __future__ import annotations
+
+from app.evaluate import EVALUATE, evaluate_classifier
+from app.export.exporter import EXPORT, export_classifier
+from app.pipeline import SMOKE, sample_infer
+from app.serve.control.builders import SERVER
+from app.serve.replicas.apps import ModelApp
+from app.tasks.classify import classification_loss, headline, validate_classifier
+from app.tasks.registry import Task
+from app.train.parts import HEADLINE, LOSS, VALIDATE
+
+
+def spec() -> Task:
+    return Task(
+        name="classify",
+        dataset_kinds=("image", "tabular", "text"),
+        metrics=("val_loss", "val_accuracy"),
+        parts=dict(
+            [
+                LOSS.of(classification_loss),
+                VALIDATE.of(validate_classifier),
+                HEADLINE.of(headline),
+                EVALUATE.of(evaluate_classifier),
+                EXPORT.of(export_classifier),
+                SERVER.of(ModelApp),
+                SMOKE.of(sample_infer),
+            ]
+        ),
+    )

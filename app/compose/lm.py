@@ -1,0 +1,41 @@
+"""Task `lm`: a text corpus, tokenized and packed at prepare -> a causal language model that
+generates text."""
+
+from __future__ import annotations
+
+from app.data.corpus import dataset_preprocessor, tokenize_corpus
+from app.data.ingest import DATASET_PREPROCESSOR
+from app.data.prepare import PREPARE
+from app.evaluate import EVALUATE, evaluate_language_model
+from app.export.exporter import EXPORT
+from app.export.lm import export_lm
+from app.pipeline import SMOKE, sample_completion
+from app.serve.control.builders import SERVER
+from app.serve.replicas.apps import LMApp
+from app.tasks.lm import headline, next_token_loss, reference_metrics, validate_lm
+from app.tasks.registry import Task
+from app.train.parts import HEADLINE, LOSS, REFERENCE, VALIDATE
+
+
+def spec() -> Task:
+    return Task(
+        name="lm",
+        dataset_kinds=("tokens",),
+        metrics=("val_loss", "val_perplexity", "val_token_accuracy", "baseline_perplexity"),
+        source_kinds=("documents",),
+        generates=True,
+        parts=dict(
+            [
+                PREPARE.of(tokenize_corpus),
+                DATASET_PREPROCESSOR.of(dataset_preprocessor),
+                LOSS.of(next_token_loss),
+                VALIDATE.of(validate_lm),
+                HEADLINE.of(headline),
+                REFERENCE.of(reference_metrics),
+                EVALUATE.of(evaluate_language_model),
+                EXPORT.of(export_lm),
+                SERVER.of(LMApp),
+                SMOKE.of(sample_completion),
+            ]
+        ),
+    )

@@ -1,0 +1,62 @@
+"""The parts of a task that training calls (app/tasks/registry.py), each typed by its Protocol:
+the loss of a batch, the validation of a model, the epoch's log line, and metrics the driver
+computes once for the run. A task's functions are checked against these where it is composed
+(app/compose/)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from app.tasks.registry import Part
+
+if TYPE_CHECKING:
+    from app.config import Config
+    from app.data.prepare import DatasetManifest
+    from app.data.preprocess import Preprocessor
+
+
+class Loss(Protocol):
+    """The mean loss of a batch, and its rows."""
+
+    def __call__(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device, /
+    ) -> tuple[torch.Tensor, int]: ...
+
+
+class Validate(Protocol):
+    """Validation metrics of `model` over `batches`, summed over ranks (every rank calls it);
+    `reference` is what the driver computed once (`Reference`)."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        batches: Iterable[dict[str, torch.Tensor]],
+        device: torch.device,
+        precision: str,
+        /,
+        reference: dict[str, float] | None = None,
+    ) -> dict[str, float]: ...
+
+
+class Headline(Protocol):
+    """The task's part of an epoch's log line."""
+
+    def __call__(self, metrics: dict[str, Any], /) -> str: ...
+
+
+class Reference(Protocol):
+    """Metrics the driver computes once per run, reported with every epoch (a baseline)."""
+
+    def __call__(
+        self, config: Config, manifest: DatasetManifest, preprocessor: Preprocessor, /
+    ) -> dict[str, float]: ...
+
+
+LOSS = Part[Loss]("loss")
+VALIDATE = Part[Validate]("validate")
+HEADLINE = Part[Headline]("headline")
+REFERENCE = Part[Reference]("reference")  # optional

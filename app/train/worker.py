@@ -1,0 +1,358 @@
+"""The worker side of training: what each Ray Train rank runs (`train_loop`).
+
+`Worker.start` sets a rank up once (feeds, the model spread over ranks, the optimizer state,
+resumed from the latest checkpoint if there is one, probes); `run_epoch` trains, validates and
+reports one epoch (a barrier every rank calls); `report` writes the checkpoint. The epoch itself
+is Ray-free (app/train/loop.py); the task's loss, validation and log line come from its spec
+(app/train/parts.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app import hooks
+from app.config import Config, dump, validate
+from app.data import kinds
+from app.data.preprocess import Preprocessor
+from app.ray_private import quiet_train_logs
+from app.tasks.registry import Task
+from app.train import checkpoint, elastic, finetune, parallel, tracking
+from app.train.loop import (
+    TrainState,
+    all_reduce,
+    budget_spent,
+    epoch_batches,
+    order_seed,
+    should_stop_early,
+    steps_per_epoch,
+    train_epoch,
+)
+from app.train.parts import HEADLINE, LOSS, VALIDATE
+from app.train.profiling import RunProbes
+
+log = logging.getLogger(__name__)
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """Ray Train's per-rank function: epochs until the last one, early stopping or the budget."""
+    w = Worker.start(loop_config)
+    # A resumed run that had already stopped early stays stopped (unless patience was raised).
+    done = should_stop_early(w.state.history, w.config) or budget_spent(w.state)
+    last_epoch = w.state.epoch if done else w.config.train.epochs
+    for epoch in range(w.state.epoch + 1, last_epoch + 1):
+        if w.run_epoch(epoch):
+            break
+    w.close()
+
+
+@dataclass
+class Worker:
+    """One rank's run: what `start` sets up once and every epoch uses."""
+
+    config: Config
+    rank: int
+    world: int
+    device: torch.device
+    task: Task
+    validate: Callable[..., dict[str, float]]
+    preprocessor: Preprocessor
+    train_feed: Any
+    val_feed: Any
+    state: TrainState
+    build: Callable[[], nn.Module]
+    probes: RunProbes
+    run_dir: str
+    mlflow_run: str | None
+    metrics_sink: TrainMetrics | None
+    tracker: tracking.EpochTracker | None
+
+    @classmethod
+    def start(cls, loop_config: dict[str, Any]) -> Worker:
+        """Feeds, model (parallelized), optimizer state (resumed if a checkpoint exists)."""
+        import ray.train
+        import ray.train.torch
+
+        quiet_train_logs()
+        preprocessor = kinds.from_json(loop_config["preprocessor"])
+        task: Task = loop_config["task"]
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        # An elastic run keeps its global batch whatever the world size.
+        config = elastic.for_world(validate(loop_config["config"]), world)
+        t, run_dir = config.train, loop_config["run_dir"]
+        torch.set_num_threads(t.torch_threads)
+        torch.manual_seed(t.seed)  # same initial weights on every rank (DDP broadcasts rank 0's)
+        device = ray.train.torch.get_device()
+        if t.precision == "fp16" and device.type != "cuda":
+            raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
+        shards, stream = loop_config["shards"], loop_config["stream"]
+        train_feed, val_feed = (
+            feed(config, shards[s], stream[s], preprocessor, rank, world) for s in ("train", "val")
+        )
+        resumed = ray.train.get_checkpoint()
+        if not resumed:  # streamed: Ray Data starts its first pass while the model is built
+            train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
+        build = functools.partial(finetune.trainable_model, config, preprocessor)
+        state = start_state(config, build, loop_config["train_rows"], resumed, rank, world, device)
+        mlflow = loop_config.get("mlflow")
+        reference = loop_config.get("reference_metrics")
+        return cls(
+            config=config,
+            rank=rank,
+            world=world,
+            device=device,
+            task=task,
+            validate=functools.partial(task.part(VALIDATE), reference=reference),
+            preprocessor=preprocessor,
+            train_feed=train_feed,
+            val_feed=val_feed,
+            state=state,
+            build=build,
+            # Memory, step times, profiler trace: optimizer hooks, so after restoring.
+            probes=RunProbes(state, config, run_dir, rank, device),
+            run_dir=run_dir,
+            mlflow_run=mlflow and mlflow["run_id"],
+            metrics_sink=TrainMetrics(run_dir, task) if rank == 0 else None,
+            tracker=tracking.EpochTracker(run_dir, mlflow) if rank == 0 else None,
+        )
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train, validate, report (a barrier every rank calls); whether the run stops here."""
+        t, state = self.config.train, self.state
+        hooks.fire(
+            "train.epoch", run_dir=self.run_dir, rank=self.rank, world=self.world, epoch=epoch
+        )
+        seed = order_seed(t.seed, epoch, self.rank)
+        batches = epoch_batches(self.train_feed, t.batch_size, seed, self.config, state.step)
+        self.probes.before_epoch()
+        log_every = t.log_every_steps if self.rank == 0 else 0
+        stats = train_epoch(state, batches, self.device, log_every, self.task.part(LOSS))
+        if epoch < t.epochs and not budget_spent(state):  # the next pass overlaps validation
+            self.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, self.rank))
+        val_batches = self.val_feed.batches(t.batch_size * 4)
+        stats |= self.validate(state.model, val_batches, self.device, t.precision)
+        state.epoch = epoch
+        state.data_wait_history.append(stats["data_wait_fraction"])
+        state.epoch_seconds_history.append(stats["epoch_seconds"])
+        metrics = {"epoch": epoch, "step": state.step, **stats}
+        state.history.append(dict(metrics))
+        # Every rank must leave the loop after the same report (it is a barrier): the decision
+        # is on all-reduced metrics, and the flag is all-reduced too.
+        stopping = float(should_stop_early(state.history, self.config))
+        stop = all_reduce([stopping], self.device, "max")[0] > 0
+        if self.metrics_sink is not None:
+            log_epoch(metrics, t.epochs, self.task)
+            self.metrics_sink.record(metrics)
+        self.report(metrics, stop, self.probes.after_epoch())
+        if self.tracker is not None:
+            self.tracker.log(metrics)
+        if stop and self.rank == 0:
+            log.info(
+                "early stopping after epoch %d: %s has not improved for %d epochs",
+                epoch,
+                t.early_stopping_metric,
+                t.early_stopping_patience,
+            )
+        return stop or budget_spent(state)
+
+    def report(
+        self, metrics: dict[str, Any], stopped_early: bool, run_stats: dict[str, Any]
+    ) -> None:
+        """Every rank reports (a barrier); rank 0 alone attaches the checkpoint, except under
+        FSDP, where every rank attaches its shards and Ray Train merges the folders."""
+        report(
+            self.state,
+            metrics,
+            self.preprocessor,
+            self.config,
+            self.rank,
+            stopped_early,
+            self.mlflow_run,
+            build=self.build,
+            run_stats=run_stats,
+        )
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+        self.probes.close()
+
+
+def start_state(
+    config: Config,
+    build: Callable[..., nn.Module],
+    train_rows: int,
+    resumed: Any,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> TrainState:
+    """DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the optimizer
+    over what that leaves (under FSDP, this rank's shards). A fresh run starts from the
+    pretrained folder's weights; a resumed one from its checkpoint."""
+    t = config.train
+    model = parallel.parallelize(build(base_weights=not resumed), t, device)
+    total_steps = steps_per_epoch(train_rows, world, config) * t.epochs
+    state = TrainState.create(model, config, total_steps)
+    if resumed:
+        with resumed.as_directory() as folder:
+            state.restore(folder, rank)
+        log.info("rank %d: resumed from epoch %d (step %d)", rank, state.epoch, state.step)
+    else:
+        torch.manual_seed(t.seed + rank)  # ranks then differ in dropout
+    state.worker_nodes = gather_node_ids(world)
+    state.num_workers_history = elastic.record_size(
+        state.num_workers_history, world, state.epoch + 1, t, announce=rank == 0
+    )
+    return state
+
+
+def feed(
+    config: Config,
+    shards: list[tuple[str, int]],
+    stream: bool,
+    preprocessor: Preprocessor,
+    rank: int,
+    world: int,
+):
+    """This worker's batches of one split: its row range of `shards` read once and kept in
+    memory (the memory path), or streamed by Ray Data each epoch."""
+    from app.data.feed import MemoryFeed, StreamFeed
+    from app.data.ingest import read_rank_share, stream_split
+
+    if not stream:
+        return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
+    d = config.data
+    share = stream_split(config, shards, preprocessor, rank, world)
+    return StreamFeed(share, d.stream.prefetch_blocks, config.train.shuffle_buffer)
+
+
+def log_epoch(metrics: dict[str, Any], epochs: int, task: Task) -> None:
+    log.info(
+        "epoch %d/%d: train_loss %.4f %s | %.2fs %.0f samples/s data_wait %.1f%%",
+        metrics["epoch"],
+        epochs,
+        metrics["train_loss"],
+        task.part(HEADLINE)(metrics),
+        metrics["epoch_seconds"],
+        metrics["samples_per_second"],
+        100 * metrics["data_wait_fraction"],
+    )
+
+
+def gather_node_ids(world: int) -> list[str]:
+    """The Ray node of every rank, in rank order (recorded so placement can be checked)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    if world == 1 or not dist.is_initialized():
+        return [node]
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, node)
+    return [str(n) for n in nodes]
+
+
+def report(
+    state: TrainState,
+    metrics: dict[str, Any],
+    preprocessor: Preprocessor,
+    config: Config,
+    rank: int,
+    stopped_early: bool = False,
+    mlflow_run_id: str | None = None,
+    *,
+    build: Callable[[], nn.Module] | None = None,
+    run_stats: dict[str, Any] | None = None,
+) -> None:
+    """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint, except
+    under FSDP, where every rank attaches its shards and Ray Train merges the folders.
+
+    The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
+    the checkpoint is persisted under `train.storage_path`. `build` makes a plain copy of the
+    model (FSDP's consolidated `model.safetensors`); `run_stats` are extra `meta.json` fields.
+    """
+    import ray.train
+
+    folder, weights = None, state.model
+    if parallel.is_sharded(state.model):
+        assert build is not None, "an FSDP checkpoint needs the model builder"
+        folder, weights = sharded_checkpoint(state, build, rank)
+    upload = {
+        "checkpoint_upload_mode": ray.train.CheckpointUploadMode[
+            config.train.checkpoint_upload.upper()
+        ],
+        "delete_local_checkpoint_after_upload": True,
+    }
+    if rank != 0:
+        if folder is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload
+            )
+        return
+    meta = checkpoint.CheckpointMeta(
+        config=dump(config),
+        epoch=state.epoch,
+        step=state.step,
+        metrics=metrics,
+        resume_history=state.resume_history,
+        data_wait_history=state.data_wait_history,
+        epoch_seconds_history=state.epoch_seconds_history,
+        first_step_at=state.first_step_at,
+        worker_nodes=state.worker_nodes,
+        num_workers_history=state.num_workers_history,
+        preprocessor=preprocessor.to_json(),
+        torch_version=torch.__version__,
+        history=state.history,
+        stopped_early=stopped_early,
+        mlflow_run_id=mlflow_run_id,
+        **(run_stats or {}),
+    )
+    folder = folder or tempfile.mkdtemp(prefix="raytorch-ckpt-")
+    checkpoint.save(folder, weights, state.train_state(), meta)
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload)
+
+
+def sharded_checkpoint(
+    state: TrainState, build: Callable[[], nn.Module], rank: int
+) -> tuple[str, nn.Module | None]:
+    """Collective (FSDP): every rank writes its shards into a local folder of its own; rank 0
+    also gets a plain, consolidated copy of the model for `model.safetensors`."""
+    folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
+    checkpoint.save_sharded(folder, state.model, state.optimizer, rank)
+    full = parallel.full_state_dict(state.model)  # gathered to rank 0, on CPU
+    return folder, parallel.plain_model(build, full) if rank == 0 else None
+
+
+class TrainMetrics:
+    """Ray custom metrics (dashboard / Prometheus) of rank 0: every metric the run's epoch
+    reports, named after it (`raytorch_<metric>`), the task's own validation metrics included."""
+
+    def __init__(self, run_dir: str, task: Task):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": os.path.basename(run_dir.rstrip("/"))}
+        names = ["train_loss", "samples_per_second", "data_wait_fraction", *task.metrics]
+        self.gauges = {
+            n: Gauge(
+                f"raytorch_{n}", description=f"training {n.replace('_', ' ')}", tag_keys=("run",)
+            )
+            for n in dict.fromkeys(names)
+        }
+
+    def record(self, metrics: dict[str, float]) -> None:
+        for name, gauge in self.gauges.items():
+            if name in metrics:
+                gauge.set(float(metrics[name]), tags=self.tags)
