@@ -118,7 +118,29 @@ class Pretrained:
     def tokenizer_config(self) -> dict[str, Any]:
         if not self.has(TOKENIZER_CONFIG):
             return {}
-        return json.loads(self._read(TOKENIZER_CONFIG))
+        try:
+            config = json.loads(self._read(TOKENIZER_CONFIG))
+        except (OSError, ValueError) as e:
+            raise self.fail(
+                f"{TOKENIZER_CONFIG} unreadable ({str(e).splitlines()[0][:80]})"
+            ) from None
+        if not isinstance(config, dict):
+            raise self.fail(f"{TOKENIZER_CONFIG} is not a JSON object")
+        return config
+
+    def tokenizer_size(self) -> int:
+        """Token ids the tokenizer can produce (its largest id + 1), read without building it
+        from vocab.txt; a tokenizer.json that does not parse is one line naming it."""
+        if not self.has(TOKENIZER):
+            with open(self._path(VOCAB), encoding="utf-8") as f:
+                return sum(1 for _ in f)
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_str(self._read(TOKENIZER))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own kinds; one line
+            raise self.fail(f"{TOKENIZER} unreadable ({str(e).splitlines()[0][:80]})") from None
+        return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def chat_template(self) -> str | None:
         """The tokenizer's chat template: `chat_template.jinja`, or tokenizer_config.json's
@@ -159,13 +181,16 @@ class Pretrained:
         return state
 
     def tensor_names(self) -> list[str]:
-        from safetensors import safe_open
+        return list(self.tensor_shapes())
 
-        names: list[str] = []
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape from the safetensors headers alone (nothing loaded), each
+        header checked against its file: a tensor's bytes must lie inside it and match its
+        dtype and shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
         for name in self.weight_files:
-            with safe_open(self._path(name), framework="numpy") as f:
-                names.extend(f.keys())
-        return names
+            shapes |= safetensors_shapes(self._path(name), self.fail)
+        return shapes
 
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
@@ -221,3 +246,58 @@ def local_folder(uri: str) -> str:
         with contextlib.suppress(OSError):  # another process finished first: theirs is as good
             os.rename(tmp, dest)
     return dest
+
+
+SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit
+
+
+def safetensors_shapes(path: str, fail: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of one safetensors file, from its header (8 bytes of length, then
+    JSON); `fail(what)` makes the error for a header that lies about the file."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+            raise fail(f"{name}: not a safetensors file (its header length does not fit it)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise fail(f"{name}: its safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise fail(f"{name}: its safetensors header is not a JSON object")
+    data = size - 8 - length
+    return {
+        tensor: _tensor_shape(tensor, entry, data, lambda what: fail(f"{name}: {what}"))
+        for tensor, entry in header.items()
+        if tensor != "__metadata__"
+    }
+
+
+def _tensor_shape(tensor: str, entry: Any, data: int, fail: Any) -> tuple[int, ...]:
+    """A header entry's shape, once its dtype, shape and byte range agree with the file."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
+        raise fail(f"tensor {tensor!r}: no known dtype")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
+    ):
+        raise fail(f"tensor {tensor!r}: shape {str(shape)[:40]} is not a list of sizes")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1] <= data
+    ):
+        raise fail(f"tensor {tensor!r}: its bytes lie outside the file")
+    count = 1
+    for d in shape:
+        count *= d
+    if offsets[1] - offsets[0] != count * SAFETENSORS_DTYPES[entry["dtype"]]:
+        raise fail(f"tensor {tensor!r}: {offsets[1] - offsets[0]} bytes do not hold shape {shape}")
+    return tuple(shape)

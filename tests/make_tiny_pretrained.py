@@ -87,7 +87,8 @@ def make_gpt2(folder: str, seed: int = 0, sizes: dict | None = None, vocab: int 
     return folder
 
 
-def make_bert(folder: str, seed: int = 0, pooler: bool = True) -> str:
+def make_bert(folder: str, seed: int = 0, pooler: bool = True, width: int = 32) -> str:
+    """`width`: hidden size (the feed-forward layer twice that)."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -95,10 +96,10 @@ def make_bert(folder: str, seed: int = 0, pooler: bool = True) -> str:
     tokenizer = bert_tokenizer()
     config = BertConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
+        hidden_size=width,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=2 * width,
         max_position_embeddings=128,
     )
     BertModel(config, add_pooling_layer=pooler).save_pretrained(folder)

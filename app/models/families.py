@@ -9,8 +9,11 @@ what a folder's model is.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -34,15 +37,58 @@ class Family:
     build: Build  # (architecture, preprocessor, model config) -> module, random weights
     rename: Rename  # the folder's tensors -> the module's state dict
     preprocessing: tuple[str, ...]  # the files, any one of which carries its preprocessing
+    # config.json's sizes: key -> the largest value taken (None: the key may be absent).
+    sizes: dict[str, int]
+    optional: tuple[str, ...] = ()  # sizes config.json may leave to their defaults
+    divides: tuple[str, str] | None = None  # (width, heads): the heads split the width
+    tokens: bool = False  # its tokenizer's ids index the `vocab_size` embedding rows
 
 
+LAYERS, WIDTH, VOCAB_ROWS, POSITIONS = 1024, 2**16, 2**22, 2**20
+ENCODER = {
+    "num_hidden_layers": LAYERS,
+    "hidden_size": WIDTH,
+    "num_attention_heads": 1024,
+    "intermediate_size": 2**18,
+}
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("gpt2", Tokens, gpt.from_gpt2, gpt.rename_gpt2, (TOKENIZER,)),
-        # Older BERT folders have only vocab.txt.
-        Family("bert", Text, bert.from_config, bert.rename, (TOKENIZER, VOCAB)),
-        Family("vit", Image, vit.from_config, vit.rename, (IMAGE_PROCESSOR,)),
+        Family(
+            "gpt2",
+            Tokens,
+            gpt.from_gpt2,
+            gpt.rename_gpt2,
+            (TOKENIZER,),
+            sizes={"n_layer": LAYERS, "n_embd": WIDTH, "n_head": 1024, "n_inner": 2**18}
+            | {"vocab_size": VOCAB_ROWS, "n_positions": POSITIONS},
+            optional=("n_inner",),
+            divides=("n_embd", "n_head"),
+            tokens=True,
+        ),
+        Family(
+            "bert",
+            Text,
+            bert.from_config,
+            bert.rename,
+            (TOKENIZER, VOCAB),  # older BERT folders have only vocab.txt
+            sizes=ENCODER
+            | {"vocab_size": VOCAB_ROWS, "max_position_embeddings": POSITIONS}
+            | {"type_vocab_size": 1024},
+            optional=("max_position_embeddings", "type_vocab_size"),
+            divides=("hidden_size", "num_attention_heads"),
+            tokens=True,
+        ),
+        Family(
+            "vit",
+            Image,
+            vit.from_config,
+            vit.rename,
+            (IMAGE_PROCESSOR,),
+            sizes=ENCODER | {"image_size": 8192, "patch_size": 8192, "num_channels": 4},
+            optional=("image_size", "patch_size", "num_channels"),
+            divides=("hidden_size", "num_attention_heads"),
+        ),
     )
 }
 
@@ -56,8 +102,12 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
+@functools.lru_cache(maxsize=8)
 def family_of(base: Pretrained) -> Family:
-    """The family of an opened folder, whose preprocessing files must be there."""
+    """The family of an opened folder, once the folder is checked: its preprocessing files are
+    there, config.json's sizes are sizes, the weights hold every tensor of the shape config.json
+    implies (read from the safetensors headers, before any model is built), and the tokenizer's
+    ids fit the embedding. Every failure is one line naming the folder and what is wrong."""
     model_type = base.model_type
     supported = ", ".join(sorted(FAMILIES))
     if model_type not in FAMILIES and base.config.get("auto_map"):
@@ -70,7 +120,60 @@ def family_of(base: Pretrained) -> Family:
     found = FAMILIES[model_type]
     if not any(base.has(name) for name in found.preprocessing):
         raise base.fail(f"missing {' or '.join(found.preprocessing)}")
+    check_sizes(base, found)
+    check_weights(base, found)
+    if found.tokens:
+        check_tokenizer(base)
     return found
+
+
+def check_sizes(base: Pretrained, found: Family) -> None:
+    for key, largest in found.sizes.items():
+        if base.config.get(key) is None and key in found.optional:
+            continue
+        value = base.config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= largest:
+            shown = json.dumps(value)[:40]
+            raise base.fail(f"config.json {key}: {shown} is not a size in 1..{largest}")
+    if found.divides:
+        width, heads = found.divides
+        if base.config[width] % base.config[heads]:
+            raise base.fail(f"config.json {width} {base.config[width]} does not split into {heads}")
+
+
+def check_weights(base: Pretrained, found: Family) -> None:
+    """The folder's tensors (shapes only, on the meta device) against the module config.json
+    describes, built on the meta device: no memory, whatever the config claims."""
+    import torch
+
+    shapes = base.tensor_shapes()
+    folder = found.rename({n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    stand_in = SimpleNamespace(labels=["a", "b"], state={"pretrained": {"has_pooler": False}})
+    with torch.device("meta"):
+        model = found.build(base.config, stand_in, ModelConfig())
+    for name, tensor in model.state_dict().items():
+        if name.startswith(("head.", "pooler.")):  # new, or optional in the folder
+            continue
+        if name not in folder:
+            raise base.fail(
+                f"config.json implies tensor {name} {tuple(tensor.shape)}, which the weights "
+                "lack (does config.json describe these weights?)"
+            )
+        if tuple(folder[name].shape) != tuple(tensor.shape):
+            raise base.fail(
+                f"tensor {name}: config.json implies {tuple(tensor.shape)}, the weights hold "
+                f"{tuple(folder[name].shape)}"
+            )
+
+
+def check_tokenizer(base: Pretrained) -> None:
+    base.tokenizer_config()  # read now: a malformed one fails here, not at training
+    tokens, rows = base.tokenizer_size(), base.config["vocab_size"]
+    if tokens > rows:
+        raise base.fail(
+            f"the tokenizer has {tokens} token ids, more than config.json's vocab_size {rows} "
+            "(embedding rows): a token beyond them could not be looked up"
+        )
 
 
 def base_for(model: ModelConfig, takes: type[Preprocessor] | None = None) -> Pretrained | None:

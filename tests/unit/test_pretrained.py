@@ -305,8 +305,34 @@ def damaged(folders, tmp_path, how: str) -> str:
         config |= {"model_type": "my_arch", "auto_map": {"AutoModel": "modeling_my.MyModel"}}
     elif how == "no_tokenizer":
         (folder / "tokenizer.json").unlink()
+    elif how == "more_layers":  # 300 layers claimed over the folder's 2
+        config["num_hidden_layers"] = 300
+    elif how == "string_size":
+        config["hidden_size"] = "32"
+    elif how == "big_tokenizer":  # token ids beyond the embedding rows
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        extra = config["vocab_size"] - tokenizer.get_vocab_size() + 1
+        tokenizer.add_special_tokens([f"<extra_{i}>" for i in range(max(extra, 1))])
+        tokenizer.save(str(folder / "tokenizer.json"))
+    elif how == "tokenizer_config":
+        (folder / "tokenizer_config.json").write_text("{not json")
+    elif how == "lying_header":  # a tensor whose bytes run past the end of the file
+        lie(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
+
+
+def lie(path) -> None:
+    """Rewrites the first tensor's byte range in a safetensors header to end past the file."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] = len(raw) * 2
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
 
 
 @pytest.mark.parametrize(
@@ -316,6 +342,11 @@ def damaged(folders, tmp_path, how: str) -> str:
         ("unknown", "unknown model_type 'mamba' (supported: bert, gpt2, vit)"),
         ("remote_code", "needs the folder's own code (auto_map), which is never run"),
         ("no_tokenizer", "missing tokenizer.json or vocab.txt"),
+        ("more_layers", "implies tensor blocks.2."),
+        ("string_size", 'config.json hidden_size: "32" is not a size'),
+        ("big_tokenizer", "more than config.json's vocab_size"),
+        ("tokenizer_config", "tokenizer_config.json unreadable"),
+        ("lying_header", "bytes lie outside the file"),
     ],
 )
 def test_bad_folders_exit_2_with_one_line(folders, tmp_path, capsys, how, says):
@@ -334,6 +365,25 @@ def test_bad_folders_exit_2_with_one_line(folders, tmp_path, capsys, how, says):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and folder in err[0], err
     assert not os.path.exists(f"{tmp_path}/data")  # refused before any data was written
+
+
+def test_a_folder_claiming_300_layers_is_refused_before_any_model_is_built(tmp_path):
+    """Two layers of width 512 whose config.json claims 300: the claim is checked against the
+    weights' headers on the meta device, so refusing it costs no memory (the claimed model
+    would take about 3 GiB)."""
+    import psutil
+
+    from app.config import ModelConfig
+    from app.models.families import base_for
+
+    folder = make_bert(str(tmp_path / "wide"), width=512)
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 300}))
+    open_pretrained.cache_clear()
+    before = psutil.Process().memory_info().rss
+    with pytest.raises(ConfigError, match="implies tensor blocks.2"):
+        base_for(ModelConfig(pretrained=folder))
+    assert psutil.Process().memory_info().rss - before < 100 * 2**20
 
 
 def test_a_model_past_onnx_2gb_is_refused_before_export_naming_the_size():
