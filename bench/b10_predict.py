@@ -91,7 +91,7 @@ def run_batch(config, artifact: str, input_uri: str, output: str) -> dict[str, A
     return {
         **summary,
         "wall_s": wall,
-        "rows_per_s": summary["rows"]["input"] / wall,
+        "rows_per_s": summary["rows"] / wall,
         "peak_memory_bytes": memory.peak,
         "peak_memory_by_kind": memory.peak_by_kind,
         "ray": ray_info,

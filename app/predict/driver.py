@@ -122,10 +122,12 @@ def predict(
         "model": artifact.name,
         "version": artifact.version,
         "variant": variant,
-        "rows": rows,
+        # DESIGN's keys: rows read, rows rejected (the rest are predictions), rows a second.
+        "rows": rows["input"],
+        "rejected": rows["rejected"],
+        "rows_per_second": round(rows["input"] / elapsed, 1) if elapsed else None,
         "bad_rows": {"count": tally.rejected, "examples": tally.examples},
         "elapsed_s": round(elapsed, 3),
-        "rows_per_s": round(rows["input"] / elapsed, 1) if elapsed else None,
     }
 
 

@@ -185,7 +185,7 @@ def test_health_metadata_and_model_listing(served):
     )  # other live models (e.g. from the job-submission test) may be listed too
     lineage = models["digits"]["manifest"]
     assert lineage["version"] == models["digits"]["version"]
-    assert "/e2e-serve/checkpoint_" in lineage["source_checkpoint"]
+    assert lineage["source_checkpoint"] == served["checkpoint"]
     assert lineage["versions"]["onnxruntime"]
     # The replica measured at start whether batched requests should share ONNX Runtime calls:
     # for the digits CNN one call on 8 rows costs a fraction of 8 calls of one.

@@ -95,7 +95,7 @@ def test_bert_lora_run_exports_merged_adapters_and_jobs_predict_scores_text(
     pq.write_table(table, tmp_path / "in" / "part-0.parquet")
     out = str(tmp_path / "out")
     result = predict(config, uri, str(tmp_path / "in"), out)
-    assert result["rows"]["output"] == len(texts)
+    assert result["rows"] == len(texts) and result["rejected"] == 0
     manifest = verify_output(out)
     predictions = pa.concat_tables([pq.read_table(f"{out}/{s.file}") for s in manifest.files])
     order = np.argsort(predictions["id"].to_numpy())

@@ -68,7 +68,9 @@ def test_override_wins_over_yaml_and_leaves_siblings():
 
 
 def test_nested_override():
-    config = load_config(DIGITS_YAML, ["data.stream.prefetch_blocks=7", "serve.generation.max_streams=3"])
+    config = load_config(
+        DIGITS_YAML, ["data.stream.prefetch_blocks=7", "serve.generation.max_streams=3"]
+    )
     assert (config.data.stream.prefetch_blocks, config.serve.generation.max_streams) == (7, 3)
 
 
