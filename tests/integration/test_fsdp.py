@@ -105,6 +105,8 @@ def compiled_profiled_run(prepared, workspace):
     return config, train(config)
 
 
+# Slow (make test-all): torch.compile of every block costs a minute on 2 CPUs.
+@pytest.mark.slow
 def test_compile_time_is_reported_apart_from_the_steady_step_time(compiled_profiled_run):
     _, summary = compiled_profiled_run
     first, steady = summary["first_step_seconds"], summary["step_seconds"]
@@ -114,6 +116,7 @@ def test_compile_time_is_reported_apart_from_the_steady_step_time(compiled_profi
     assert summary["metrics"]["val_accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_chrome_trace_per_rank(compiled_profiled_run):
     _, summary = compiled_profiled_run
     for rank in (0, 1):

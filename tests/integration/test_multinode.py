@@ -7,7 +7,8 @@ import pytest
 from app.train.driver import train
 from tests.integration.conftest import workload_config
 
-pytestmark = pytest.mark.integration
+# Slow (make test-all): tests/integration/test_elastic.py spreads a run over two nodes too.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_workers_spread_over_two_nodes(prepared, workspace):

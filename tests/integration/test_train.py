@@ -107,6 +107,8 @@ def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_
     assert not os.listdir(run_dir) or "fail-rank1-epoch3" not in os.listdir(run_dir)  # it fired
 
 
+# Slow (make test-all): resuming by run name is what test_faults.py's killed-driver run does.
+@pytest.mark.slow
 def test_same_run_name_resumes_instead_of_restarting(prepared, workspace, ray_local_module):
     prepared("digits")
     first = train(

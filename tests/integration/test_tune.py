@@ -40,6 +40,8 @@ def ray_one_trial_wide():
     ray.shutdown()
 
 
+# Slow (make test-all): the README chain runs jobs.tune (2 trials) in make test.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_search_names_a_best_checkpoint_and_stopped_trials_free_a_one_trial_cluster(
     prepared, workspace, ray_one_trial_wide
