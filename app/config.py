@@ -34,6 +34,8 @@ SOURCES = (
     "synthetic_text",
     "synthetic_image",
     "text_files",
+    "image_text",
+    "synthetic_image_text",
 )
 # Relative output paths resolve against this folder (default: the current directory). `ray job
 # submit` runs jobs inside a temporary copy of the working dir, so the cluster scripts set it.
@@ -126,12 +128,24 @@ class DataConfig(_Section):
     # this Python's standard library folder), one document per file; files under a folder named
     # in `exclude_dirs` are skipped.
     exclude_dirs: list[str] = Field(default_factory=list)
+    # image_text: a table (CSV/JSONL/Parquet) of an image column (a path, relative to the
+    # table's folder, or a URI, or the image's bytes) and a caption column, several rows a
+    # picture allowed; or the Karpathy-split JSON of COCO and Flickr30k (`format: karpathy`,
+    # `path` the JSON, `images` the folder its file names are in).
+    image_column: str = "image"
+    caption_column: str = "caption"
+    format: Literal["table", "karpathy"] = "table"
+    images: str | None = None  # karpathy: the folder of the pictures (default: the JSON's)
+    # A picture that cannot be read (missing, corrupt, a decompression bomb): a one-line
+    # refusal naming its row, or, when set, skipped and counted in the prepare summary.
+    skip_bad_rows: bool = False
+    captions_per_image: int = Field(2, ge=1, le=5)  # synthetic_image_text
 
     @model_validator(mode="after")
     def _fractions(self) -> DataConfig:
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% for training")
-        if self.source in ("imagefolder", "table", "text_files") and not self.path:
+        if self.source in ("imagefolder", "table", "text_files", "image_text") and not self.path:
             raise ValueError(f"data.path is required for source {self.source!r}")
         return self
 
@@ -155,6 +169,12 @@ class ModelConfig(_Section):
     max_length: int | None = Field(None, ge=4)
     vocab_size: int = Field(2000, ge=32)
     dropout: float = Field(0.1, ge=0, lt=1)
+    # Retrieval (a dual encoder): the joint embedding's width; towers from one CLIP folder
+    # (`pretrained`), or a BERT-family text folder and a ViT folder with new projections, or
+    # the project's own encoders (neither set).
+    embed_dim: int = Field(64, ge=8)
+    pretrained_text: str | None = None
+    pretrained_image: str | None = None
 
     @property
     def builder(self) -> str:
@@ -224,7 +244,7 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1)
     # Fine-tuning a pretrained model (model.pretrained): which weights stay frozen: none, the
     # embeddings, or the whole backbone (only the new classifier head trains).
-    freeze: Literal["none", "embeddings", "backbone"] = "none"
+    freeze: Literal["none", "embeddings", "backbone", "image", "text", "towers"] = "none"
     # LoRA adapters of this rank on the Linear layers named (by dotted suffix) in
     # `lora_targets`; the rest of the backbone is frozen. 0: off. Adapters are merged into
     # the weights at export, so the artifact and serving are unchanged.
@@ -257,13 +277,15 @@ class TrainConfig(_Section):
     # it polls, and a worker's next report waits for that, so Ray's default (2 s) makes every
     # short epoch last 2 s. An explicit RAY_TRAIN_HEALTH_CHECK_INTERVAL_S wins.
     controller_poll_s: float = Field(0.2, gt=0)
-    checkpoint_metric: str = "val_accuracy"  # ranks checkpoints; any metric the task reports
-    checkpoint_mode: Literal["max", "min"] = "max"
+    # Ranks checkpoints: any metric the task reports (null: the task's own, val_accuracy for
+    # classifiers, val_loss for language models, val_rsum for retrieval; and its direction).
+    checkpoint_metric: str | None = None
+    checkpoint_mode: Literal["max", "min"] | None = None
     # Stop once `early_stopping_metric` has not improved (by more than `early_stopping_min_delta`)
     # for this many epochs; null trains all `epochs`. Decided on the all-reduced metric, so every
     # rank stops after the same epoch (app/train/loop.py:should_stop_early).
     early_stopping_patience: int | None = Field(None, ge=1)
-    early_stopping_metric: Literal["val_loss", "val_accuracy", "train_loss"] = "val_loss"
+    early_stopping_metric: str = "val_loss"  # any metric the task reports
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
     max_failures: int = Field(
@@ -329,6 +351,27 @@ class ExportConfig(_Section):
     greedy_prompts: int = Field(8, ge=1)
     greedy_prompt_tokens: int = Field(16, ge=1)
     greedy_tokens: int = Field(16, ge=1)
+    # Retrieval: points of val Recall@1 (either direction) int8 may lose against fp32, and the
+    # cosine every fp32 ONNX embedding must reach against torch's.
+    max_recall_drop: float = 2.0
+    min_cosine: float = Field(0.999, gt=0, le=1)
+
+
+class IndexConfig(_Section):
+    """`index`: the vector index `jobs.index` builds from a retrieval model's embeddings."""
+
+    name: str | None = Field(None, pattern=NAME_PATTERN)  # default: <export name>-index
+    # exact: inner product over every vector (faiss IndexFlatIP); hnsw: a graph of `hnsw_m`
+    # neighbours a node; ivf: `nlist` inverted lists, `nprobe` of them searched a query.
+    method: Literal["exact", "hnsw", "ivf"] = "exact"
+    hnsw_m: int = Field(32, ge=4, le=256)
+    ef_construction: int = Field(80, ge=8)
+    ef_search: int = Field(64, ge=1)
+    nlist: int = Field(256, ge=1)
+    nprobe: int = Field(16, ge=1)
+    # Held-out queries whose top-10 from the index is compared with the exact top-10.
+    recall_queries: int = Field(200, ge=1)
+    batch_rows: int = Field(8192, ge=1)  # embeddings read and added at a time (never all at once)
 
 
 class AutoscalingConfig(_Section):
@@ -416,6 +459,10 @@ class ServeConfig(_Section):
     # How long the ingress waits for a model replica's answer before replying 504.
     request_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get a 413
+    # Retrieval: results a search may ask for, and the pixels a sent image may decode to (more
+    # is a 413: a small file can decode to gigabytes).
+    max_top_k: int = Field(100, ge=1)
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
     batching: BatchingConfig = Field(default_factory=lambda: BatchingConfig())
     max_ongoing_requests: int = Field(16, ge=1)  # requests a model replica holds at once
     max_queued_requests: int = Field(64, ge=-1)  # waiting beyond that get a 503 (-1: unbounded)
@@ -529,6 +576,7 @@ class Config(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     predict: PredictConfig = Field(default_factory=PredictConfig)
     tune: TuneSection | None = None  # only jobs.tune reads it
+    index: IndexConfig = Field(default_factory=IndexConfig)
 
     @property
     def data_output(self) -> str:

@@ -153,3 +153,18 @@ def grouped_bars(
     if len(series) > 1:
         ax.legend()
     return _png(fig)
+
+
+def recall_curve(recall_at: dict[str, list[float]], title: str = "") -> bytes:
+    """Recall@K (in %) for K = 1.. in each direction of a retrieval model."""
+    fig = _figure(6, 4)
+    ax = fig.subplots()
+    for name, values in recall_at.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=name)
+    ax.set_xlabel("K")
+    ax.set_ylabel("recall@K (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(title or "retrieval")
+    return _png(fig)

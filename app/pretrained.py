@@ -101,7 +101,9 @@ class Pretrained:
     @property
     def max_positions(self) -> int | None:
         """The longest sequence the checkpoint's position table holds (None: images)."""
+        text = self.config.get("text_config") or {}  # CLIP's text tower
         value = self.config.get("max_position_embeddings", self.config.get("n_positions"))
+        value = value or (text.get("max_position_embeddings") if isinstance(text, dict) else None)
         return int(value) if value else None
 
     def tokenizer_json(self) -> str:

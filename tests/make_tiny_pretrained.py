@@ -1,5 +1,5 @@
 """Write tiny random-weight Hugging Face folders, one per supported family, as `save_pretrained`
-does: `python -m tests.make_tiny_pretrained OUT_DIR` -> OUT_DIR/{gpt2,bert,vit}.
+does: `python -m tests.make_tiny_pretrained OUT_DIR` -> OUT_DIR/{gpt2,bert,vit,clip}.
 
 They stand in for downloaded checkpoints where the hub is out of reach (the test suite, CI):
 same files, same tensor names, small sizes. Needs `transformers` (a dev dependency).
@@ -12,7 +12,7 @@ import glob
 import os
 import sysconfig
 
-FAMILIES = ("gpt2", "bert", "vit")
+FAMILIES = ("gpt2", "bert", "vit", "clip")
 
 
 def gpt2_tokenizer(vocab_size: int = 384):
@@ -125,7 +125,78 @@ def make_vit(folder: str, seed: int = 0, pooler: bool = True) -> str:
     return folder
 
 
-MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "vit": make_vit}
+def clip_tokenizer(vocab_size: int = 300):
+    """Byte-level BPE with CLIP's start- and end-of-text tokens around every text, trained on the
+    captions of the generated scenes (configs/retrieval.yaml)."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import CLIPTokenizerFast
+
+    from app.config import DataConfig
+    from app.data.sources import load_source
+
+    captions = load_source(
+        DataConfig(source="synthetic_image_text", num_rows=200, image_size=8)
+    ).frame["caption"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    start, end = "<|startoftext|>", "<|endoftext|>"
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[start, end],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(captions), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{start} $A {end}",
+        special_tokens=[(start, tokenizer.token_to_id(start)), (end, tokenizer.token_to_id(end))],
+    )
+    return CLIPTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=start, eos_token=end, pad_token=end, unk_token=end
+    )
+
+
+def make_clip(folder: str, seed: int = 0) -> str:
+    """A tiny CLIP: two 2-layer towers (width 32), 32x32 pictures in 8x8 patches, projections
+    to 24; its processor resizes the shortest edge to 32 and crops the centre, as CLIP's."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    torch.manual_seed(seed)
+    tokenizer = clip_tokenizer()
+    tower = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = CLIPConfig(
+        text_config={
+            **tower,
+            "intermediate_size": 64,
+            "vocab_size": len(tokenizer),
+            "max_position_embeddings": 48,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={**tower, "intermediate_size": 64, "image_size": 32, "patch_size": 8},
+        projection_dim=24,
+    )
+    CLIPModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(folder)
+    return folder
+
+
+MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "vit": make_vit, "clip": make_clip}
 
 
 def main() -> None:

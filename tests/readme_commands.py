@@ -8,6 +8,7 @@ line of its code blocks, and which test runs each.
   (tests/make_tiny_pretrained.py) and small data.
 - `LATER`: run by `make test-all` (tests/e2e/test_readme_commands.py, marked slow), each with
   the overrides it maps to.
+- `SEEDED`: run by `make test-all` once per seed (`train.seed=S`), its summary checked.
 - `SKIPPED`: not run, with the reason.
 
 A README command in none of them fails tests/unit/test_readme_commands.py, and so does an
@@ -49,6 +50,8 @@ PRETRAINED = {
     "bert": "python -m jobs.pipeline --config configs/bert-text.yaml"
     " model.pretrained=models/bert-base-uncased",
     "vit": "python -m jobs.pipeline --config configs/vit-images.yaml",
+    "clip": "python -m jobs.pipeline --config configs/clip-finetune.yaml",
+    "dual": "python -m jobs.pipeline --config configs/dual-encoder.yaml",
 }
 LATER = {
     "python -m jobs.models undeploy NAME [NAME ...]": [],
@@ -57,6 +60,9 @@ LATER = {
     "ray job submit --address http://127.0.0.1:8265 --runtime-env cluster/runtime_env.yaml"
     " --working-dir . -- python -m jobs.pipeline --config configs/text.yaml": ["train.epochs=3"],
 }
+# Run once per seed by `make test-all` (tests/e2e/test_readme_commands.py, slow): the bar of
+# configs/retrieval.yaml (R@5 >= 50 both ways) must hold for each, not for a lucky one.
+SEEDED = {"python -m jobs.pipeline --config configs/retrieval.yaml": (0, 1, 2)}
 SKIPPED: dict[str, str] = {}
 
 COMMAND = re.compile(r"^(python -m jobs\.|ray job submit)")

@@ -5,10 +5,10 @@ looked up."""
 
 from __future__ import annotations
 
-from app.compose import classify, lm
+from app.compose import classify, index, lm, retrieval
 from app.tasks.registry import register as register_task
 
 
 def register() -> None:
-    for spec in (classify.spec(), lm.spec()):
+    for spec in (classify.spec(), lm.spec(), retrieval.spec(), index.spec()):
         register_task(spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from app.evaluate import EVALUATE, evaluate_classifier
 from app.export.exporter import EXPORT, export_classifier
 from app.pipeline import SMOKE, sample_infer
+from app.predict.actor import PREDICTOR, Predictor
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import ModelApp
 from app.tasks.classify import classification_loss, headline, validate_classifier
@@ -25,6 +26,7 @@ def spec() -> Task:
                 EVALUATE.of(evaluate_classifier),
                 EXPORT.of(export_classifier),
                 SERVER.of(ModelApp),
+                PREDICTOR.of(Predictor),
                 SMOKE.of(sample_infer),
             ]
         ),

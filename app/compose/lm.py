@@ -24,6 +24,7 @@ def spec() -> Task:
         metrics=("val_loss", "val_perplexity", "val_token_accuracy", "baseline_perplexity"),
         source_kinds=("documents",),
         generates=True,
+        checkpoint=("val_loss", "min"),
         parts=dict(
             [
                 PREPARE.of(tokenize_corpus),

@@ -186,13 +186,19 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     if task.has(DATASET_PREPROCESSOR):  # the dataset carries its own (a corpus, tokenized)
         return task.part(DATASET_PREPROCESSOR)(config, manifest)
     files = split_files(output, manifest, "train")
-    from app.models.families import base_for  # torch: the driver only, not Ray Data's workers
+    # torch: the driver only, not Ray Data's workers
+    from app.models.families import base_for, tower_bases
 
     base = base_for(config.model, processor(manifest.kind))
+    text_base, image_base = tower_bases(config.model)
+    reads = base or text_base
     options = FitOptions(
-        max_length=config.model.sequence_length(base.max_positions if base else None),
+        max_length=config.model.sequence_length(reads.max_positions if reads else None),
         vocab_size=config.model.vocab_size,
         base=base,
+        text_base=text_base,
+        image_base=image_base,
+        image_size=config.data.image_size,
     )
     return kinds.fit(iter_shards(files), manifest.to_json_dict(), options)
 

@@ -106,7 +106,7 @@ def prepare(config: Config) -> dict[str, Any]:
     cfg = config.data
     base_for(config.model)  # a bad pretrained folder fails before any data is read
     data = load_source(cfg)
-    splits = split_rows(len(data.frame), cfg.val_fraction, cfg.test_fraction, cfg.seed)
+    splits = source_splits(data, cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
     files: dict[str, bytes] = {}
@@ -118,8 +118,27 @@ def prepare(config: Config) -> dict[str, Any]:
         data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations
     )
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
-    log.info("prepare: wrote %s", rows)
-    return {"stage": "prepare", "output": output, "rows": rows}
+    log.info("prepare: wrote %s%s", rows, f", skipped {data.skipped}" if data.skipped else "")
+    summary = {"stage": "prepare", "output": output, "rows": rows}
+    return summary | ({"skipped": data.skipped} if data.skipped else {})
+
+
+def source_splits(
+    data: SourceData, val_fraction: float, test_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
+    """The source's own split if it has one, else a seeded split of its rows, or of its groups
+    of rows (the captions of one picture) when rows come in groups."""
+    if data.fixed_splits is not None:
+        missing = [s for s in REQUIRED_SPLITS if s not in data.fixed_splits]
+        if missing:
+            raise UserError(f"the source's own split has no {missing[0]!r} rows")
+        return data.fixed_splits
+    if data.groups is None:
+        return split_rows(len(data.frame), val_fraction, test_fraction, seed)
+    by_group = split_rows(int(data.groups.max()) + 1, val_fraction, test_fraction, seed)
+    return {
+        name: np.flatnonzero(np.isin(data.groups, members)) for name, members in by_group.items()
+    }
 
 
 def write_dataset(

@@ -35,6 +35,10 @@ class FitOptions:
     max_length: int = 32  # tokens per text row
     vocab_size: int = 2000  # of a tokenizer trained on the train split
     base: Pretrained | None = None  # a pretrained folder whose preprocessing is adopted
+    # A dual encoder of two folders: the text folder's tokenizer, the image folder's processor.
+    text_base: Pretrained | None = None
+    image_base: Pretrained | None = None
+    image_size: int = 64  # pictures of a source with no size of its own, from scratch
 
 
 class Preprocessor:
@@ -63,10 +67,14 @@ class Preprocessor:
         With a pretrained `options.base`, its tokenizer or image processor is adopted (none is
         trained and no statistics are taken) and its record travels in the state."""
         labels: set[str] = set()
+        rows = 0
 
         def labelled(chunks: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+            nonlocal rows
             for chunk in chunks:
-                labels.update(chunk[manifest["label_column"]].astype(str))
+                rows += len(chunk)
+                if cls.labelled:
+                    labels.update(chunk[manifest["label_column"]].astype(str))
                 yield chunk
 
         state: dict[str, Any] = {
@@ -77,8 +85,13 @@ class Preprocessor:
         }
         if options.base is not None:
             state["pretrained"] = options.base.record()
+        if options.text_base is not None and options.image_base is not None:
+            state["towers"] = {
+                "text": options.text_base.record(),
+                "image": options.image_base.record(),
+            }
         state |= cls.fit_state(labelled(chunks), manifest, options)
-        if not labels:
+        if not rows:
             raise UserError("the train split is empty: nothing to fit the preprocessor on")
         # Labels come from the train split alone; an unseen label later is an error.
         state["labels"] = sorted(labels)

@@ -20,7 +20,8 @@ from app.data.kinds import processor
 from app.errors import UserError
 
 # "documents": a text corpus for language modelling (no labels); prepare turns it into "tokens".
-Kind = Literal["image", "tabular", "text", "documents", "tokens"]
+# "image_text": pictures and their captions (retrieval; no labels).
+Kind = Literal["image", "tabular", "text", "documents", "tokens", "image_text"]
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
 IMAGE_COLUMN = "image"
@@ -38,6 +39,11 @@ class SourceData:
     image_shape: tuple[int, int, int] | None = None  # (channels, height, width) of flat pixels
     description: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None  # tokens: a model's input length (rows hold one more)
+    # Rows that must stay in one split (a picture's captions): one group number per row.
+    groups: np.ndarray | None = None
+    # A source's own split of its rows (the Karpathy split): split -> row indices.
+    fixed_splits: dict[str, np.ndarray] | None = None
+    skipped: int = 0  # rows left out (data.skip_bad_rows)
 
 
 def load_source(cfg: DataConfig) -> SourceData:
@@ -50,6 +56,8 @@ def load_source(cfg: DataConfig) -> SourceData:
         "synthetic_text": _synthetic_text,
         "synthetic_image": _synthetic_image,
         "text_files": _text_files,
+        "image_text": _image_text,
+        "synthetic_image_text": _image_text,
     }
     data = loaders[cfg.source](cfg)
     if data.frame.empty:
@@ -380,4 +388,38 @@ def _synthetic_image(cfg: DataConfig) -> SourceData:
     description = {"source": "synthetic_image", "seed": cfg.seed, "num_rows": cfg.num_rows}
     return SourceData(
         frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, size, size), description
+    )
+
+
+# --- pictures and captions (retrieval) -----------------------------------------------------------
+
+
+def _image_text(cfg: DataConfig) -> SourceData:
+    from app.data import pictures
+
+    if cfg.source == "synthetic_image_text":
+        frame, description, skipped = pictures.synthetic(cfg)
+    elif cfg.format == "karpathy":
+        frame, description, skipped = pictures.karpathy(cfg)
+    else:
+        frame, description, skipped = pictures.table(cfg, _read_table)
+    fixed = None
+    if "split" in frame:  # the source's own split (Karpathy's)
+        names = frame.pop("split").astype(str).to_numpy()
+        fixed = {name: np.flatnonzero(names == name) for name in ("train", "val", "test")}
+        fixed = {k: v for k, v in fixed.items() if len(v)}
+    shape = (3, cfg.image_size, cfg.image_size) if cfg.source == "synthetic_image_text" else None
+    features = [pictures.IMAGE, pictures.CAPTION]
+    columns = [*features, *(c for c in frame.columns if c not in features)]
+    description |= {"skipped": skipped} if skipped else {}
+    return SourceData(
+        frame[columns],
+        "image_text",
+        columns,
+        "",
+        shape,
+        description,
+        groups=pictures.groups(frame),
+        fixed_splits=fixed,
+        skipped=skipped,
     )

@@ -15,6 +15,7 @@ from torch import nn
 
 from app.config import ConfigError, ModelConfig
 from app.data.kinds.image import Image
+from app.data.kinds.image_text import ImageText
 from app.data.kinds.tabular import Tabular
 from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
@@ -27,6 +28,7 @@ from app.pretrained import open_pretrained
 
 # Each takes the preprocessor of the kind of data ACCEPTS names for it.
 Builder = Callable[[ModelConfig, Any], nn.Module]
+FRESH = ("image_proj.", "text_proj.", "logit_scale")  # a dual encoder's own parts
 
 
 def _cnn(cfg: ModelConfig, pre: Image) -> nn.Module:
@@ -70,18 +72,27 @@ def _gpt(cfg: ModelConfig, pre: Tokens) -> nn.Module:
     )
 
 
+def _dual_encoder(cfg: ModelConfig, pre: ImageText) -> nn.Module:
+    from app.models.dual_encoder import from_scratch
+
+    return from_scratch(cfg, pre.vocab_size, pre.output_size, int(pre.state["max_length"]))
+
+
 REGISTRY: dict[str, Builder] = {
     "cnn": _cnn,
     "mlp": _mlp,
     "transformer": _transformer,
     "gpt": _gpt,
+    "dual_encoder": _dual_encoder,
 }
-# The kind of data each family takes, so a mismatch fails before training starts.
+# The kind of data each family takes, so a mismatch fails before training starts. Without
+# `model.name`, the first family that takes the dataset's kind is built.
 ACCEPTS: dict[str, type[Preprocessor]] = {
     "cnn": Image,
     "mlp": Tabular,
     "transformer": Text,
     "gpt": Tokens,
+    "dual_encoder": ImageText,
 }
 
 
@@ -108,19 +119,37 @@ def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
         from app.models.families import family
 
         return family(record["model_type"]).build(record["architecture"], pre, cfg)
-    expected = ACCEPTS.get(cfg.builder)
+    if "towers" in pre.state:  # a dual encoder of two pretrained folders
+        from app.models.families import towers
+
+        return towers(pre.state["towers"], pre, cfg)
+    name = cfg.name or next((n for n, kind in ACCEPTS.items() if isinstance(pre, kind)), "cnn")
+    expected = ACCEPTS.get(name)
     if expected and not isinstance(pre, expected):
         raise ConfigError(
-            f"config error: model.name: {cfg.builder!r} takes {expected.kind} data, "
+            f"config error: model.name: {name!r} takes {expected.kind} data, "
             f"but the dataset is {pre.kind}"
         )
-    return resolve(cfg.builder)(cfg, pre)
+    return resolve(name)(cfg, pre)
+
+
+def has_pretrained(pre: Preprocessor) -> bool:
+    return "pretrained" in pre.state or "towers" in pre.state
 
 
 def load_pretrained(model: nn.Module, pre: Preprocessor) -> None:
-    """Copy the base folder's weights into `model` (built by `build_model`): every backbone
-    tensor must be there with its shape; only the new head (and LoRA adapters) stay fresh."""
-    record = pre.state["pretrained"]
+    """Copy the pretrained folders' weights into `model` (built by `build_model`): the folder's,
+    or each tower's under its prefix (a dual encoder of two folders)."""
+    if "towers" in pre.state:
+        for prefix, record in pre.state["towers"].items():
+            load_folder(model, record, f"{prefix}.encoder.")
+        return
+    load_folder(model, pre.state["pretrained"], "")
+
+
+def load_folder(model: nn.Module, record: dict[str, Any], prefix: str) -> None:
+    """Every backbone tensor of the folder must be there with its shape; only the new head,
+    projections and temperature (and LoRA adapters) stay fresh."""
     base = open_pretrained(record["uri"])
     if base.weights_sha256() != record["weights_sha256"]:
         raise ConfigError(
@@ -129,13 +158,15 @@ def load_pretrained(model: nn.Module, pre: Preprocessor) -> None:
         )
     from app.models.families import family_of
 
-    state = family_of(base).rename(base.weights())
+    state = {prefix + k: v for k, v in family_of(base).rename(base.weights()).items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch: torch lists them, the first says enough
         detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
         raise ConfigError(f"config error: model.pretrained: {record['uri']}: {detail}") from None
-    missing = [k for k in result.missing_keys if not (k.startswith("head.") or ".lora_" in k)]
+    mine = [k for k in result.missing_keys if k.startswith(prefix)]
+    missing = [k for k in mine if not (k.removeprefix(prefix).startswith("head.") or ".lora_" in k)]
+    missing = [k for k in missing if not k.startswith(FRESH)]
     if missing or result.unexpected_keys:
         what = (
             f"lacks {missing[:3]}"

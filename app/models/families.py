@@ -20,10 +20,12 @@ from torch import nn
 
 from app.config import ConfigError, ModelConfig
 from app.data.kinds.image import Image
+from app.data.kinds.image_text import ImageText
 from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
-from app.models import bert, gpt, vit
+from app.models import bert, clip, gpt, vit
+from app.models.dual_encoder import DualEncoder, Pooled
 from app.pretrained import IMAGE_PROCESSOR, TOKENIZER, VOCAB, Pretrained, open_pretrained
 
 Build = Callable[[dict[str, Any], Any, ModelConfig], nn.Module]
@@ -38,10 +40,11 @@ class Family:
     rename: Rename  # the folder's tensors -> the module's state dict
     preprocessing: tuple[str, ...]  # the files, any one of which carries its preprocessing
     # config.json's sizes: key -> the largest value taken (None: the key may be absent).
-    sizes: dict[str, int]
+    sizes: dict[str, int]  # dotted into a section: "text_config.hidden_size"
     optional: tuple[str, ...] = ()  # sizes config.json may leave to their defaults
-    divides: tuple[str, str] | None = None  # (width, heads): the heads split the width
-    tokens: bool = False  # its tokenizer's ids index the `vocab_size` embedding rows
+    divides: tuple[tuple[str, str], ...] = ()  # (width, heads): the heads split the width
+    vocab: str | None = None  # the size its tokenizer's ids index (embedding rows)
+    also: tuple[str, ...] = ()  # files it needs besides its preprocessing's
 
 
 LAYERS, WIDTH, VOCAB_ROWS, POSITIONS = 1024, 2**16, 2**22, 2**20
@@ -63,8 +66,8 @@ FAMILIES: dict[str, Family] = {
             sizes={"n_layer": LAYERS, "n_embd": WIDTH, "n_head": 1024, "n_inner": 2**18}
             | {"vocab_size": VOCAB_ROWS, "n_positions": POSITIONS},
             optional=("n_inner",),
-            divides=("n_embd", "n_head"),
-            tokens=True,
+            divides=(("n_embd", "n_head"),),
+            vocab="vocab_size",
         ),
         Family(
             "bert",
@@ -76,8 +79,8 @@ FAMILIES: dict[str, Family] = {
             | {"vocab_size": VOCAB_ROWS, "max_position_embeddings": POSITIONS}
             | {"type_vocab_size": 1024},
             optional=("max_position_embeddings", "type_vocab_size"),
-            divides=("hidden_size", "num_attention_heads"),
-            tokens=True,
+            divides=(("hidden_size", "num_attention_heads"),),
+            vocab="vocab_size",
         ),
         Family(
             "vit",
@@ -87,7 +90,25 @@ FAMILIES: dict[str, Family] = {
             (IMAGE_PROCESSOR,),
             sizes=ENCODER | {"image_size": 8192, "patch_size": 8192, "num_channels": 4},
             optional=("image_size", "patch_size", "num_channels"),
-            divides=("hidden_size", "num_attention_heads"),
+            divides=(("hidden_size", "num_attention_heads"),),
+        ),
+        Family(
+            "clip",
+            ImageText,
+            clip.from_config,
+            clip.rename,
+            (TOKENIZER,),
+            sizes={f"text_config.{k}": v for k, v in ENCODER.items()}
+            | {f"vision_config.{k}": v for k, v in ENCODER.items()}
+            | {"text_config.vocab_size": VOCAB_ROWS, "text_config.max_position_embeddings": 4096}
+            | {"vision_config.image_size": 8192, "vision_config.patch_size": 8192}
+            | {"projection_dim": WIDTH},
+            divides=(
+                ("text_config.hidden_size", "text_config.num_attention_heads"),
+                ("vision_config.hidden_size", "vision_config.num_attention_heads"),
+            ),
+            vocab="text_config.vocab_size",
+            also=(IMAGE_PROCESSOR,),
         ),
     )
 }
@@ -120,25 +141,37 @@ def family_of(base: Pretrained) -> Family:
     found = FAMILIES[model_type]
     if not any(base.has(name) for name in found.preprocessing):
         raise base.fail(f"missing {' or '.join(found.preprocessing)}")
+    for name in found.also:
+        if not base.has(name):
+            raise base.fail(f"missing {name}")
     check_sizes(base, found)
     check_weights(base, found)
-    if found.tokens:
-        check_tokenizer(base)
+    if found.vocab:
+        check_tokenizer(base, found.vocab)
     return found
+
+
+def size(config: dict[str, Any], key: str) -> Any:
+    """A config.json value by its dotted key (None when absent)."""
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def check_sizes(base: Pretrained, found: Family) -> None:
     for key, largest in found.sizes.items():
-        if base.config.get(key) is None and key in found.optional:
+        value = size(base.config, key)
+        if value is None and key in found.optional:
             continue
-        value = base.config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= largest:
             shown = json.dumps(value)[:40]
             raise base.fail(f"config.json {key}: {shown} is not a size in 1..{largest}")
-    if found.divides:
-        width, heads = found.divides
-        if base.config[width] % base.config[heads]:
-            raise base.fail(f"config.json {width} {base.config[width]} does not split into {heads}")
+    for width, heads in found.divides:
+        if size(base.config, width) % size(base.config, heads):
+            raise base.fail(
+                f"config.json {width} {size(base.config, width)} does not split into {heads}"
+            )
 
 
 def check_weights(base: Pretrained, found: Family) -> None:
@@ -166,9 +199,9 @@ def check_weights(base: Pretrained, found: Family) -> None:
             )
 
 
-def check_tokenizer(base: Pretrained) -> None:
+def check_tokenizer(base: Pretrained, vocab: str) -> None:
     base.tokenizer_config()  # read now: a malformed one fails here, not at training
-    tokens, rows = base.tokenizer_size(), base.config["vocab_size"]
+    tokens, rows = base.tokenizer_size(), size(base.config, vocab)
     if tokens > rows:
         raise base.fail(
             f"the tokenizer has {tokens} token ids, more than config.json's vocab_size {rows} "
@@ -189,3 +222,32 @@ def base_for(model: ModelConfig, takes: type[Preprocessor] | None = None) -> Pre
             f"{wanted.kind} data, but the dataset is {takes.kind}"
         )
     return base
+
+
+def tower_bases(model: ModelConfig) -> tuple[Pretrained | None, Pretrained | None]:
+    """(text folder, image folder) of a dual encoder of two folders, each checked to be a
+    text or an image family (`model.pretrained_text`, `model.pretrained_image`)."""
+    if not (model.pretrained_text or model.pretrained_image):
+        return None, None
+    if not (model.pretrained_text and model.pretrained_image):
+        raise ConfigError(
+            "config error: model.pretrained_text: a dual encoder of two folders needs both "
+            "model.pretrained_text and model.pretrained_image (or one CLIP folder in "
+            "model.pretrained)"
+        )
+    text = base_for(model.model_copy(update={"pretrained": model.pretrained_text}), Text)
+    image = base_for(model.model_copy(update={"pretrained": model.pretrained_image}), Image)
+    return text, image
+
+
+def towers(records: dict[str, dict[str, Any]], pre: Any, cfg: ModelConfig) -> DualEncoder:
+    """A dual encoder whose towers are two folders' encoders (their records: `text`, `image`),
+    with new projections into `model.embed_dim`."""
+    built = {}
+    for name, record in records.items():
+        stand_in = SimpleNamespace(labels=["a"], state={"pretrained": record})
+        encoder = family(record["model_type"]).build(record["architecture"], stand_in, cfg)
+        built[name] = Pooled(encoder)
+    text_dim = records["text"]["architecture"]["hidden_size"]
+    image_dim = records["image"]["architecture"]["hidden_size"]
+    return DualEncoder(built["image"], built["text"], image_dim, text_dim, cfg.embed_dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +15,7 @@ from app.data.checks import MISSING, values_of
 from app.data.preprocess import Column
 from app.predict.rows import CheckedBatch, InputSpec, check_batch, json_line_columns
 from app.runtime.artifact import open_artifact, run_logits, softmax
+from app.tasks.registry import Part
 
 log = logging.getLogger(__name__)
 
@@ -27,30 +28,40 @@ REASON, ROW, ID_TEXT = "_reason", "_row", "_id_text"
 MODEL_NAME, MODEL_VERSION = "model_name", "model_version"
 
 
-class Predictor:
-    """A Ray Data callable class: the artifact and its session are built once per actor."""
+class Scorer(Protocol):
+    """A task's batch inference (jobs.predict): a Ray Data callable class built once per actor,
+    each batch in, one table of its outputs and its rejected rows out (`predictions_table`),
+    and the input columns it reads."""
 
-    def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
-        self.artifact = open_artifact(artifact_uri)  # verifies every sha256 again, in the actor
-        self.session = self.artifact.session(variant, threads)
+    def __call__(
+        self, artifact_uri: str, variant: str, threads: int, spec: InputSpec, /
+    ) -> Any: ...
+
+    def input_spec(
+        self, schema: dict[str, Any], id_column: str, fmt: str, present: list[str], /
+    ) -> InputSpec: ...
+
+
+PREDICTOR = Part[Scorer]("predictor")
+
+
+class ArtifactBatches:
+    """What every task's batch scorer shares: the artifact (verified again in the actor), the
+    input spec, and a batch as named columns."""
+
+    def __init__(self, artifact_uri: str, spec: InputSpec):
+        self.artifact = open_artifact(artifact_uri)
         self.spec = spec
-        self.labels = np.asarray(self.artifact.preprocessor.labels, dtype=object)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        columns, n, known, where = self._columns(batch)
-        checked = check_batch(columns, n, self.spec, known)
-        probabilities = self._probabilities(checked)
-        return predictions_table(
-            columns, self.spec.id_column, checked, probabilities, self.labels, where, self.meta
-        )
 
     @property
     def meta(self) -> tuple[str, str]:
         return self.artifact.name, self.artifact.version
 
-    def _columns(
+    def columns(
         self, batch: pa.Table
     ) -> tuple[dict[str, Column], int, list[str | None], list[str] | None]:
+        """The batch's columns by name, its size, problems found reading it (JSON lines that
+        are not objects), and each row's `file:line` for JSON lines."""
         if self.spec.format == "jsonl":
             columns, problems, where = json_line_columns(
                 batch["line"].to_pylist(),
@@ -67,6 +78,27 @@ class Predictor:
         }
         return columns, batch.num_rows, [None] * batch.num_rows, None
 
+
+class Predictor(ArtifactBatches):
+    """A classifier's batches: labels and probabilities."""
+
+    @staticmethod
+    def input_spec(
+        schema: dict[str, Any], id_column: str, fmt: str, present: list[str]
+    ) -> InputSpec:
+        return InputSpec.of(schema, id_column, fmt)
+
+    def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
+        super().__init__(artifact_uri, spec)
+        self.session = self.artifact.session(variant, threads)
+        self.labels = np.asarray(self.artifact.preprocessor.labels, dtype=object)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        columns, n, known, where = self.columns(batch)
+        checked = check_batch(columns, n, self.spec, known)
+        outputs = classifier_outputs(self._probabilities(checked), self.labels)
+        return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
+
     def _probabilities(self, checked: CheckedBatch) -> np.ndarray:
         if not len(checked.good):
             return np.zeros((0, len(self.labels)), np.float32)
@@ -74,29 +106,36 @@ class Predictor:
         return softmax(run_logits(self.session, inputs)).astype(np.float32)
 
 
-def predictions_table(
+def classifier_outputs(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, pa.Array]:
+    """Each good row's label (the likeliest) and its probabilities."""
+    flat = pa.array(probabilities.reshape(-1), pa.float32())
+    chosen = labels[probabilities.argmax(1)].tolist() if len(probabilities) else []
+    return {
+        "label": pa.array(chosen, pa.string()),
+        "probabilities": pa.FixedSizeListArray.from_arrays(flat, probabilities.shape[1]).cast(
+            pa.list_(pa.float32())
+        ),
+    }
+
+
+def outputs_table(
     columns: dict[str, Column],
     id_column: str,
     checked: CheckedBatch,
-    probabilities: np.ndarray,
-    labels: np.ndarray,
+    outputs: dict[str, pa.Array],
     where: list[str] | None,
     meta: tuple[str, str],
 ) -> pa.Table:
-    """The good rows (id, label, probabilities, model) then the bad ones (reason, row, id text),
+    """The good rows (id, the task's outputs, model) then the bad ones (reason, row, id text),
     in one table so that one map_batches output carries both; the driver splits them."""
     good = checked.good
     bad = np.asarray([i for i, r in enumerate(checked.reasons) if r is not None], np.int64)
-    ids = _good_ids(columns[id_column], good)
-    k = probabilities.shape[1]
-    flat = pa.array(probabilities.reshape(-1), pa.float32())
-    probs = pa.FixedSizeListArray.from_arrays(flat, k).cast(pa.list_(pa.float32()))
-    label = pa.array(labels[probabilities.argmax(1)].tolist() if len(good) else [], pa.string())
+    ids = good_values(columns[id_column], good)
     nb = len(bad)
-    table = {
-        id_column: pa.concat_arrays([ids, pa.nulls(nb, ids.type)]),
-        "label": pa.concat_arrays([label, pa.nulls(nb, pa.string())]),
-        "probabilities": pa.concat_arrays([probs, pa.nulls(nb, probs.type)]),
+    table = {id_column: pa.concat_arrays([ids, pa.nulls(nb, ids.type)])}
+    for name, values in outputs.items():
+        table[name] = pa.concat_arrays([values, pa.nulls(nb, values.type)])
+    table |= {
         MODEL_NAME: pa.array([meta[0]] * (len(good) + nb), pa.string()),
         MODEL_VERSION: pa.array([meta[1]] * (len(good) + nb), pa.string()),
         REASON: pa.array([None] * len(good) + [checked.reasons[i] for i in bad], pa.string()),
@@ -108,7 +147,8 @@ def predictions_table(
     return pa.table(table)
 
 
-def _good_ids(column: Column, good: np.ndarray) -> pa.Array:
+def good_values(column: Column, good: np.ndarray) -> pa.Array:
+    """A column's values at the good rows, as one Arrow array."""
     if isinstance(column, pa.ChunkedArray):
         return column.take(pa.array(good, pa.int64())).combine_chunks()
     if isinstance(column, pa.Array):
@@ -151,8 +191,6 @@ def _as_text(value: Any) -> str:
 def split_predictions(table: pa.Table, id_column: str) -> tuple[pa.Table, pa.Table]:
     """The actor's table -> (predictions, rejects: id as text, reason, the row as JSON)."""
     bad_mask = table[REASON].is_valid()
-    good = table.filter(pc.invert(bad_mask)).select(
-        [id_column, "label", "probabilities", MODEL_NAME, MODEL_VERSION]
-    )
+    good = table.filter(pc.invert(bad_mask)).drop([REASON, ROW, ID_TEXT])
     bad = table.filter(bad_mask).select([ID_TEXT, REASON, ROW])
     return good, bad.rename_columns(["id", "reason", "row"])

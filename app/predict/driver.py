@@ -16,8 +16,8 @@ import pyarrow as pa
 from app import storage
 from app.config import Config, PredictConfig
 from app.errors import UserError
-from app.predict.actor import Predictor, split_predictions
-from app.predict.read import check_columns, input_files, read_input
+from app.predict.actor import PREDICTOR, Scorer, split_predictions
+from app.predict.read import check_columns, header, input_files, read_input
 from app.predict.rows import InputSpec
 from app.predict.write import (
     REJECTS,
@@ -28,6 +28,7 @@ from app.predict.write import (
     commit,
 )
 from app.runtime.artifact import open_artifact
+from app.tasks.registry import task_of_schema
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def predict(
     cfg = config.predict
     fmt, files = input_files(input_uri)
     artifact = open_artifact(artifact_uri)  # verified once here; resolves `latest` for every actor
-    spec = InputSpec.of(artifact.schema, id_column, fmt)
+    scorer = scorer_of(artifact.schema)
+    spec = scorer.input_spec(artifact.schema, id_column, fmt, header(files, fmt))
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)
@@ -82,7 +84,7 @@ def predict(
         output,
     )
     connect_ray()
-    ds = _pipeline(config, files, spec, artifact.uri, variant)
+    ds = _pipeline(config, files, spec, scorer, artifact.uri, variant)
     run = f"{RUN_MARK}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     try:
         tally, (parts, rejects) = _write(ds, output, run, spec, cfg)
@@ -131,6 +133,13 @@ def predict(
     }
 
 
+def scorer_of(schema: dict[str, Any]) -> Scorer:
+    task = task_of_schema(schema)
+    if not task.has(PREDICTOR):
+        raise UserError(f"predict: task {task.name!r} has no batch inference (jobs.predict)")
+    return task.part(PREDICTOR)
+
+
 def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:
     """Every row read comes out as a prediction or a reject; for Parquet the files' own
     metadata gives an independent count."""
@@ -141,7 +150,14 @@ def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:
         )
 
 
-def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: str, variant: str):
+def _pipeline(
+    config: Config,
+    files: list[str],
+    spec: InputSpec,
+    scorer: Scorer,
+    artifact_uri: str,
+    variant: str,
+):
     import ray
     import ray.data
 
@@ -151,7 +167,7 @@ def _pipeline(config: Config, files: list[str], spec: InputSpec, artifact_uri: s
     quiet_progress()
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
     return read_input(files, spec, config.data.task_cpus).map_batches(
-        Predictor,
+        scorer,
         fn_constructor_args=(artifact_uri, variant, cfg.threads, spec),
         batch_format="pyarrow",
         batch_size=cfg.batch_size,

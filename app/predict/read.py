@@ -70,6 +70,11 @@ def check_columns(files: list[str], spec: InputSpec) -> int | None:
     return rows if spec.format == "parquet" else None
 
 
+def header(files: list[str], fmt: str) -> list[str]:
+    """The first file's column names (JSON Lines has none)."""
+    return [] if fmt == "jsonl" else _header(files[0], fmt)[0]
+
+
 def _header(uri: str, fmt: str) -> tuple[list[str], int | None]:
     fs, path = storage.filesystem(uri)
     if fmt == "parquet":

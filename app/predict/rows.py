@@ -25,15 +25,16 @@ log = logging.getLogger(__name__)
 class InputSpec:
     """The columns an artifact reads, by name, and how to check each row."""
 
-    kind: str  # tabular | image | text
+    kind: str  # tabular | image | text | image_text
     feature_columns: tuple[str, ...]
     num_features: int
     id_column: str
     format: Literal["parquet", "csv", "jsonl"] = "parquet"
+    passthrough: tuple[str, ...] = ()  # input columns copied to the output as they are
 
     @property
     def columns(self) -> list[str]:
-        return [self.id_column, *self.feature_columns]
+        return [self.id_column, *self.feature_columns, *self.passthrough]
 
     @classmethod
     def of(cls, schema: dict[str, Any], id_column: str, fmt: str = "parquet") -> InputSpec:
@@ -45,7 +46,7 @@ class InputSpec:
 
 
 def missing_columns(present: Sequence[str], spec: InputSpec) -> list[str]:
-    return [c for c in spec.columns if c not in set(present)]
+    return [c for c in (spec.id_column, *spec.feature_columns) if c not in set(present)]
 
 
 @dataclass

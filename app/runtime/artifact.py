@@ -33,8 +33,16 @@ from app.errors import ArtifactError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
-MODEL_FILES = {"fp32": "model.onnx", "int8": "model.int8.onnx"}
-REQUIRED_FILES = (*MODEL_FILES.values(), "preprocessor.json", "schema.json", "report.json")
+VARIANTS = {"fp32": ".onnx", "int8": ".int8.onnx"}  # variant -> file suffix of each graph
+MODEL = "model"  # the graph of a single-graph artifact; schema.json's `graphs` names others
+
+
+def graph_file(graph: str, variant: str) -> str:
+    return f"{graph}{VARIANTS[variant]}"
+
+
+MODEL_FILES = {v: graph_file(MODEL, v) for v in VARIANTS}
+REQUIRED_FILES = ("preprocessor.json", "schema.json", "report.json")
 QUANTIZATION_PNG = "quantization.png"  # hashed in the manifest like every file, not required
 LATEST = "latest"  # a pointer file in <registry>/<name>/ holding the latest good version
 
@@ -189,7 +197,7 @@ class Artifact:
     schema: dict[str, Any]
     report: dict[str, Any]
     preprocessor: Preprocessor
-    models: dict[str, bytes]  # variant -> verified ONNX bytes
+    graphs: dict[str, dict[str, bytes]]  # graph -> variant -> verified ONNX bytes
 
     @property
     def name(self) -> str:
@@ -199,11 +207,18 @@ class Artifact:
     def version(self) -> str:
         return str(self.manifest.version)
 
-    def session(self, variant: str, threads: int = 1):
-        return create_session(self.models[variant], threads)
+    @property
+    def models(self) -> dict[str, bytes]:
+        """The variants of a single-graph artifact (every graph has the same variants)."""
+        return self.graphs.get(MODEL) or next(iter(self.graphs.values()))
+
+    def session(self, variant: str, threads: int = 1, graph: str = MODEL):
+        return create_session(self.graphs[graph][variant], threads)
 
 
-def open_artifact(uri: str) -> Artifact:
+def open_verified(uri: str) -> tuple[str, ArtifactManifest, dict[str, bytes]]:
+    """A published version (a folder or a `latest` pointer): its URI, manifest and files, every
+    file's sha256 checked. Models and vector indexes alike."""
     uri = resolve(uri)
     with tempfile.TemporaryDirectory() as tmp:
         folder = storage.download_dir(uri, tmp)
@@ -211,18 +226,30 @@ def open_artifact(uri: str) -> Artifact:
         files = verify_files(folder, manifest)
     if manifest.version is None:
         raise ArtifactError(f"{storage.join(uri, MANIFEST)}: version: not set (never published)")
+    return uri, manifest, files
+
+
+def open_artifact(uri: str) -> Artifact:
+    uri, manifest, files = open_verified(uri)
     for name in REQUIRED_FILES:
         if name not in files:
             raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
-    for name in MODEL_FILES.values():
-        check_no_external_data(name, files[name])
+    schema = json.loads(files["schema.json"])
+    graphs: dict[str, dict[str, bytes]] = {}
+    for graph in schema.get("graphs") or [MODEL]:
+        for variant in VARIANTS:
+            name = graph_file(graph, variant)
+            if name not in files:
+                raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
+            check_no_external_data(name, files[name])
+            graphs.setdefault(graph, {})[variant] = files[name]
     return Artifact(
         uri=uri,
         manifest=manifest,
-        schema=json.loads(files["schema.json"]),
+        schema=schema,
         report=json.loads(files["report.json"]),
         preprocessor=kinds.from_json(files["preprocessor.json"].decode()),
-        models={v: files[n] for v, n in MODEL_FILES.items()},
+        graphs=graphs,
     )
 
 

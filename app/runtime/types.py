@@ -75,6 +75,8 @@ class ModelInfo:
     replica_pid: int
     batching: dict[str, Any] | None = None  # classifiers: how batched requests share calls
     generation: dict[str, int] | None = None  # language models: streams running, tokens
+    embeds: bool = False  # answers /v1/embeddings (a retrieval model)
+    searches: bool = False  # answers /v1/models/{name}:search (a vector index)
 
     def listing(self) -> dict[str, Any]:
         """The model's entry in `GET /v1/models`."""
@@ -130,6 +132,46 @@ class Finished:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    """Inputs to embed, in order: a text (str) or a picture (its encoded bytes) each. `field`
+    names the request field they came in, for error messages (`input[2]`)."""
+
+    items: tuple[str | bytes, ...]
+    field: str = "input"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    embeddings: np.ndarray  # float32 [items, dim], L2-normalised
+    tokens: int  # text tokens read (OpenAI's usage)
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class SearchQuery:
+    """One query: exactly one of a text, a picture's bytes, an embedding or a stored id."""
+
+    text: str | None = None
+    image: bytes | None = None
+    embedding: tuple[float, ...] | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SearchRequest:
+    queries: tuple[SearchQuery, ...]
+    top_k: int
+    filter: tuple[tuple[str, Any], ...] = ()  # equality on stored metadata, all must hold
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    hits: list[list[dict[str, Any]]]  # per query: {"id", "score", "metadata"} best first
+    version: str  # the index's
+    encoder_version: str
 
 
 # A generation is Started, then a Piece per piece of text, then Finished.

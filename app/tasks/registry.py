@@ -52,6 +52,7 @@ class Task:
     parts: Mapping[str, Any]  # part name -> the function or class (see `Part`)
     source_kinds: tuple[str, ...] = ()  # raw sources this task prepares itself
     generates: bool = False  # answers /v1/completions streams instead of v2 inference
+    checkpoint: tuple[str, str] = ("val_accuracy", "max")  # ranks checkpoints by default
 
     def part(self, key: Part[P]) -> P:
         if key.name not in self.parts:
@@ -135,9 +136,16 @@ def task_of_schema(schema: dict[str, Any]) -> Task:
 
 
 def check_metric(config: Config, task: Task) -> None:
-    """The checkpoint ranking metric must be one the task reports (before any worker starts)."""
+    """The checkpoint ranking metric must be one the task reports (before any worker starts);
+    left unset, it is the task's own (set on `config`)."""
     known = (*task.metrics, *TRAIN_METRICS)
     t = config.train
+    if t.checkpoint_metric is None:
+        t.checkpoint_metric, mode = task.checkpoint
+        t.checkpoint_mode = t.checkpoint_mode or mode  # type: ignore[assignment]
+    elif t.checkpoint_mode is None:
+        lower = any(word in t.checkpoint_metric for word in ("loss", "perplexity"))
+        t.checkpoint_mode = "min" if lower else "max"
     keys = {"train.checkpoint_metric": t.checkpoint_metric}
     if t.early_stopping_patience is not None:
         keys["train.early_stopping_metric"] = t.early_stopping_metric

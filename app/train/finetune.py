@@ -17,15 +17,16 @@ from app.errors import ConfigError
 from app.models.lora import apply_lora
 
 GIB = 2**30
+TOWERS = {"image": ("image",), "text": ("text",), "towers": ("image", "text")}
 
 
 def trainable_model(config: Config, pre: Any, base_weights: bool = False) -> nn.Module:
     """The model as training holds it: built, LoRA adapters added, the pretrained folder's
     weights copied in (`base_weights`: a fresh run's first start), frozen where asked."""
-    from app.models import build_model, load_pretrained
+    from app.models import build_model, has_pretrained, load_pretrained
 
     model = adapt(build_model(config.model, pre), config.train)
-    if base_weights and "pretrained" in pre.state:
+    if base_weights and has_pretrained(pre):
         load_pretrained(model, pre)
     freeze(model, config.train)
     return model
@@ -52,6 +53,10 @@ def freeze(model: nn.Module, t: TrainConfig) -> None:
         embeddings = getattr(model, "EMBEDDINGS", ("embeddings",))
         for name, p in model.named_parameters():
             if name.split(".")[0] in embeddings:
+                p.requires_grad_(False)
+    elif t.freeze in TOWERS:  # a dual encoder: its projections and temperature train on
+        for name, p in model.named_parameters():
+            if name.split(".")[0] in TOWERS[t.freeze]:
                 p.requires_grad_(False)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(

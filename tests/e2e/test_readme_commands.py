@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, get_json, run_command
-from tests.readme_commands import LATER, fill
+from tests.readme_commands import LATER, SEEDED, fill
 
 pytestmark = pytest.mark.e2e
 
@@ -50,3 +50,20 @@ def test_the_other_readme_commands_run_as_shown(command, readme_chain):
         assert summary["stage"] == "models"
     elif "pipeline" in command:
         assert summary["url"] == SERVE and summary["stages"]["export"]["artifact"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, seed", [(c, seed) for c, seeds in SEEDED.items() for seed in seeds]
+)
+def test_the_retrieval_pipeline_reaches_its_bar_for_every_seed(command, seed, readme_chain):
+    """configs/retrieval.yaml as shown, from the README chain's checkout: prepared, trained,
+    evaluated, exported, indexed and deployed; R@5 >= 50 both ways on its val split, and the
+    deployed search finds a val caption's picture."""
+    root = readme_chain["root"]
+    argv = fill(command, readme_chain) + [f"train.seed={seed}", f"export.name=retrieval-s{seed}"]
+    summary = run_command(argv, root, timeout=1500)
+    metrics = summary["stages"]["evaluate"]["metrics"]
+    assert metrics["i2t_r5"] >= 50 and metrics["t2i_r5"] >= 50, metrics
+    sample = summary["sample_request"]
+    assert sample["picture"] in sample["hits"], sample

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.errors import UserError
-from app.predict.actor import predictions_table, split_predictions
+from app.predict.actor import classifier_outputs, outputs_table, split_predictions
 from app.predict.read import check_columns, input_files
 from app.predict.rows import MISSING, InputSpec, check_batch, json_line_columns
 from app.predict.write import (
@@ -148,7 +148,8 @@ def test_every_row_comes_out_once_as_a_prediction_or_a_reject():
     checked = check_batch(columns, 3, spec)
     probabilities = np.asarray([[0.9, 0.1], [0.2, 0.8]], np.float32)
     labels = np.asarray(["no", "yes"], dtype=object)
-    table = predictions_table(columns, "id", checked, probabilities, labels, None, ("m", "3"))
+    outputs = classifier_outputs(probabilities, labels)
+    table = outputs_table(columns, "id", checked, outputs, None, ("m", "3"))
     good, bad = split_predictions(table, "id")
     out = good.to_pydict()
     np.testing.assert_array_equal(np.asarray(out.pop("probabilities"), np.float32), probabilities)

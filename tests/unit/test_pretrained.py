@@ -339,7 +339,7 @@ def lie(path) -> None:
     ("how", "says"),
     [
         ("pickled", "pickled weights (pytorch_model.bin)"),
-        ("unknown", "unknown model_type 'mamba' (supported: bert, gpt2, vit)"),
+        ("unknown", "unknown model_type 'mamba' (supported: bert, clip, gpt2, vit)"),
         ("remote_code", "needs the folder's own code (auto_map), which is never run"),
         ("no_tokenizer", "missing tokenizer.json or vocab.txt"),
         ("more_layers", "implies tensor blocks.2."),

@@ -15,6 +15,8 @@ APP = Path(__file__).resolve().parents[2] / "app"
 LAYERS = [
     ("app.compose", 8),  # the composition root: the built-in tasks from every stage's parts
     ("app.pipeline", 7),
+    ("app.index", 7),  # a vector index from jobs.predict's embeddings
+    ("app.corpus", 7),
     ("app.predict", 7),
     ("app.serve", 6),
     ("app.export", 5),

@@ -11,6 +11,7 @@ import pandas as pd
 
 from app.data.kinds.documents import Documents
 from app.data.kinds.image import Image
+from app.data.kinds.image_text import ImageText
 from app.data.kinds.tabular import Tabular
 from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
@@ -18,7 +19,7 @@ from app.data.preprocess import FitOptions, Preprocessor
 from app.errors import UserError
 
 KINDS: dict[str, type[Preprocessor]] = {
-    cls.kind: cls for cls in (Tabular, Image, Text, Tokens, Documents)
+    cls.kind: cls for cls in (Tabular, Image, Text, Tokens, Documents, ImageText)
 }
 
 

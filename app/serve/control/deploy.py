@@ -28,7 +28,7 @@ import requests
 from app.config import Config, ServeConfig, resolve_uri
 from app.errors import UserError
 from app.ray_runtime import connect_ray
-from app.runtime.artifact import open_artifact
+from app.runtime.artifact import open_verified
 from app.serve.control.builders import MODEL_IMPORT_PATH, applications
 from app.serve.control.deploy_lock import cluster_lock
 from app.serve.http.middleware import api_key
@@ -42,20 +42,21 @@ ROLLBACK_TIMEOUT_S = 120.0
 
 
 def deploy(config: Config, artifact_uri: str, timeout_s: float = 300.0) -> dict[str, Any]:
-    artifact = open_artifact(resolve_uri(artifact_uri))  # verify before touching the cluster
+    # Verified before touching the cluster (a model or a vector index: its replica loads it).
+    uri, manifest, _ = open_verified(resolve_uri(artifact_uri))
     cfg = config.serve
     require_key(cfg, None)  # a public serve.host without a key: refuse before any work
     connect_ray(require_cluster=True)
-    model = {"name": artifact.name, "artifact": artifact.uri}
+    model = {"name": manifest.name, "artifact": uri}
     # The lease outlives the longest locked section (rollout, then rollback) with room to spare.
     with cluster_lock(ttl_s=timeout_s + ROLLBACK_TIMEOUT_S + 60, wait_s=timeout_s):
-        url, app = apply(serve_client(), cfg, model, artifact.version, timeout_s)
+        url, app = apply(serve_client(), cfg, model, str(manifest.version), timeout_s)
     return {
         "stage": "deploy",
         "url": url,
-        "model": artifact.name,
-        "version": artifact.version,
-        "artifact": artifact.uri,
+        "model": manifest.name,
+        "version": str(manifest.version),
+        "artifact": uri,
         "models": app["args"]["models"],
     }
 

@@ -5,8 +5,9 @@ good version) is the source of truth for what exists; the running Serve applicat
 live. Without a cluster nothing is live, which `list` reports as "unknown" (a registry on shared
 storage may still be served by a cluster this machine cannot see).
 
-Pruning never deletes the version `latest` points at, nor one a running cluster serves or pins,
-nor a version without its manifest (an export still writing it: the manifest is written last);
+Pruning never deletes the version `latest` points at, nor one a running cluster serves or pins
+(nor the encoder version a served vector index, or a model's newest index, embeds its queries
+with), nor a version without its manifest (an export still writing it: the manifest is written last);
 it asks the cluster under the deploy lock, and without a cluster it refuses unless forced.
 """
 
@@ -115,6 +116,13 @@ def gate_figures(report: dict[str, Any]) -> dict[str, Any]:
 def live_versions(config: Config) -> dict[str, str] | None:
     """{model name: version served} for this project's Serve applications; None when no cluster
     runs (nothing can be known to be live)."""
+    live = live_folders(config)
+    return None if live is None else {name: version for name, (_, version) in live.items()}
+
+
+def live_folders(config: Config) -> dict[str, tuple[str, str]] | None:
+    """{name: (its version folder, the version)} of every model and index served; None when no
+    cluster runs."""
     from app.config import resolve_uri
     from app.errors import NoClusterError
     from app.ray_runtime import connect_ray
@@ -129,7 +137,10 @@ def live_versions(config: Config) -> dict[str, str] | None:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     live = {}
     for name, uri in served_models(current_apps(details), config.serve).items():
-        live[name] = served_version(resolve_uri(uri), url, name, config.serve.api_key_env)
+        uri = resolve_uri(uri).rstrip("/")
+        version = served_version(uri, url, name, config.serve.api_key_env)
+        folder = storage.join(uri.rsplit("/", 1)[0], version) if uri.endswith(art.LATEST) else uri
+        live[name] = (folder, version)
     return live
 
 
@@ -231,9 +242,36 @@ def _prune_under_lock(config: Config, keep: int, names: list[str]) -> dict[str, 
 
 def versions_in_use(config: Config) -> dict[str, set[str]]:
     """Per model, the version the running Serve config pins (its artifact folder), or, for a
-    `latest` pointer, the one its replicas answer with (what `latest` was when they started)."""
-    live = live_versions(config) or {}
-    return {name: {version} for name, version in live.items()}
+    `latest` pointer, the one its replicas answer with (what `latest` was when they started);
+    and the encoder version every served vector index embeds its queries with."""
+    in_use: dict[str, set[str]] = {}
+    for name, (folder, version) in (live_folders(config) or {}).items():
+        in_use.setdefault(name, set()).add(version)
+        encoder = index_encoder(folder)
+        if encoder is not None:
+            in_use.setdefault(encoder["name"], set()).add(str(encoder["version"]))
+    return in_use
+
+
+def index_encoder(folder: str) -> dict[str, str] | None:
+    """The encoder a vector index version names (None for a model, or an unreadable schema)."""
+    from app.runtime.index import INDEX_TASK
+
+    try:
+        schema = json.loads(storage.read_bytes(storage.join(folder, "schema.json")))
+    except (OSError, ValueError):
+        return None
+    return schema.get("encoder") if schema.get("task") == INDEX_TASK else None
+
+
+def latest_index_encoder(folder: str, name: str) -> set[str]:
+    """The version of `name` its newest vector index (`<name>/index/latest`) was built with:
+    deploying that index needs it, with or without a cluster to ask."""
+    pointer = storage.join(folder, "index", art.LATEST)
+    if not storage.exists(pointer):
+        return set()
+    encoder = index_encoder(storage.join(folder, "index", str(storage.read_int(pointer))))
+    return {str(encoder["version"])} if encoder and encoder["name"] == name else set()
 
 
 def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[str]:
@@ -247,7 +285,7 @@ def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[s
         raise UserError(f"{name}: cannot tell which version is live ({unknown[0]}); nothing pruned")
     latest = str(storage.read_int(storage.join(folder, art.LATEST)))
     versions = complete_versions(folder)
-    protected = set(versions[-keep:]) | {latest} | in_use
+    protected = set(versions[-keep:]) | {latest} | in_use | latest_index_encoder(folder, name)
     doomed = [v for v in versions if v not in protected]
     for version in doomed:
         # The manifest goes first: a reader then sees an incomplete version, never a

@@ -24,7 +24,7 @@ from app.config import ServeConfig
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
 from app.serve.http.middleware import Admit, FullPath, Observe, api_key, error, request_id
-from app.serve.http.routes import generation, v1, v2
+from app.serve.http.routes import generation, retrieval, v1, v2
 from app.serve.metrics import model_histogram, process_buffer
 
 log = logging.getLogger("ray.serve")
@@ -44,7 +44,7 @@ def create_api(
     # Each route on the app itself (FastAPI matches an included router through a wrapper of its
     # own on every request), the POST routes first: a request is matched against each route in
     # turn, and inference is nearly all of the traffic (no two routes overlap).
-    routers = (v2.router, v1.router, generation.router)
+    routers = (v2.router, v1.router, generation.router, retrieval.router)
     routes = [route for r in routers for route in r.routes if isinstance(route, APIRoute)]
     for route in sorted(routes, key=lambda route: "POST" not in (route.methods or ())):
         methods = sorted(route.methods or ())

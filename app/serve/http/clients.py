@@ -18,12 +18,16 @@ from typing import Any, Protocol
 
 from app.config import ServeConfig
 from app.runtime.types import (
+    EmbedRequest,
+    EmbedResult,
     GenerationEvent,
     GenerationRequest,
     InferRequest,
     InferResult,
     ModelInfo,
     RequestError,
+    SearchRequest,
+    SearchResult,
 )
 
 # The metrics tag of a model name that is not deployed: one series, however many names are tried.
@@ -41,6 +45,10 @@ class ModelClient(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
 
+    def embed(self, request: EmbedRequest) -> Awaitable[EmbedResult]: ...
+
+    def search(self, request: SearchRequest) -> Awaitable[SearchResult]: ...
+
 
 class LocalModel:
     """A ModelServer or LMServer in this process."""
@@ -56,6 +64,12 @@ class LocalModel:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         return self.server.generate(request)
+
+    def embed(self, request: EmbedRequest) -> Awaitable[EmbedResult]:
+        return self.server.embed(request)
+
+    def search(self, request: SearchRequest) -> Awaitable[SearchResult]:
+        return self.server.search(request)
 
 
 class RayModel:
@@ -85,6 +99,12 @@ class RayModel:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         return self._get().options(stream=True).generate.remote(request)
+
+    def embed(self, request: EmbedRequest) -> Awaitable[EmbedResult]:
+        return self._get().embed.remote(request)
+
+    def search(self, request: SearchRequest) -> Awaitable[SearchResult]:
+        return self._get().search.remote(request)
 
 
 class Models:
@@ -124,6 +144,16 @@ class Models:
 
     async def infer(self, name: str, request: InferRequest) -> InferResult:
         return await self._call(name, self.get(name).infer(request))
+
+    async def embed(self, name: str, request: EmbedRequest) -> EmbedResult:
+        if not (await self.info(name, INFO_FRESH_S)).embeds:
+            raise RequestError(400, f"model {name!r} does not embed (not a retrieval model)")
+        return await self._call(name, self.get(name).embed(request))
+
+    async def search(self, name: str, request: SearchRequest) -> SearchResult:
+        if not (await self.info(name, INFO_FRESH_S)).searches:
+            raise RequestError(400, f"model {name!r} is not a vector index")
+        return await self._call(name, self.get(name).search(request))
 
     async def generate(
         self, name: str, request: GenerationRequest

@@ -45,7 +45,7 @@ def error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 def is_loopback(host: str) -> bool:

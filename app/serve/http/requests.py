@@ -258,6 +258,8 @@ def refusal(error: ValidationError, model: type[BaseModel]) -> RequestError:
     message = first["msg"].removeprefix("Value error, ")
     if message.split(":", 1)[0] in model.model_fields:  # a validator that names its field
         return bad(message)
+    if where and first["type"] == "value_error" and message.startswith("["):  # an item of it
+        return bad(f"{where}{message}")
     return bad(f"{where}: {_what(first)}" if where else message)
 
 
@@ -302,3 +304,118 @@ def unknown(loc: tuple[int | str, ...]) -> str:
 def _short(value: int | float) -> str:
     text = repr(value)
     return text if len(text) <= 24 else f"{text[:10]}...({len(text)} characters)"
+
+
+# --- embeddings (a retrieval model) --------------------------------------------------------------
+
+
+class ImageURL(Strict):
+    url: str
+    detail: str | None = None  # OpenAI's; a picture is embedded whole either way
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class EmbeddingsRequest(Strict):
+    """`POST /v1/embeddings`: OpenAI's shape; `input` a string or a list of strings and
+    pictures (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`)."""
+
+    model: str = Field(min_length=1)
+    input: Any
+    encoding_format: Literal["float", "base64"] | None = None
+    user: str | None = None  # accepted and ignored, as documented
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, value: Any, info: ValidationInfo) -> tuple[str | bytes, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"expected a string or a non-empty list, got {json_type(value)}")
+        limit = ((info.context or {}).get("cfg") or ServeConfig()).max_request_rows
+        if len(items) > limit:
+            raise ValueError(f"{len(items)} items, more than serve.max_request_rows={limit}")
+        return tuple(embedding_item(item, i) for i, item in enumerate(items))
+
+
+def embedding_item(item: Any, i: int) -> str | bytes:
+    """A text as it is, or a picture's bytes from its data URL (the server fetches nothing)."""
+    if isinstance(item, str):
+        try:
+            return prompt_text(item)
+        except ValueError as e:
+            raise ValueError(f"[{i}]: {e}") from None
+    if isinstance(item, int | list) and not isinstance(item, bool):
+        raise ValueError(f"[{i}]: token ids are not supported; send the text")
+    try:
+        part = ImagePart.model_validate(item)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        raise ValueError(f"[{i}].{field_path(first['loc'])}: {_what(first)}") from None
+    return data_url_bytes(part.image_url.url, f"[{i}].image_url.url")
+
+
+def data_url_bytes(url: str, where: str) -> bytes:
+    import base64
+    import binascii
+
+    if url.startswith(("http://", "https://", "ftp://", "file:")):
+        raise ValueError(f"{where}: the server fetches no URL; send the picture as a data URL")
+    head, comma, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise ValueError(f"{where}: expected data:image/<type>;base64,<data>")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the base64 data does not decode") from None
+
+
+# --- search (a vector index) ---------------------------------------------------------------------
+
+
+class Query(Strict):
+    """One query: exactly one of a text, a picture (a data URL), a raw embedding, a stored id."""
+
+    text: str | None = None
+    image: str | None = None
+    embedding: list[Number] | None = Field(None, min_length=1, max_length=65536)
+    id: str | int | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Query:
+        given = [n for n in ("text", "image", "embedding", "id") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of text, image, embedding, id (got {given or 'none'})"
+            )
+        if self.text is not None:
+            prompt_text(self.text)
+        return self
+
+
+class SearchBody(Strict):
+    """`POST /v1/models/{name}:search`."""
+
+    queries: list[Query] | None = Field(None, min_length=1)
+    query: Query | None = None
+    top_k: int = Field(10, ge=1)  # at most serve.max_top_k
+    filter: dict[str, str | int | float | bool] | None = None
+
+    @model_validator(mode="after")
+    def _queries(self) -> SearchBody:
+        if (self.queries is None) == (self.query is None):
+            raise ValueError("queries: give `queries` (a list) or `query` (one), not both")
+        return self
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int, info: ValidationInfo) -> int:
+        limit = ((info.context or {}).get("cfg") or ServeConfig()).max_top_k
+        if value > limit:
+            raise ValueError(f"{_short(value)} is over serve.max_top_k={limit}")
+        return value
+
+    def all_queries(self) -> list[Query]:
+        return self.queries or ([self.query] if self.query else [])

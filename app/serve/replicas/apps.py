@@ -11,11 +11,12 @@ from ray import serve
 
 from app.config import ServeConfig
 from app.ray_private import serve_http_host
-from app.runtime.artifact import Artifact
 from app.serve.http.api import IngressMetrics, create_api
 from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
+from app.serve.replicas.embedding_server import EmbeddingServer
 from app.serve.replicas.lm_server import LMServer
 from app.serve.replicas.model_server import ModelServer
+from app.serve.replicas.search_server import SearchServer
 
 
 def model_app_name(cfg: ServeConfig, model: str) -> str:
@@ -26,7 +27,7 @@ class SelfServing:
     """Mixed into a replica class: the replica answers its own model's routes (its HTTP stack
     and its model in one process, no hop between them)."""
 
-    artifact: Artifact
+    artifact: Any  # an Artifact, or a VectorIndex (its name is the route's)
 
     def __init__(self, artifact_uri: str, serve_config: dict[str, Any]):
         self.config = ServeConfig.model_validate(serve_config)
@@ -48,6 +49,16 @@ class ModelApp(SelfServing, ModelServer):
 @serve.ingress()
 class LMApp(SelfServing, LMServer):
     """A language model's replica: the same routes, generation instead of batched inference."""
+
+
+@serve.ingress()
+class EmbeddingApp(SelfServing, EmbeddingServer):
+    """A retrieval model's replica: the same routes, embeddings of texts and pictures."""
+
+
+@serve.ingress()
+class SearchApp(SelfServing, SearchServer):
+    """A vector index's replica: the same routes, search over one index version."""
 
 
 @serve.ingress()

@@ -1,0 +1,40 @@
+"""Task `retrieval`: pictures and their captions -> a dual encoder whose image and text
+embeddings share one space, served as OpenAI embeddings and searched through a vector index."""
+
+from __future__ import annotations
+
+from app.evaluate import EVALUATE, evaluate_retrieval
+from app.export.exporter import EXPORT
+from app.export.retrieval import export_retrieval
+from app.pipeline import FOLLOW_UP, SMOKE, index_val_pictures, sample_embedding
+from app.predict.actor import PREDICTOR
+from app.predict.embed import EmbeddingPredictor
+from app.serve.control.builders import SERVER
+from app.serve.replicas.apps import EmbeddingApp
+from app.tasks.registry import Task
+from app.tasks.retrieval import KS, contrastive_loss, headline, validate_retrieval
+from app.train.parts import HEADLINE, LOSS, VALIDATE
+
+METRICS = tuple(f"val_{d}_r{k}" for d in ("i2t", "t2i") for k in KS)
+
+
+def spec() -> Task:
+    return Task(
+        name="retrieval",
+        dataset_kinds=("image_text",),
+        metrics=("val_loss", *METRICS, "val_rsum"),
+        checkpoint=("val_rsum", "max"),
+        parts=dict(
+            [
+                LOSS.of(contrastive_loss),
+                VALIDATE.of(validate_retrieval),
+                HEADLINE.of(headline),
+                EVALUATE.of(evaluate_retrieval),
+                EXPORT.of(export_retrieval),
+                SERVER.of(EmbeddingApp),
+                PREDICTOR.of(EmbeddingPredictor),
+                SMOKE.of(sample_embedding),
+                FOLLOW_UP.of(index_val_pictures),
+            ]
+        ),
+    )

@@ -1,0 +1,281 @@
+"""Image-caption pairs for retrieval: a table of pictures and captions, the Karpathy-split JSON
+of COCO and Flickr30k, or generated scenes every machine can make.
+
+Each row is one caption of one picture; rows of the same picture share its `image_id` (and a
+generated picture and its twin share a group), so the split never puts a picture in two splits.
+Shards keep the picture's encoded bytes (PNG or JPEG, as the source has them) and the raw
+caption: decoding and resizing belong to the fitted preprocessor (app/data/kinds/image_text.py).
+A picture that cannot be read (missing, corrupt, a decompression bomb) is refused with one line
+naming its row, or skipped and counted when `data.skip_bad_rows` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from app import storage
+from app.config import DataConfig
+from app.errors import UserError
+
+IMAGE, CAPTION, IMAGE_ID, TWIN = "image", "caption", "image_id", "twin"
+MAX_PIXELS = 64 * 2**20  # a source picture decodes to at most this many pixels
+
+
+def check_picture(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
+    """Why these bytes are not a picture PIL can decode within `max_pixels`, or None."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                return f"{width}x{height} pixels, more than {max_pixels}"
+            img.load()
+    except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
+        detail = (str(e).strip().splitlines() or [""])[0][:80]
+        return f"unreadable image ({type(e).__name__}: {detail})"
+    return None
+
+
+# --- a table of pictures and captions ------------------------------------------------------------
+
+
+def table(
+    cfg: DataConfig, read_table: Callable[[str], pd.DataFrame]
+) -> tuple[pd.DataFrame, dict[str, Any], int]:
+    """(rows, description, skipped): `cfg.path` a CSV/JSONL/Parquet file (read by `read_table`,
+    the table source's reader); the image column a path (relative to the table's folder), a
+    URI, or the picture's bytes."""
+    assert cfg.path is not None
+    frame = read_table(cfg.path)
+    for column in (cfg.image_column, cfg.caption_column):
+        if column not in frame.columns:
+            raise UserError(f"{cfg.path}: missing column {column!r} (has {list(frame.columns)})")
+    folder = os.path.dirname(os.path.abspath(cfg.path)) if "://" not in cfg.path else None
+    rows = [
+        (f"{cfg.path} row {i}", image, caption)
+        for i, (image, caption) in enumerate(
+            zip(frame[cfg.image_column], frame[cfg.caption_column], strict=True)
+        )
+    ]
+    out, skipped = _pictures(rows, folder or cfg.path.rsplit("/", 1)[0], cfg.skip_bad_rows)
+    extra = [c for c in frame.columns if c not in (cfg.image_column, cfg.caption_column)]
+    kept = frame.iloc[out.pop("row")].reset_index(drop=True)
+    for column in extra:  # other columns travel as the items' metadata
+        out[column] = kept[column].tolist()
+    description = {"source": "image_text", "path": cfg.path, "format": "table"}
+    return pd.DataFrame(out), description, skipped
+
+
+def karpathy(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
+    """The Karpathy-split JSON (COCO, Flickr30k): `images[]` with `filename` (and `filepath`),
+    `split` and `sentences[].raw`; pictures under `data.images` (default: the JSON's folder)."""
+    assert cfg.path is not None
+    try:
+        document = json.loads(storage.read_bytes(cfg.path))
+        images = document["images"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{cfg.path}: not a Karpathy-split JSON ({type(e).__name__}: {e})"
+        ) from None
+    root = cfg.images or os.path.dirname(os.path.abspath(cfg.path))
+    rows, splits = [], []
+    for i, entry in enumerate(images):
+        where = f"{cfg.path} images[{i}]"
+        if not isinstance(entry, dict) or "filename" not in entry or "sentences" not in entry:
+            raise UserError(f"{where}: expected an object with filename and sentences")
+        path = os.path.join(entry.get("filepath", ""), entry["filename"])
+        for sentence in entry["sentences"]:
+            rows.append((where, path, sentence.get("raw") if isinstance(sentence, dict) else None))
+            splits.append({"restval": "train"}.get(entry.get("split", "train"), entry.get("split")))
+    out, skipped = _pictures(rows, root, cfg.skip_bad_rows)
+    out["split"] = [splits[r] for r in out.pop("row")]
+    description = {"source": "image_text", "path": cfg.path, "format": "karpathy"}
+    return pd.DataFrame(out), description, skipped
+
+
+def _pictures(
+    rows: list[tuple[str, Any, Any]], root: str, skip: bool
+) -> tuple[dict[str, list[Any]], int]:
+    """Each row's picture read (and checked once per distinct picture) with its caption; the
+    rows kept (`row`) and how many were skipped."""
+    out: dict[str, list[Any]] = {IMAGE: [], CAPTION: [], IMAGE_ID: [], "row": []}
+    seen: dict[str, tuple[bytes | None, str | None]] = {}
+    skipped = 0
+    for i, (where, image, caption) in enumerate(rows):
+        key = image if isinstance(image, str) else hashlib.sha256(bytes(image)).hexdigest()
+        if key not in seen:
+            seen[key] = _read_picture(image, root)
+        data, problem = seen[key]
+        if problem is None and (not isinstance(caption, str) or not caption.strip()):
+            problem = f"caption: expected non-empty text, got {caption!r}"[:120]
+        if problem is not None:
+            if not skip:
+                raise UserError(f"{where}: {problem} (data.skip_bad_rows=true skips such rows)")
+            skipped += 1
+            continue
+        out[IMAGE].append(data)
+        out[CAPTION].append(caption.strip())
+        out[IMAGE_ID].append(key)
+        out["row"].append(i)
+    if not out[IMAGE]:
+        raise UserError(f"{root}: no readable picture with a caption")
+    return out, skipped
+
+
+def _read_picture(image: Any, root: str) -> tuple[bytes | None, str | None]:
+    if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+    elif isinstance(image, str) and image:
+        uri = image if "://" in image or os.path.isabs(image) else storage.join(root, image)
+        try:
+            data = storage.read_bytes(uri)
+        except (OSError, ValueError) as e:
+            return None, f"image {image!r}: cannot read ({type(e).__name__})"[:160]
+    else:
+        return None, f"image: expected a path or bytes, got {type(image).__name__}"
+    problem = check_picture(data)
+    return (None, f"image {str(image)[:60]!r}: {problem}") if problem else (data, None)
+
+
+# --- generated scenes ----------------------------------------------------------------------------
+
+SHAPES = ("circle", "square", "triangle", "diamond", "cross")
+COLOURS = {
+    "red": (214, 39, 40),
+    "green": (44, 160, 44),
+    "blue": (31, 119, 180),
+    "yellow": (230, 200, 30),
+    "purple": (148, 103, 189),
+    "orange": (255, 127, 14),
+}
+SIZES = ("small", "large")
+POSITIONS = ("top left", "top right", "bottom left", "bottom right")
+Scene = tuple[tuple[str, str, str, str], ...]  # (shape, colour, size, position) per object
+
+
+def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
+    """`cfg.num_rows` distinct pictures of 2-3 objects (5 shapes x 6 colours x 2 sizes x 4
+    positions), each with `captions_per_image` captions naming only what is drawn, in different
+    orders. A tenth of them come with a twin: the same objects with two colours swapped (the
+    binding subset, in one split with its twin)."""
+    rng = np.random.default_rng(cfg.seed)
+    scenes: list[Scene] = []
+    twins: list[int] = []
+    seen: set[frozenset] = set()
+    while len(scenes) < cfg.num_rows:
+        scene = _scene(rng)
+        if frozenset(scene) in seen:
+            continue
+        seen.add(frozenset(scene))
+        scenes.append(scene)
+        twins.append(-1)
+        twin = _swapped(scene)
+        if len(scenes) < cfg.num_rows and rng.random() < 0.1 and frozenset(twin) not in seen:
+            seen.add(frozenset(twin))
+            twins[-1] = len(scenes) - 1
+            scenes.append(twin)
+            twins.append(len(scenes) - 2)
+    out: dict[str, list[Any]] = {IMAGE: [], CAPTION: [], IMAGE_ID: [], TWIN: []}
+    for i, scene in enumerate(scenes):
+        picture = draw(scene, cfg.image_size, rng)
+        for caption in captions(scene, cfg.captions_per_image, rng):
+            out[IMAGE].append(picture)
+            out[CAPTION].append(caption)
+            out[IMAGE_ID].append(f"scene-{i}")
+            out[TWIN].append(f"scene-{twins[i]}" if twins[i] >= 0 else "")
+    description = {
+        "source": "synthetic_image_text",
+        "seed": cfg.seed,
+        "pictures": len(scenes),
+        "image_size": cfg.image_size,
+        "captions_per_image": cfg.captions_per_image,
+    }
+    return pd.DataFrame(out), description, 0
+
+
+def _scene(rng: np.random.Generator) -> Scene:
+    count = int(rng.integers(2, 4))
+    positions = rng.choice(len(POSITIONS), size=count, replace=False)
+    return tuple(
+        (
+            SHAPES[rng.integers(len(SHAPES))],
+            list(COLOURS)[rng.integers(len(COLOURS))],
+            SIZES[rng.integers(len(SIZES))],
+            POSITIONS[p],
+        )
+        for p in sorted(positions)
+    )
+
+
+def _swapped(scene: Scene) -> Scene:
+    """The first two objects' colours exchanged (a different picture only if they differ)."""
+    (s0, c0, z0, p0), (s1, c1, z1, p1), *rest = scene
+    if c0 == c1:
+        return scene
+    return ((s0, c1, z0, p0), (s1, c0, z1, p1), *rest)
+
+
+def captions(scene: Scene, count: int, rng: np.random.Generator) -> list[str]:
+    """`count` captions of the scene, each listing every object, in different orders."""
+    phrases = [
+        f"a {size} {colour} {shape} at the {position}" for shape, colour, size, position in scene
+    ]
+    import itertools
+
+    orders = list(itertools.permutations(range(len(phrases))))
+    picked = [orders[i] for i in rng.permutation(len(orders))]
+    picked = (picked * (count // len(picked) + 1))[:count]  # distinct while orders last
+    out = [", ".join(phrases[i] for i in o[:-1]) + f" and {phrases[o[-1]]}" for o in picked]
+    return out
+
+
+def draw(scene: Scene, size: int, rng: np.random.Generator) -> bytes:
+    """The scene as a PNG of `size` x `size` pixels on a lightly noisy grey ground."""
+    from PIL import Image, ImageDraw
+
+    ground = rng.integers(200, 236, (size, size, 3), dtype=np.uint8)
+    img = Image.fromarray(ground, "RGB")
+    pen = ImageDraw.Draw(img)
+    for shape, colour, scale, position in scene:
+        cx = size * (0.27 if "left" in position else 0.73)
+        cy = size * (0.27 if "top" in position else 0.73)
+        r = size * (0.1 if scale == "small" else 0.21)
+        _shape(pen, shape, cx, cy, r, COLOURS[colour])
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _shape(
+    pen: Any, shape: str, cx: float, cy: float, r: float, fill: tuple[int, int, int]
+) -> None:
+    if shape == "circle":
+        pen.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif shape == "square":
+        pen.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif shape == "triangle":
+        pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    elif shape == "diamond":
+        pen.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
+    else:  # cross
+        w = r / 3
+        pen.rectangle((cx - r, cy - w, cx + r, cy + w), fill=fill)
+        pen.rectangle((cx - w, cy - r, cx + w, cy + r), fill=fill)
+
+
+def groups(frame: pd.DataFrame) -> np.ndarray:
+    """One group number per row: rows of one picture, and a picture and its twin, share one."""
+    key = frame[IMAGE_ID].astype(str)
+    if TWIN in frame:
+        twin = frame[TWIN].astype(str)
+        key = pd.Series(np.where(twin != "", np.minimum(key, twin), key), index=frame.index)
+    return pd.factorize(key)[0]

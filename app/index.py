@@ -1,0 +1,224 @@
+"""Index: a retrieval model's embeddings of a corpus (jobs.predict's output) -> a versioned vector
+index artifact (app/runtime/index.py), published as `<registry>/<model>/index/<version>`.
+
+The embeddings stream from the prediction parts `index.batch_rows` at a time into faiss (never
+all on the driver beside the index): exact inner product by default, HNSW or IVF when
+`index.method` says so. For an approximate index the report holds its recall@10 against exact
+search on held-out queries (corpus vectors with noise added, so none is an item itself), the
+exact answers found by a second streamed pass. Build time and peak memory are in the report.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from app import storage
+from app.config import Config, IndexConfig
+from app.errors import UserError
+from app.export.publish import publish
+from app.predict.write import verify_output
+from app.runtime import artifact as art
+from app.runtime.index import INDEX_FILE, INDEX_TASK, ITEMS_FILE, set_search_params
+
+log = logging.getLogger(__name__)
+EMBEDDING = "embedding"
+NOT_METADATA = (EMBEDDING, "model_name", "model_version")
+TOP = 10
+
+
+def build_index(config: Config, embeddings: str) -> dict[str, Any]:
+    import psutil
+
+    cfg = config.index
+    predicted = verify_output(embeddings)  # every part's sha256, and what model embedded them
+    parts = [storage.join(embeddings, s.file) for s in predicted.files]
+    if not parts:
+        raise UserError(f"{embeddings}: no embeddings to index")
+    started, peak = time.perf_counter(), Peak(psutil.Process())
+    index, items = fill(cfg, parts, peak)
+    build_s = time.perf_counter() - started
+    name = cfg.name or f"{predicted.model_name}-index"
+    report = {
+        "vectors": int(index.ntotal),
+        "dim": int(index.d),
+        "method": cfg.method,
+        "build_seconds": round(build_s, 3),
+        "peak_rss_mib": round(peak.mib(), 1),
+        "index_bytes": None,
+        "recall_at_10": held_out_recall(cfg, index, parts),
+    }
+    schema = {
+        "task": INDEX_TASK,
+        "method": cfg.method,
+        "metric": "inner_product",
+        "embed_dim": int(index.d),
+        "metadata_columns": [c for c in items.column_names if c != "id"],
+        "encoder": {
+            "uri": predicted.artifact,
+            "name": predicted.model_name,
+            "version": predicted.model_version,
+        },
+        "ef_search": cfg.ef_search,
+        "nprobe": cfg.nprobe,
+    }
+    uri = publish_index(config, name, predicted.model_name, index, items, schema, report)
+    log.info(
+        "index: %d vectors of %s %s -> %s",
+        index.ntotal,
+        predicted.model_name,
+        predicted.model_version,
+        uri,
+    )
+    return {"stage": "index", "artifact": uri, "name": name, "report": report}
+
+
+class Peak:
+    """The largest resident memory seen at the points it is sampled."""
+
+    def __init__(self, process: Any):
+        self.process, self.bytes = process, process.memory_info().rss
+
+    def sample(self) -> None:
+        self.bytes = max(self.bytes, self.process.memory_info().rss)
+
+    def mib(self) -> float:
+        return self.bytes / 2**20
+
+
+def batches(parts: list[str], rows: int) -> Iterator[pa.Table]:
+    """The prediction parts, `rows` at a time (a part is never read whole)."""
+    for part in parts:
+        fs, path = storage.filesystem(part)
+        with fs.open_input_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=rows):
+                yield pa.Table.from_batches([batch])
+
+
+def vectors(table: pa.Table) -> np.ndarray:
+    column = table[EMBEDDING].combine_chunks()
+    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    return flat.reshape(table.num_rows, -1)
+
+
+def empty_index(cfg: IndexConfig, dim: int) -> Any:
+    import faiss
+
+    if cfg.method == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = cfg.ef_construction
+        return index
+    if cfg.method == "ivf":
+        quantizer = faiss.IndexFlatIP(dim)
+        return faiss.IndexIVFFlat(quantizer, dim, cfg.nlist, faiss.METRIC_INNER_PRODUCT)
+    return faiss.IndexFlatIP(dim)
+
+
+def fill(cfg: IndexConfig, parts: list[str], peak: Peak) -> tuple[Any, pa.Table]:
+    """Every part's vectors added in order; the items' ids and metadata beside them. An IVF
+    index is trained first on the first `batch_rows` vectors."""
+    index, metadata = None, []
+    for table in batches(parts, cfg.batch_rows):
+        x = vectors(table)
+        if index is None:
+            index = empty_index(cfg, x.shape[1])
+            if not index.is_trained:
+                if len(x) < cfg.nlist:
+                    raise UserError(
+                        f"index.nlist={cfg.nlist}: the first {len(x)} vectors cannot train that "
+                        "many lists; lower index.nlist or raise index.batch_rows"
+                    )
+                index.train(x)
+        index.add(x)
+        metadata.append(table.drop([c for c in NOT_METADATA if c in table.column_names]))
+        peak.sample()
+    assert index is not None
+    items = pa.concat_tables(metadata)
+    if items.column_names[0] != "id":
+        items = items.rename_columns(["id", *items.column_names[1:]])
+    return index, items
+
+
+def held_out_recall(cfg: IndexConfig, index: Any, parts: list[str]) -> float | None:
+    """The index's recall@10 against exact search (None for an exact index: it is exact)."""
+    if cfg.method == "exact":
+        return None
+    rng = np.random.default_rng(0)
+    first = vectors(next(batches(parts, cfg.batch_rows)))
+    chosen = first[rng.choice(len(first), size=min(cfg.recall_queries, len(first)), replace=False)]
+    queries = chosen + rng.normal(0, 0.05, chosen.shape).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    exact = exact_top(queries, parts, cfg.batch_rows)
+    set_search_params(index, cfg.ef_search, cfg.nprobe)
+    _, found = index.search(queries, TOP)
+    hits = [len(set(a) & set(b)) for a, b in zip(found.tolist(), exact.tolist(), strict=True)]
+    return sum(hits) / (TOP * len(queries))
+
+
+def exact_top(queries: np.ndarray, parts: list[str], rows: int) -> np.ndarray:
+    """The exact top-10 item numbers of each query, by a streamed pass over the parts."""
+    best_scores = np.full((len(queries), TOP), -np.inf, np.float32)
+    best_ids = np.full((len(queries), TOP), -1, np.int64)
+    offset = 0
+    for table in batches(parts, rows):
+        x = vectors(table)
+        scores = queries @ x.T
+        ids = np.broadcast_to(np.arange(offset, offset + len(x)), scores.shape)
+        all_scores = np.concatenate([best_scores, scores], axis=1)
+        all_ids = np.concatenate([best_ids, ids], axis=1)
+        keep = np.argsort(-all_scores, axis=1, kind="stable")[:, :TOP]
+        best_scores = np.take_along_axis(all_scores, keep, 1)
+        best_ids = np.take_along_axis(all_ids, keep, 1)
+        offset += len(x)
+    return best_ids
+
+
+def publish_index(
+    config: Config,
+    name: str,
+    model: str,
+    index: Any,
+    items: pa.Table,
+    schema: dict[str, Any],
+    report: dict[str, Any],
+) -> str:
+    import faiss
+
+    with tempfile.TemporaryDirectory() as work:
+        raw = faiss.serialize_index(index).tobytes()
+        report["index_bytes"] = len(raw)
+        with open(os.path.join(work, INDEX_FILE), "wb") as f:
+            f.write(raw)
+        buffer = io.BytesIO()
+        pq.write_table(items, buffer)
+        files = {
+            ITEMS_FILE: buffer.getvalue(),
+            "schema.json": (json.dumps(schema, indent=2) + "\n").encode(),
+            "report.json": (json.dumps(report, indent=2, sort_keys=True) + "\n").encode(),
+        }
+        for file, data in files.items():
+            with open(os.path.join(work, file), "wb") as f:
+                f.write(data)
+        listed = {}
+        for file in sorted(os.listdir(work)):
+            with open(os.path.join(work, file), "rb") as f:
+                data = f.read()
+            listed[file] = art.ArtifactFile(sha256=art.sha256_bytes(data), size=len(data))
+        art.ArtifactManifest(
+            name=name,
+            created=datetime.now(timezone.utc).isoformat(),
+            workload=config.workload,
+            files=listed,
+        ).write(os.path.join(work, art.MANIFEST))
+        return publish(work, config.registry, f"{model}/index")

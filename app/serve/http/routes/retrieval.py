@@ -1,0 +1,63 @@
+"""Retrieval: OpenAI's `POST /v1/embeddings` (texts and pictures alike, floats or base64:
+little-endian float32, what OpenAI's client asks for by default) for a retrieval model, and
+`POST /v1/models/{name}:search` for a vector index."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from app.runtime.types import EmbedRequest, EmbedResult, SearchQuery, SearchRequest, bad
+from app.serve.http.requests import EmbeddingsRequest, SearchBody, data_url_bytes, read
+from app.serve.http.routes.common import body, config, models
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    parsed: EmbeddingsRequest = read(await body(request), EmbeddingsRequest, config(request))
+    result = await models(request).embed(parsed.model, EmbedRequest(parsed.input))
+    return embedding_list(parsed.model, result, parsed.encoding_format or "float")
+
+
+def embedding_list(model: str, result: EmbedResult, encoding: str) -> dict[str, Any]:
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(row, encoding)}
+        for i, row in enumerate(result.embeddings)
+    ]
+    usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _encoded(row: Any, encoding: str) -> Any:
+    if encoding == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode()
+    return row.astype(float).tolist()
+
+
+@router.post("/v1/models/{name}:search")
+async def search(name: str, request: Request):
+    parsed: SearchBody = read(await body(request), SearchBody, config(request))
+    queries = tuple(search_query(q, i) for i, q in enumerate(parsed.all_queries()))
+    conditions = tuple(sorted((parsed.filter or {}).items()))
+    result = await models(request).search(name, SearchRequest(queries, parsed.top_k, conditions))
+    return {
+        "model": name,
+        "version": result.version,
+        "encoder_version": result.encoder_version,
+        "results": result.hits,
+    }
+
+
+def search_query(query: Any, i: int) -> SearchQuery:
+    if query.image is not None:
+        try:
+            return SearchQuery(image=data_url_bytes(query.image, f"queries[{i}].image"))
+        except ValueError as e:
+            raise bad(str(e)) from None
+    embedding = tuple(query.embedding) if query.embedding is not None else None
+    item = str(query.id) if query.id is not None else None
+    return SearchQuery(text=query.text, embedding=embedding, id=item)

@@ -1,0 +1,196 @@
+"""A vector index's replica: search over one index version, its queries encoded by exactly the
+encoder version the index was built with (the index names it; the model's own deployment can
+move on without changing what search means).
+
+A query is a text, a picture (bytes), a raw embedding (of the index's dimension) or the id of a
+stored item; an equality filter on the stored metadata keeps the top_k among matching items
+(fewer only when fewer match). Each replica serves one version, so during a redeploy every
+answer comes whole from one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from app.config import ServeConfig
+from app.runtime.artifact import open_artifact
+from app.runtime.index import VectorIndex, open_index, set_search_params
+from app.runtime.types import (
+    InferRequest,
+    ModelInfo,
+    RequestError,
+    SearchQuery,
+    SearchRequest,
+    SearchResult,
+)
+from app.serve.replicas.embedding_server import Encoders
+
+log = logging.getLogger("ray.serve")
+
+
+class SearchServer:
+    def __init__(self, artifact_uri: str, cfg: ServeConfig):
+        self.vectors: VectorIndex = open_index(artifact_uri)
+        self.artifact = self.vectors  # what the routes name it by
+        self.cfg = cfg
+        self.encoder = open_artifact(self.vectors.encoder["uri"])  # the version it names
+        self.variant = cfg.variant
+        self.threads = max(1, math.floor(cfg.replica_cpus))
+        self.encoders = Encoders(self.encoder, self.variant, self.threads)
+        self.ids = {str(v): i for i, v in enumerate(self.vectors.items["id"].to_pylist())}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="faiss")
+        if hasattr(self.vectors.index, "make_direct_map"):  # IVF: stored vectors by id
+            self.vectors.index.make_direct_map()
+        set_search_params(
+            self.vectors.index, self.vectors.schema["ef_search"], self.vectors.schema["nprobe"]
+        )
+        log.info(
+            "index %s version %s loaded (%d vectors, encoder %s version %s)",
+            self.vectors.name,
+            self.vectors.version,
+            self.vectors.index.ntotal,
+            self.encoder.name,
+            self.encoder.version,
+        )
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        variant = user_config.get("variant", "int8")
+        if variant != self.variant:
+            self.encoders, self.variant = Encoders(self.encoder, variant, self.threads), variant
+
+    async def check_health(self) -> None:
+        await self.search(SearchRequest((SearchQuery(text="health check"),), 1))
+
+    async def info(self) -> ModelInfo:
+        v = self.vectors
+        manifest = v.manifest.model_dump(mode="json", exclude={"files"})
+        return ModelInfo(
+            name=v.name,
+            version=v.version,
+            variant=self.variant,
+            artifact=v.uri,
+            task=v.schema["task"],
+            generates=False,
+            inputs=[{"name": "query", "datatype": "BYTES", "shape": [-1]}],
+            outputs=[],
+            labels=[],
+            manifest=manifest | {"encoder": v.encoder, "vectors": int(v.index.ntotal)},
+            replica_pid=os.getpid(),
+            searches=True,
+        )
+
+    async def infer(self, request: InferRequest) -> Any:
+        raise RequestError(
+            400, f"{self.vectors.name!r} is an index: POST /v1/models/{{name}}:search"
+        )
+
+    async def search(self, request: SearchRequest) -> SearchResult:
+        if request.top_k > self.cfg.max_top_k:
+            raise RequestError(
+                400, f"top_k: {request.top_k} is over serve.max_top_k={self.cfg.max_top_k}"
+            )
+        loop = asyncio.get_running_loop()
+        hits = await loop.run_in_executor(self.pool, self._search, request)
+        return SearchResult(hits, self.vectors.version, self.encoder.version)
+
+    def _search(self, request: SearchRequest) -> list[list[dict[str, Any]]]:
+        queries = self._query_vectors(request.queries)
+        rows = self._matching(request.filter)
+        if rows is not None and not len(rows):
+            return [[] for _ in request.queries]
+        scores, found = self._top(queries, request.top_k, rows)
+        return [self._hits(s, f) for s, f in zip(scores, found, strict=True)]
+
+    def _query_vectors(self, queries: tuple[SearchQuery, ...]) -> np.ndarray:
+        out = np.zeros((len(queries), self.vectors.dim), np.float32)
+        encode: list[tuple[int, str | bytes]] = []
+        for i, query in enumerate(queries):
+            if query.embedding is not None:
+                out[i] = self._raw(query.embedding, i)
+            elif query.id is not None:
+                out[i] = self._stored(query.id, i)
+            else:
+                encode.append((i, query.text if query.text is not None else query.image or b""))
+        if encode:
+            fields = [i for i, _ in encode]
+            embedded, _ = self.encoders.embed(
+                tuple(item for _, item in encode), "queries", self.cfg.max_image_pixels
+            )
+            out[fields] = embedded
+        return out
+
+    def _raw(self, embedding: tuple[float, ...], i: int) -> np.ndarray:
+        if len(embedding) != self.vectors.dim:
+            raise RequestError(
+                400,
+                f"queries[{i}].embedding: {len(embedding)} values, the index holds "
+                f"{self.vectors.dim}-dimensional vectors",
+            )
+        vector = np.asarray(embedding, np.float32)
+        norm = float(np.linalg.norm(vector))
+        if not math.isfinite(norm) or norm == 0:
+            raise RequestError(400, f"queries[{i}].embedding: not a finite, non-zero vector")
+        return vector / norm
+
+    def _stored(self, item: str, i: int) -> np.ndarray:
+        row = self.ids.get(str(item))
+        if row is None:
+            raise RequestError(404, f"queries[{i}].id: no item {str(item)[:60]!r} in the index")
+        return self.vectors.index.reconstruct(row)
+
+    def _matching(self, conditions: tuple[tuple[str, Any], ...]) -> np.ndarray | None:
+        """Rows whose metadata equals every condition (None: no filter)."""
+        if not conditions:
+            return None
+        items, keep = self.vectors.items, None
+        for column, value in conditions:
+            if column not in items.column_names:
+                known = [c for c in items.column_names if c != "id"]
+                raise RequestError(400, f"filter.{column}: not a stored field (stored: {known})")
+            if not _fits(value, items[column].type):
+                return np.zeros(0, np.int64)  # no stored value of that type equals it
+            equal = pc.equal(items[column], pa.scalar(value, items[column].type))
+            keep = equal if keep is None else pc.and_(keep, equal)
+        assert keep is not None
+        return np.flatnonzero(keep.to_numpy(zero_copy_only=False))
+
+    def _top(
+        self, queries: np.ndarray, k: int, rows: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The top k of every item, or exactly the top k among `rows` (a filter's matches:
+        scored directly, as an approximate index's graph can miss matches a filter isolates)."""
+        index = self.vectors.index
+        if rows is None:
+            return index.search(queries, min(k, index.ntotal))
+        k = min(k, len(rows))
+        vectors = index.reconstruct_batch(rows.astype(np.int64))
+        scores = queries @ vectors.T
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, best, 1), rows[best]
+
+    def _hits(self, scores: np.ndarray, found: np.ndarray) -> list[dict[str, Any]]:
+        items = self.vectors.items
+        out = []
+        for score, row in zip(scores.tolist(), found.tolist(), strict=True):
+            if row < 0:  # fewer matches than k
+                continue
+            record = {c: items[c][row].as_py() for c in items.column_names}
+            out.append({"id": record.pop("id"), "score": float(score), "metadata": record})
+        return out
+
+
+def _fits(value: Any, type_: pa.DataType) -> bool:
+    try:
+        pa.scalar(value, type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        return False
+    return True

@@ -1,0 +1,154 @@
+"""Task `retrieval` from scratch on the local Ray: generated scenes -> a dual encoder trained
+with every worker's negatives -> Recall@K -> two gated ONNX encoders -> jobs.predict embeds the
+val pictures -> a vector index that a caption searches. Small and short: the full run's bar is
+configs/retrieval.yaml's (tests/e2e/test_retrieval_recall.py, slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from app.config import ServeConfig
+from app.runtime.types import SearchQuery, SearchRequest
+from tests.integration.conftest import ensure_local_ray, workload_config
+
+pytestmark = pytest.mark.integration
+
+SHORT = [
+    "data.num_rows=500",
+    "data.image_size=24",
+    "train.epochs=6",
+    "train.batch_size=64",
+    "train.log_every_steps=1000",
+    "export.parity_rows=32",
+    "export.latency_repeats=3",
+    "train.run_name=retrieval-short",
+]
+
+
+@pytest.fixture(scope="module")
+def run(workspace):
+    """Prepared, trained, evaluated and exported once for the module."""
+    from app.data.prepare import prepare
+    from app.evaluate import evaluate
+    from app.export.exporter import export
+    from app.train.driver import train
+
+    config = workload_config(workspace, "retrieval", *SHORT)
+    prepared = prepare(config)
+    ensure_local_ray()
+    trained = train(config)
+    evaluated = evaluate(config, trained["checkpoint"])
+    exported = export(config, trained["checkpoint"])
+    return {
+        "config": config,
+        "prepare": prepared,
+        "train": trained,
+        "evaluate": evaluated,
+        "export": exported,
+    }
+
+
+def test_training_learns_to_match_captions_and_pictures_well_above_chance(run):
+    metrics = run["evaluate"]["metrics"]
+    chance_r5 = 5 * metrics["chance_r1"]
+    for direction in ("i2t", "t2i"):
+        assert metrics[f"{direction}_r5"] >= 3 * chance_r5, metrics
+    assert metrics["rsum"] == pytest.approx(
+        sum(metrics[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in (1, 5, 10))
+    )
+    # The run ranks checkpoints by the task's default (val_rsum, higher is better).
+    assert run["config"].train.checkpoint_metric == "val_rsum"
+    assert run["train"]["metrics"]["val_rsum"] == pytest.approx(
+        max(h["val_rsum"] for h in run["train"]["history"] if "val_rsum" in h)
+    )
+    assert run["evaluate"]["plots"]["recall"].endswith(".png")
+
+
+def test_export_publishes_two_encoders_that_agree_with_torch(run):
+    from app.runtime.artifact import open_artifact
+
+    report = run["export"]["report"]
+    artifact = open_artifact(run["export"]["artifact"])
+    assert set(artifact.graphs) == {"image", "text"}
+    assert set(artifact.graphs["image"]) == {"fp32", "int8"}
+    assert min(report["parity"]["min_cosine"].values()) >= 0.999
+    for variant in ("fp32", "int8"):
+        assert {"i2t_r1", "t2i_r1"} <= set(report["recall"][variant])
+
+
+def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, workspace):
+    from app.corpus import val_pictures
+    from app.index import build_index
+    from app.predict.driver import predict
+    from app.serve.replicas.search_server import SearchServer
+
+    config = run["config"]
+    corpus = val_pictures(config, str(workspace / "retrieval-corpus"))
+    table = pq.read_table(corpus)
+    out = str(workspace / "retrieval-embeddings")
+    summary = predict(config, run["export"]["artifact"], corpus, out)
+    assert summary["rows"] == table.num_rows and summary["rejected"] == 0
+    index = build_index(config, out)
+    assert index["report"]["vectors"] == table.num_rows
+
+    server = SearchServer(index["artifact"], ServeConfig(variant="fp32"))
+    captions = table["caption"].to_pylist()
+    ids = table["id"].to_pylist()
+    queries = tuple(SearchQuery(text=c) for c in captions)
+    result = asyncio.run(server.search(SearchRequest(queries, 10)))
+    hits = [ids[i] in [h["id"] for h in hits] for i, hits in enumerate(result.hits)]
+    assert np.mean(hits) >= 3 * 10 / len(ids)  # well above chance at 10
+    # A stored item's own id finds it first; a filter keeps only matching items.
+    first = asyncio.run(server.search(SearchRequest((SearchQuery(id=ids[0]),), 1))).hits[0]
+    assert first[0]["id"] == ids[0] and first[0]["metadata"]["caption"] == captions[0]
+    only = asyncio.run(
+        server.search(
+            SearchRequest((SearchQuery(text=captions[0]),), 5, (("caption", captions[1]),))
+        )
+    ).hits[0]
+    assert only and all(h["metadata"]["caption"] == captions[1] for h in only)
+
+
+def test_an_approximate_index_reports_its_recall_against_exact(run, workspace):
+    from app.config import Config
+    from app.index import build_index
+
+    embeddings = str(workspace / "retrieval-embeddings")
+    if not (workspace / "retrieval-embeddings").exists():
+        pytest.skip("needs the embeddings of the test before")
+    config: Config = run["config"].model_copy(
+        update={
+            "index": run["config"].index.model_copy(update={"method": "hnsw", "recall_queries": 20})
+        }
+    )
+    report = build_index(config, embeddings)["report"]
+    assert 0.5 <= report["recall_at_10"] <= 1.0
+    assert report["peak_rss_mib"] > 0 and report["build_seconds"] >= 0
+
+
+def test_a_corpus_row_whose_picture_does_not_decode_is_rejected_and_named(run, workspace):
+    import pyarrow as pa
+
+    from app.predict.driver import predict
+
+    config = run["config"]
+    good = pq.read_table(str(workspace / "retrieval-corpus" / "pictures.parquet")).slice(0, 3)
+    broken = good["image"].to_pylist()
+    broken[1] = broken[1][:40]  # a truncated PNG: its header reads, its pixels do not
+    table = good.set_column(good.schema.get_field_index("image"), "image", pa.array(broken))
+    path = workspace / "broken-corpus.parquet"
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    path.write_bytes(buffer.getvalue())
+    config = config.model_copy(
+        update={"predict": config.predict.model_copy(update={"on_bad_rows": "reject"})}
+    )
+    summary = predict(config, run["export"]["artifact"], str(path), str(workspace / "broken-out"))
+    assert summary["rows"] == 3 and summary["rejected"] == 1
+    [example] = summary["bad_rows"]["examples"]
+    assert example["id"] == good["id"][1].as_py() and "column 'image'" in example["reason"]
