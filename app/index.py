@@ -39,14 +39,12 @@ TOP = 10
 
 
 def build_index(config: Config, embeddings: str) -> dict[str, Any]:
-    import psutil
-
     cfg = config.index
     predicted = verify_output(embeddings)  # every part's sha256, and what model embedded them
     parts = [storage.join(embeddings, s.file) for s in predicted.files]
     if not parts:
         raise UserError(f"{embeddings}: no embeddings to index")
-    started, peak = time.perf_counter(), Peak(psutil.Process())
+    started, peak = time.perf_counter(), Peak()
     index, items = fill(cfg, parts, peak)
     build_s = time.perf_counter() - started
     name = cfg.name or f"{predicted.model_name}-index"
@@ -85,16 +83,15 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
 
 
 class Peak:
-    """The largest resident memory seen at the points it is sampled."""
+    """The process's peak resident memory so far (the kernel's high-water mark, stdlib only)."""
 
-    def __init__(self, process: Any):
-        self.process, self.bytes = process, process.memory_info().rss
-
-    def sample(self) -> None:
-        self.bytes = max(self.bytes, self.process.memory_info().rss)
+    def sample(self) -> None:  # the kernel keeps the maximum: nothing to sample
+        pass
 
     def mib(self) -> float:
-        return self.bytes / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def batches(parts: list[str], rows: int) -> Iterator[pa.Table]:
