@@ -216,9 +216,11 @@ def served_embeddings(model: str, items: list) -> np.ndarray:
 
 
 def unit(x) -> np.ndarray:
+    """L2-normalised rows (transformers' get_*_features answers a tensor, or in newer releases
+    an output whose pooler_output is the projected embedding)."""
     import torch
 
-    return torch.nn.functional.normalize(x, dim=-1).numpy()
+    return torch.nn.functional.normalize(getattr(x, "pooler_output", x), dim=-1).numpy()
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
