@@ -81,17 +81,25 @@ def test_export_publishes_two_encoders_that_agree_with_torch(run):
         assert {"i2t_r1", "t2i_r1"} <= set(report["recall"][variant])
 
 
-def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, workspace):
+@pytest.fixture(scope="module")
+def embedded(run, workspace):
+    """The val pictures as a corpus (one row each), embedded by jobs.predict once for the
+    module: (the corpus table, the embeddings folder, predict's summary)."""
     from app.corpus import val_pictures
-    from app.index import build_index
     from app.predict.driver import predict
+
+    corpus = val_pictures(run["config"], str(workspace / "retrieval-corpus"))
+    out = str(workspace / "retrieval-embeddings")
+    summary = predict(run["config"], run["export"]["artifact"], corpus, out)
+    return pq.read_table(corpus), out, summary
+
+
+def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, embedded):
+    from app.index import build_index
     from app.serve.replicas.search_server import SearchServer
 
     config = run["config"]
-    corpus = val_pictures(config, str(workspace / "retrieval-corpus"))
-    table = pq.read_table(corpus)
-    out = str(workspace / "retrieval-embeddings")
-    summary = predict(config, run["export"]["artifact"], corpus, out)
+    table, out, summary = embedded
     assert summary["rows"] == table.num_rows and summary["rejected"] == 0
     index = build_index(config, out)
     assert index["report"]["vectors"] == table.num_rows
@@ -114,13 +122,11 @@ def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, wor
     assert only and all(h["metadata"]["caption"] == captions[1] for h in only)
 
 
-def test_an_approximate_index_reports_its_recall_against_exact(run, workspace):
+def test_an_approximate_index_reports_its_recall_against_exact(run, embedded):
     from app.config import Config
     from app.index import build_index
 
-    embeddings = str(workspace / "retrieval-embeddings")
-    if not (workspace / "retrieval-embeddings").exists():
-        pytest.skip("needs the embeddings of the test before")
+    _, embeddings, _ = embedded
     config: Config = run["config"].model_copy(
         update={
             "index": run["config"].index.model_copy(update={"method": "hnsw", "recall_queries": 20})
@@ -131,13 +137,13 @@ def test_an_approximate_index_reports_its_recall_against_exact(run, workspace):
     assert report["peak_rss_mib"] > 0 and report["build_seconds"] >= 0
 
 
-def test_a_corpus_row_whose_picture_does_not_decode_is_rejected_and_named(run, workspace):
+def test_a_corpus_row_whose_picture_does_not_decode_is_rejected_and_named(run, embedded, workspace):
     import pyarrow as pa
 
     from app.predict.driver import predict
 
     config = run["config"]
-    good = pq.read_table(str(workspace / "retrieval-corpus" / "pictures.parquet")).slice(0, 3)
+    good = embedded[0].slice(0, 3)
     broken = good["image"].to_pylist()
     broken[1] = broken[1][:40]  # a truncated PNG: its header reads, its pixels do not
     table = good.set_column(good.schema.get_field_index("image"), "image", pa.array(broken))
