@@ -19,7 +19,7 @@ import pandas as pd
 import pyarrow as pa
 
 from app.data import checks
-from app.data.kinds.text import PAD, text_char_bound, train_tokenizer
+from app.data.kinds.text import fixed_length_tokenizer, train_tokenizer
 from app.data.preprocess import Column, FitOptions, Preprocessor, Problems
 from app.errors import UserError
 
@@ -42,17 +42,8 @@ class ImageText(Preprocessor):
 
     def __init__(self, state: dict[str, Any]):
         super().__init__(state)
-        from tokenizers import Tokenizer
-
         self.image_column, self.caption_column = self.feature_columns[:2]
-        tokenizer = Tokenizer.from_str(state["tokenizer"])
-        pad = state.get("pad_token", PAD)
-        tokenizer.enable_truncation(state["max_length"])
-        tokenizer.enable_padding(
-            length=state["max_length"], pad_id=tokenizer.token_to_id(pad) or 0, pad_token=pad
-        )
-        self.tokenizer = tokenizer
-        self._max_chars = text_char_bound(tokenizer, state["max_length"])
+        self.tokenizer, self._max_chars = fixed_length_tokenizer(state)
         self._processor = None
         if "image_processor" in state:  # a pretrained CLIP or ViT folder's own
             from app.data.images import ImageProcessor

@@ -22,16 +22,7 @@ class Text(Preprocessor):
 
     def __init__(self, state: dict[str, Any]):
         super().__init__(state)
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(state["tokenizer"])
-        pad = state.get("pad_token", PAD)
-        tokenizer.enable_truncation(state["max_length"])
-        tokenizer.enable_padding(
-            length=state["max_length"], pad_id=tokenizer.token_to_id(pad) or 0, pad_token=pad
-        )
-        self.tokenizer = tokenizer
-        self._max_chars = text_char_bound(tokenizer, state["max_length"])
+        self.tokenizer, self._max_chars = fixed_length_tokenizer(state)
 
     @classmethod
     def fit_state(
@@ -113,3 +104,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> str:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer.to_str()
+
+
+def fixed_length_tokenizer(state: dict[str, Any]) -> tuple[Any, int | None]:
+    """The fitted state's tokenizer, truncating and padding to `max_length`, and the longest
+    text (in characters) worth tokenizing for that many tokens."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(state["tokenizer"])
+    pad = state.get("pad_token", PAD)
+    tokenizer.enable_truncation(state["max_length"])
+    tokenizer.enable_padding(
+        length=state["max_length"], pad_id=tokenizer.token_to_id(pad) or 0, pad_token=pad
+    )
+    return tokenizer, text_char_bound(tokenizer, state["max_length"])
