@@ -419,6 +419,9 @@ class GenerationConfig(_Section):
     max_tokens: int = Field(512, ge=1)
     default_max_tokens: int = Field(16, ge=1)
     max_streams: int = Field(16, ge=1)
+    # Tokens one request may ask for in all (n x max_tokens): its decoding shares the one
+    # decode thread with every other stream, and its answer body grows with it.
+    max_request_tokens: int = Field(4096, ge=1)
     # KV-cache memory (MiB) the running streams may need at most, each counted at its prompt
     # plus max_tokens; a stream beyond it is a 503 (None: max_streams alone bounds it).
     max_kv_cache_mib: float | None = Field(None, gt=0)

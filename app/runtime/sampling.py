@@ -51,19 +51,35 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        sorted_probs = probs[order]
-        # Keep a token while the mass before it is below top_p: the most likely always stays.
-        keep = np.cumsum(sorted_probs) - sorted_probs < params.top_p
-        probs = np.zeros_like(probs)
-        probs[order[keep]] = sorted_probs[keep]
-        probs /= probs.sum()
+        probs = nucleus(probs, params.top_p)
     cumulative = np.cumsum(probs)
     return int(
         min(
             np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1
         )
     )
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """`probs` kept on the smallest most-likely prefix whose mass reaches `top_p` (ties in
+    token order, as a stable full sort), renormalised. The prefix is found among a growing
+    candidate set (the tokens at least as likely as the k-th), so a peaked distribution sorts
+    a few dozen tokens rather than the whole vocabulary on the decode thread."""
+    k = min(64, len(probs))
+    while True:
+        kth = np.partition(probs, len(probs) - k)[len(probs) - k]
+        candidates = np.flatnonzero(probs >= kth)  # a prefix of the stable descending order
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        sorted_probs = probs[order]
+        before = np.cumsum(sorted_probs) - sorted_probs
+        if before[-1] + sorted_probs[-1] >= top_p or len(order) == len(probs):
+            break
+        k = min(2 * k, len(probs))
+    # Keep a token while the mass before it is below top_p: the most likely always stays.
+    keep = before < top_p
+    out = np.zeros_like(probs)
+    out[order[keep]] = sorted_probs[keep]
+    return out / out.sum()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +113,20 @@ class TokenTexts:
         z = logits.astype(np.float64)
         z -= z.max()
         logp = z - np.log(np.exp(z).sum())
-        best = np.argpartition(-logp, top)[:top] if 0 < top < len(logp) else np.arange(len(logp))
-        best = best[np.argsort(-logp[best], kind="stable")][:top]
+        best = top_tokens(logp, top)
         alternatives = tuple((*self(int(i)), float(logp[i])) for i in best)
         return TokenLogprob(*self(token), float(logp[token]), alternatives)
+
+
+def top_tokens(scores: np.ndarray, top: int) -> np.ndarray:
+    """The ids of the `top` highest scores, highest first (ties in token order), by partial
+    selection: never a sort of the whole vocabulary."""
+    top = min(max(top, 0), len(scores))
+    if top == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(scores, len(scores) - top)[len(scores) - top]
+    candidates = np.flatnonzero(scores >= kth)
+    return candidates[np.argsort(-scores[candidates], kind="stable")][:top]
 
 
 def byte_level_alphabet() -> list[str]:

@@ -25,7 +25,7 @@ from app.models.gpt import GPT
 from app.runtime import artifact as art
 from app.runtime.decoding import Decoding, Generator, PromptError
 from app.runtime.kv import KVDecoder, greedy, prefill
-from app.runtime.sampling import SamplingParams, sample
+from app.runtime.sampling import SamplingParams, nucleus, sample, top_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -214,6 +214,31 @@ def test_sampling_filters_and_is_reproducible():
     cold = draw(SamplingParams(temperature=0.2)) / 4000
     assert cold[0] > 0.9  # a low temperature sharpens towards the argmax
     np.testing.assert_array_equal(draw(SamplingParams(), seed=7), draw(SamplingParams(), seed=7))
+
+
+def _nucleus_by_full_sort(probs: np.ndarray, top_p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    sorted_probs = probs[order]
+    keep = np.cumsum(sorted_probs) - sorted_probs < top_p
+    out = np.zeros_like(probs)
+    out[order[keep]] = sorted_probs[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_selection_keeps_what_a_full_sort_keeps_ties_included(seed):
+    rng = np.random.default_rng(seed)
+    vocab = 5000
+    # Peaked, flat and tied distributions: quantised logits make many exact ties.
+    logits = np.round(rng.normal(0, [0.5, 3, 8][seed % 3], vocab), 1)
+    logits[rng.integers(0, vocab, 40)] = logits.max()  # a tie at the very top
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    for top_p in (1e-6, 0.1, 0.5, 0.9, 0.999, 0.9999999):
+        np.testing.assert_array_equal(nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p))
+    for top in (0, 1, 5, 20, vocab):
+        expected = np.argsort(-logits, kind="stable")[:top]
+        np.testing.assert_array_equal(top_tokens(logits, top), expected)
 
 
 # --- the exported graph of a real (tiny, random) GPT -----------------------------------------------

@@ -223,3 +223,18 @@ def test_a_seed_beyond_int64_is_refused_and_int64s_largest_samples(api):
     assert answer.status_code == 400 and answer.json()["error"]["message"].startswith("seed")
     body["seed"] = 2**63 - 1
     assert api.post("/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "length"),
+    [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_completion_tokens")],
+)
+def test_n_times_max_tokens_beyond_the_request_budget_is_a_400_naming_both(api, route, length):
+    """16 x 512 tokens would put minutes of one request's sampling on the shared decode thread."""
+    base = {"model": "lm", "n": 16, length: 512}
+    base |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    answer = api.post(route, json=base)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400, answer.text
+    assert "n:" in message and length in message and "max_request_tokens" in message
+    assert api.post(route, json=base | {"n": 8}).status_code == 200  # 8 x 512 = 4096 fits

@@ -129,6 +129,19 @@ class OpenAIRequest(Sampling):
             raise ValueError("stream_options: only with stream: true")
         return self
 
+    @model_validator(mode="after")
+    def _request_tokens(self, info: ValidationInfo) -> OpenAIRequest:
+        generation = _generation(info)
+        length = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else ""
+        tokens = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        tokens = tokens or generation.default_max_tokens
+        if (self.n or 1) * tokens > generation.max_request_tokens:
+            raise ValueError(
+                f"n: {self.n or 1} completions x {length or 'max_tokens'} {tokens} is over "
+                f"{generation.max_request_tokens} tokens (serve.generation.max_request_tokens)"
+            )
+        return self
+
 
 class CompletionRequest(OpenAIRequest):
     prompt: Any  # a non-empty string (or OpenAI's list form holding one)
