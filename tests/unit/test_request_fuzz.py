@@ -232,7 +232,11 @@ def test_a_seed_beyond_int64_is_refused_and_int64s_largest_samples(api):
 def test_n_times_max_tokens_beyond_the_request_budget_is_a_400_naming_both(api, route, length):
     """16 x 512 tokens would put minutes of one request's sampling on the shared decode thread."""
     base = {"model": "lm", "n": 16, length: 512}
-    base |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    base |= (
+        {"prompt": "hi"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     answer = api.post(route, json=base)
     message = answer.json()["error"]["message"]
     assert answer.status_code == 400, answer.text
