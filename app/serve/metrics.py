@@ -90,10 +90,10 @@ def model_gauge(name: str, description: str) -> Any:
     return Gauge(name, description=description, tag_keys=("model",))
 
 
-def model_counter(name: str, description: str) -> Any:
+def model_counter(name: str, description: str, tag_keys: tuple[str, ...] = ("model",)) -> Any:
     from ray.util.metrics import Counter
 
-    return Counter(name, description=description, tag_keys=("model",))
+    return Counter(name, description=description, tag_keys=tag_keys)
 
 
 @functools.cache

@@ -679,3 +679,19 @@ def test_a_prompt_whose_fill_fails_ends_alone_and_a_join_without_memory_is_a_503
     assert isinstance(failed, RequestError) and failed.status == 500
     assert isinstance(refused, RequestError) and refused.status == 503
     assert refused.retry_after_s == 1 and "memory" in refused.message
+
+
+def test_ended_generations_are_counted_by_reason():
+    from app.serve.metrics import MetricBuffer
+    from app.serve.replicas.lm_server import _GenerationMetrics, _Timing
+
+    buffer = MetricBuffer(interval_s=3600)  # no flush during the test
+    metrics = _GenerationMetrics("counted-lm", buffer)
+    for reason in ("stop", "length", "cancelled", "cancelled", "error"):
+        metrics.observe(_Timing(), 0, reason)
+    counts = {
+        dict(tags).get("reason"): n
+        for (counter, tags), n in buffer._counts.items()
+        if counter is metrics.ended
+    }
+    assert counts == {"stop": 1, "length": 1, "cancelled": 2, "error": 1}

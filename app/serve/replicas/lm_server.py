@@ -36,7 +36,13 @@ from app.runtime.types import (
     RequestError,
     Started,
 )
-from app.serve.metrics import model_counter, model_gauge, model_histogram, process_buffer
+from app.serve.metrics import (
+    MetricBuffer,
+    model_counter,
+    model_gauge,
+    model_histogram,
+    process_buffer,
+)
 from app.serve.replicas.chat import from_preprocessor as chat_template
 from app.serve.replicas.model_server import model_info
 
@@ -129,6 +135,7 @@ class LMServer:
         timing = _Timing()
         self._hold(1, len(ids))
         held = len(ids)  # the tokens this stream's cache holds, as last counted
+        ended = "error"  # how the stream ended, for the counter: stop, length, cancelled, error
         try:
             yield Started(prompt_tokens=len(ids), version=self.artifact.version)
             async for piece in generation:
@@ -136,17 +143,20 @@ class LMServer:
                 self._hold(0, len(ids) + generation.completion_tokens - held)
                 held = len(ids) + generation.completion_tokens
                 yield piece
-            yield self._end(generation)
+            finished = self._end(generation)
+            ended = finished.finish_reason
+            yield finished
             self.stats["completed"] += 1
         except (asyncio.CancelledError, GeneratorExit):
             self.stats["cancelled"] += 1
+            ended = "cancelled"
             raise
         finally:
             generation.close()
             self.kv_budget.release(need)
             self._hold(-1, -held)
             self.stats["tokens"] += generation.completion_tokens
-            self._metrics.observe(timing, generation.completion_tokens)
+            self._metrics.observe(timing, generation.completion_tokens, ended)
 
     def _hold(self, streams: int, tokens: int) -> None:
         """Streams and cached tokens now, in the stats and the gauges: a stream waits until its
@@ -219,8 +229,9 @@ class _GenerationMetrics:
     to the first token, the time per output token after it, and the streams running and tokens
     held in KV caches now."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, buffer: MetricBuffer | None = None):
         self.tags = {"model": model}
+        self.buffer = buffer or process_buffer()
         self.ttft = model_histogram(
             "raytorch_generation_ttft_ms",
             "time from a generation's start to its first text (ms)",
@@ -232,6 +243,11 @@ class _GenerationMetrics:
             [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
         )
         self.tokens = model_counter("raytorch_generation_tokens_total", "tokens generated")
+        self.ended = model_counter(
+            "raytorch_generation_ended_total",
+            "generations ended, by reason: stop, length, cancelled (the client left), error",
+            tag_keys=("model", "reason"),
+        )
         self.running = model_gauge("raytorch_generation_running", "generations decoding")
         self.waiting = model_gauge(
             "raytorch_generation_waiting", "generations admitted, their prompt not yet in cache"
@@ -241,17 +257,18 @@ class _GenerationMetrics:
             "tokens held in the running generations' KV caches",
         )
 
-    def observe(self, timing: _Timing, tokens: int) -> None:
+    def observe(self, timing: _Timing, tokens: int, ended: str) -> None:
+        self.buffer.inc(self.ended, self.tags | {"reason": ended})
         if tokens:
-            process_buffer().inc(self.tokens, self.tags, by=tokens)
+            self.buffer.inc(self.tokens, self.tags, by=tokens)
         if timing.first is None:  # refused, cancelled or ended before any text
             return
-        process_buffer().observe(self.ttft, 1000 * (timing.first - timing.start), self.tags)
+        self.buffer.observe(self.ttft, 1000 * (timing.first - timing.start), self.tags)
         if tokens > 1 and timing.last is not None:
             tpot = 1000 * (timing.last - timing.first) / (tokens - 1)
-            process_buffer().observe(self.tpot, tpot, self.tags)
+            self.buffer.observe(self.tpot, tpot, self.tags)
 
     def levels(self, running: int, waiting: int, kv_tokens: int) -> None:
-        process_buffer().set(self.running, running, self.tags)
-        process_buffer().set(self.waiting, waiting, self.tags)
-        process_buffer().set(self.kv_tokens, kv_tokens, self.tags)
+        self.buffer.set(self.running, running, self.tags)
+        self.buffer.set(self.waiting, waiting, self.tags)
+        self.buffer.set(self.kv_tokens, kv_tokens, self.tags)
