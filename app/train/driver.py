@@ -23,10 +23,7 @@ from app.ray_private import lean_torch_trainer
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
 from app.train import checkpoint, elastic, finetune, tracking
-from app.train.loop import (
-    best_index,
-    steady_median,
-)
+from app.train.loop import best_index, short_budget, steady_median
 from app.train.parts import REFERENCE
 from app.train.profiling import PROFILE_DIR
 from app.train.worker import train_loop
@@ -74,6 +71,8 @@ def train(
     try:
         result = trainer.fit()
         summary = summarize(config, run.task, run.name, result, run.data.to_dict())
+        # Set when train.max_steps stopped the run short of one epoch of the training rows.
+        summary["short_budget"] = short_budget(run.manifest.rows["train"], config)
     except ray.train.TrainingFailedError as e:
         tracking.finish_mlflow_run(run.mlflow_run, None)
         cause = startup_failure(config, e) or first_cause(e)
@@ -110,6 +109,8 @@ def plan_run(config: Config) -> RunPlan:
     )
     data = plan_data_path(config, manifest, preprocessor)
     log.info("train: data path %s: %s", data.mode, data.reason)
+    if budget := short_budget(manifest.rows["train"], config):
+        log.warning("train: %s", budget)
     # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)

@@ -108,6 +108,23 @@ def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
     return min(steps, t.max_steps_per_epoch or steps)
 
 
+def short_budget(train_rows: int, config: Config) -> str | None:
+    """One line when `train.max_steps` ends the run before it has seen one epoch of the
+    training rows (at the size the run starts at), else None."""
+    t = config.train
+    if not t.max_steps or train_rows <= 0:
+        return None
+    per_step = t.min_workers * t.batch_size * t.grad_accum_steps
+    seen = t.max_steps * per_step / train_rows
+    if seen >= 1:
+        return None
+    return (
+        f"train.max_steps={t.max_steps} ends training after {seen:.2f} of one epoch of the "
+        f"{train_rows:,} training rows ({t.max_steps} steps x {per_step} rows); raise or unset "
+        "it to train on all of them"
+    )
+
+
 def epoch_batches(
     feed: Any, batch_size: int, seed: int, config: Config, steps_done: int = 0
 ) -> Iterable[Any]:

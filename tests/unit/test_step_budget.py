@@ -28,3 +28,20 @@ def test_no_budget_is_the_whole_split(config_factory):
     config = config_factory("train.batch_size=10")
     feed = MemoryFeed.from_arrays({"x": np.arange(100)})
     assert sum(len(b["x"]) for b in epoch_batches(feed, 10, 1, config)) == 100
+
+
+def test_a_step_budget_short_of_one_epoch_is_named():
+    """configs/bert-text.yaml's 60 steps on 2,588 rows: 0.37 of an epoch, said in one line."""
+    from app.config import load_config
+    from app.train.loop import short_budget
+    from tests.conftest import REPO
+
+    config = load_config(REPO / "configs" / "bert-text.yaml")
+    t = config.train
+    rows = 2588
+    line = short_budget(rows, config)
+    seen = t.max_steps * t.min_workers * t.batch_size * t.grad_accum_steps / rows
+    assert seen < 1 and line is not None
+    assert f"train.max_steps={t.max_steps}" in line and f"{seen:.2f} of one epoch" in line
+    assert short_budget(10, config) is None  # the budget covers every row
+    assert short_budget(rows, load_config(REPO / "configs" / "digits.yaml")) is None
