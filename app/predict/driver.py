@@ -109,7 +109,7 @@ def predict(
             rejects=rejects,
             bad_row_examples=tally.examples,
         )
-        commit(output, manifest)  # last: the output counts only with it
+        commit(output, manifest, overwrite)  # last: the output counts only with it
     except BaseException:
         with contextlib.suppress(Exception):  # best effort: readers skip `_run-` folders anyway
             storage.delete_dir(storage.join(output, run))

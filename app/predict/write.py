@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 REJECTS = "rejects"
 RUN_MARK = "_run-"
+# Taken (storage.claim_dir) by the first run to commit: a run without --overwrite that finds it
+# taken lost a race to another run to the same output, and publishes nothing.
+COMMIT_CLAIM = f"{RUN_MARK}committed"
 
 
 class PartWriter:
@@ -145,7 +148,12 @@ def check_output(output: str, overwrite: bool) -> None:
         return
     manifest = storage.join(output, MANIFEST)
     if not storage.is_file(manifest):
-        if all(n.startswith(RUN_MARK) for n in storage.list_dir(output)):
+        names = storage.list_dir(output)
+        if COMMIT_CLAIM in names and not overwrite:
+            raise UserError(
+                f"{output}: a predict run died while committing there; pass --overwrite"
+            )
+        if all(n.startswith(RUN_MARK) for n in names):
             return  # only runs that never committed (crashed, or writing now)
         raise UserError(f"{output}: exists and is not a predict output; choose another --output")
     PredictionManifest.read(manifest)  # refuses another stage's manifest
@@ -153,11 +161,25 @@ def check_output(output: str, overwrite: bool) -> None:
         raise UserError(f"{output}: holds predictions already; pass --overwrite to replace them")
 
 
-def commit(output: str, manifest: PredictionManifest) -> None:
-    """Write the manifest (the commit point), then delete the parts of the one it replaced."""
+def commit(output: str, manifest: PredictionManifest, overwrite: bool = True) -> None:
+    """Write the manifest (the commit point), then delete the parts of the one it replaced.
+
+    Every run claims the output as it commits; without `overwrite`, a claim already taken means
+    another run committed there since this one's start check, and nothing is written."""
     uri = storage.join(output, MANIFEST)
+    claimed = storage.claim_dir(storage.join(output, COMMIT_CLAIM))
+    if not claimed and not overwrite:
+        raise UserError(
+            f"{output}: another predict run committed there while this one ran; nothing of "
+            "this run is kept (pass --overwrite to replace its predictions)"
+        )
     replaced = PredictionManifest.read(uri) if storage.is_file(uri) else None
-    manifest.write(uri)  # atomic: a fsynced rename locally, one PUT on an object store
+    try:
+        manifest.write(uri)  # atomic: a fsynced rename locally, one PUT on an object store
+    except BaseException:
+        if claimed and replaced is None:  # the output stays as it was: unclaimed
+            storage.delete_dir(storage.join(output, COMMIT_CLAIM))
+        raise
     if replaced is None:
         return
     kept = {s.file for s in [*manifest.files, *manifest.rejects]}

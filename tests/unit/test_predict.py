@@ -300,3 +300,16 @@ def test_the_job_fails_with_one_line_before_any_work(capsys, tmp_path):
     assert code == 2 and "predict.on_bad_rows" in err.strip().splitlines()[-1]
     code, _, err = run_main(capsys, main, [*base, "--input", str(tmp_path / "in.csv")])
     assert code == 1 and err.strip().splitlines()[-1].endswith("no such artifact")
+
+
+def test_two_runs_to_one_output_without_overwrite_publish_only_the_first(tmp_path):
+    out = tmp_path / "out"
+    check_output(str(out), overwrite=False)  # both runs start before either commits
+    check_output(str(out), overwrite=False)
+    first, second = run_manifest(out, "_run-a", rows=3), run_manifest(out, "_run-b", rows=5)
+    commit(str(out), first, overwrite=False)
+    with pytest.raises(UserError, match="another predict run committed there"):
+        commit(str(out), second, overwrite=False)
+    assert verify_output(str(out)).rows["output"] == 3  # the first run's output, whole
+    commit(str(out), second, overwrite=True)  # --overwrite replaces it
+    assert verify_output(str(out)).rows["output"] == 5
