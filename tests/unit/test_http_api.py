@@ -756,3 +756,51 @@ def test_n_echo_and_penalties_are_read_and_bounded():
     assert top.request.params["logprobs"] == 3 and top.request.messages == tuple(chat["messages"])
     with pytest.raises(RequestError, match="echo"):  # a completions field only
         parse_chat(json.dumps({**chat, "echo": True}).encode(), cfg)
+
+
+def test_a_merged_stream_whose_client_leaves_closes_every_generation_cleanly():
+    """n > 1 streamed, client gone mid-way: the route closes the merged iterator, then each
+    generation; none may still be running inside the merge (aclose() would raise)."""
+    from app.runtime.types import Piece
+    from app.serve.http.clients import close_events
+    from app.serve.http.routes.generation import merged
+
+    closed = []
+
+    async def generation(i: int):
+        try:
+            while True:
+                yield Piece(str(i))
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(i)
+
+    async def leave_after_one_piece():
+        streams = [generation(i) for i in range(3)]
+        events = merged(streams)
+        await events.__anext__()
+        await events.aclose()
+        for stream in streams:
+            await close_events(stream)
+
+    asyncio.run(leave_after_one_piece())
+    assert sorted(closed) == [0, 1, 2]
+
+
+def test_text_offset_counts_characters_not_the_byte_tokens_of_a_split_one():
+    from app.runtime.sampling import TokenLogprob
+    from app.runtime.types import Piece
+    from app.serve.http.completions import CompletionEncoder
+
+    encoder = CompletionEncoder("lm", logprobs=True)
+    first, second = "é".encode()  # one character, two byte tokens that each read U+FFFD
+    tokens = (
+        TokenLogprob("a", (97,), -1.0),
+        TokenLogprob("\ufffd", (first,), -1.0),
+        TokenLogprob("\ufffd", (second,), -1.0),
+        TokenLogprob("!", (33,), -1.0),
+    )
+    chunk = encoder.chunk(0, Piece("aé!", tokens))
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [0, 1, 1, 2]
+    later = encoder.chunk(0, Piece("b", (TokenLogprob("b", (98,), -1.0),)))
+    assert later["choices"][0]["logprobs"]["text_offset"] == [3]

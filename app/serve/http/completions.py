@@ -133,11 +133,13 @@ class CompletionEncoder:
 
     def _logprobs(self, index: int, piece: Piece) -> dict[str, Any]:
         """The completions API's form: parallel lists, alternatives as {token: logprob}."""
-        offsets, at = [], self.offsets.get(index, 0)
+        # Counted in characters of the bytes before each token: the byte tokens of one split
+        # character all start where that character does.
+        offsets, at, before = [], self.offsets.get(index, 0), b""
         for token in piece.logprobs:
-            offsets.append(at)
-            at += len(token.token)
-        self.offsets[index] = self.offsets.get(index, 0) + len(piece.text)
+            offsets.append(at + len(before.decode("utf-8", errors="ignore")))
+            before += bytes(token.bytes)
+        self.offsets[index] = at + len(piece.text)
         return {
             "tokens": [t.token for t in piece.logprobs],
             "token_logprobs": [t.logprob for t in piece.logprobs],

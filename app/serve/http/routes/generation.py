@@ -137,6 +137,8 @@ async def merged(streams: list[Events]) -> AsyncIterator[tuple[int, GenerationEv
     finally:
         for task in tasks:
             task.cancel()
+        # Each generation is closed by its caller next: none may still be inside its pump.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @router.post("/v2/models/{name}/generate")
