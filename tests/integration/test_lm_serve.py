@@ -90,6 +90,22 @@ def test_export_writes_a_gated_kv_cache_artifact(lm_artifact):
         assert json.load(f) == report
 
 
+def test_jobs_predict_refuses_a_language_model_in_one_line(lm_artifact, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.predict import main
+
+    pq.write_table(pa.table({"id": [1], "text": ["def f"]}), tmp_path / "in.parquet")
+    argv = ["--artifact", lm_artifact[1]["artifact"], "--input", str(tmp_path / "in.parquet")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert "task 'lm' has no batch inference" in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_gate_refuses_and_publishes_nothing(lm_checkpoint, workspace):
     config, checkpoint = lm_checkpoint
     strict = config.model_copy(deep=True)
