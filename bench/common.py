@@ -447,12 +447,13 @@ def inprocess_state(config, preprocessor, train_rows: int, world: int = 1):
     import torch
 
     from app.train.finetune import trainable_model
-    from app.train.loop import TrainState, steps_per_epoch
+    from app.train.loop import TrainState
 
-    t = config.train
-    torch.manual_seed(t.seed)  # same initial weights on every rank, as app.train.worker.train_loop
+    torch.manual_seed(
+        config.train.seed
+    )  # same initial weights on every rank, as app.train.worker.train_loop
     model = trainable_model(config, preprocessor, base_weights=True)
-    return TrainState.create(model, config, steps_per_epoch(train_rows, world, config) * t.epochs)
+    return TrainState.create(model, config, train_rows, world)
 
 
 def train_inprocess(
@@ -489,7 +490,7 @@ def train_inprocess(
         val = validate_classifier(
             state.model, val_shard.batches(t.batch_size * 4), device, t.precision
         )
-        state.epoch = epoch
+        state.end_epoch(epoch)
         epochs.append({"epoch": epoch, **stats, **val, "wall_s": time.perf_counter() - start})
     metrics = {"step": state.step, **epochs[-1]}
     if checkpoint_dir:

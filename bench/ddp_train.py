@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
         batches = epoch_batches(train, t.batch_size, seed, config, state.step)
         stats = train_epoch(state, batches, device, loss_fn=task.part(LOSS))
         stats.update(validate_task(state.model, val.batches(t.batch_size * 4), device, "fp32"))
+        state.end_epoch(epoch)
         epochs.append(stats)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"epochs": epochs, "first": state.first_step_at}))

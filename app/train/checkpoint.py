@@ -1,7 +1,7 @@
 """Resumable checkpoints: a folder of `model.safetensors`, `train_state.pt` and `meta.json`.
 
 FSDP runs add a `sharded/` folder (torch.distributed.checkpoint, below) and keep the rest.
-`train_state.pt` holds only tensors and plain containers (optimizer, scheduler, scaler, step, RNG
+`train_state.pt` holds only tensors and plain containers (optimizer, schedule position, scaler, step, RNG
 state) and is loaded with `weights_only=True`; weights are safetensors; nothing is unpickled.
 This is the training-time format; the final, serving format is the artifact (app/export/exporter.py).
 """

@@ -31,13 +31,20 @@ log = logging.getLogger(__name__)
 
 
 class TrainState:
-    """Everything a resumed worker needs: model, optimizer, scheduler, scaler, counters, RNG."""
+    """Everything a resumed worker needs: model, optimizer, schedule, scaler, counters, RNG.
 
-    def __init__(self, model, optimizer, scheduler, scaler, config: Config):
+    The learning-rate schedule is counted in training rows (`rows`: the position in the data),
+    so it ends at the run's last step whatever sizes an elastic run trains at; a state is
+    created anew at each (re)start with the size it runs at (`world`)."""
+
+    def __init__(self, model, optimizer, schedule, scaler, config: Config):
         self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler = scheduler, scaler
+        self.schedule: Schedule = schedule
+        self.scaler = scaler
         self.config = config
         self.epoch, self.step = 0, 0
+        self.rows = 0  # rows of training data the optimizer steps so far covered
+        self.train_rows, self.world = 0, 1
         self.resume_history: list[int] = []
         self.worker_nodes: list[str] = []
         self.num_workers_history: list[dict[str, Any]] = []  # app/train/elastic.py:record_size
@@ -45,26 +52,48 @@ class TrainState:
         self.epoch_seconds_history: list[float] = []  # per epoch, the slowest rank's loop time
         self.first_step_at: float | None = None  # wall clock of the run's first optimizer step
         self.history: list[dict[str, float | int]] = []  # every epoch's reported metrics
-        self.total_steps = 0  # optimizer steps the whole run takes (the schedule's length)
+        self.total_steps = 0  # optimizer steps the run takes at this size (for progress lines)
 
     @classmethod
-    def create(cls, model: nn.Module, config: Config, total_steps: int) -> TrainState:
+    def create(cls, model: nn.Module, config: Config, train_rows: int, world: int) -> TrainState:
         from app.train.finetune import param_groups
 
         t = config.train
-        if t.max_steps:
-            total_steps = min(total_steps, t.max_steps)
         optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
-        warmup = (
-            t.warmup_steps if t.warmup_steps is not None else int(t.warmup_fraction * total_steps)
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, Schedule(t.lr_schedule, warmup, total_steps)
-        )
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
         scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
-        state = cls(model, optimizer, scheduler, scaler, config)
-        state.total_steps = total_steps
+        state = cls(model, optimizer, run_schedule(config, train_rows, world), scaler, config)
+        state.train_rows, state.world = train_rows, world
+        state.total_steps = steps_per_epoch(train_rows, world, config) * t.epochs
+        if t.max_steps:
+            state.total_steps = min(state.total_steps, t.max_steps)
+        state.set_rate(0, 1)
         return state
+
+    def next_rows(self) -> tuple[int, int]:
+        """The rows the next optimizer step covers: every rank's batches, within this epoch."""
+        t = self.config.train
+        epoch_end = (self.epoch + 1) * self.train_rows
+        step_rows = self.world * t.batch_size * t.grad_accum_steps
+        return self.rows, max(self.rows, min(self.rows + step_rows, epoch_end))
+
+    def set_rate(self, start: float, end: float) -> None:
+        """The learning rate for a step over rows [start, end) (and, with train.max_steps,
+        the step budget's share: whichever ends first ends the schedule)."""
+        limit = self.config.train.max_steps
+        if limit:
+            per_step = self.schedule.total / limit
+            start, end = max(start, self.step * per_step), max(end, (self.step + 1) * per_step)
+        factor = self.schedule(start, end)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+    def end_epoch(self, epoch: int) -> None:
+        """An epoch's last step: the position is the epoch's end (a rank's share leaves out
+        `rows % world`)."""
+        self.epoch = epoch
+        self.rows = max(self.rows, epoch * self.train_rows)
 
     def restore(self, folder: str, rank: int = 0) -> None:
         saved = checkpoint.load_train_state(folder)
@@ -78,7 +107,7 @@ class TrainState:
         else:
             checkpoint.load_weights(folder, self.model)
             self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        self.rows = int(saved["rows"])
         self.scaler.load_state_dict(saved["scaler"])
         checkpoint.set_rng_state(rng or saved["rng"])
         meta = checkpoint.read_meta(folder)
@@ -92,7 +121,7 @@ class TrainState:
 
     def train_state(self) -> dict[str, Any]:
         state = {
-            "scheduler": self.scheduler.state_dict(),
+            "rows": self.rows,
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "rng": checkpoint.rng_state(),
@@ -150,17 +179,34 @@ def order_seed(seed: int, epoch: int, rank: int) -> int:
     return seed * 1_000_003 + epoch * 1009 + rank
 
 
+def run_schedule(config: Config, train_rows: int, world: int) -> Schedule:
+    """The run's schedule in rows: every epoch's training rows; warmup as a fraction of them
+    or as `train.warmup_steps` of the run's steps at this size."""
+    t = config.train
+    total = max(t.epochs * train_rows, 1)
+    if t.warmup_steps is None:
+        warmup = int(t.warmup_fraction * total)
+    else:
+        planned = steps_per_epoch(train_rows, world, config) * t.epochs
+        planned = min(planned, t.max_steps or planned)
+        warmup = int(total * min(t.warmup_steps / max(planned, 1), 1.0))
+    return Schedule(t.lr_schedule, warmup, total)
+
+
 class Schedule:
-    """The learning-rate factor: linear warmup to the base rate, then constant, linear decay to
-    0, or cosine decay to 10% of it (`train.lr_schedule`)."""
+    """The learning-rate factor at a position of the run (rows of training data): linear
+    warmup to the base rate, then constant, linear decay to 0, or cosine decay to 10% of it
+    (`train.lr_schedule`). A step covers [start, end): warmup counts to its end, decay from
+    its start, so one row a step is the classic per-step schedule."""
 
     def __init__(self, decay: str, warmup: int, total: int):
         self.decay, self.warmup, self.total = decay, warmup, max(total, 1)
 
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+    def __call__(self, start: float, end: float | None = None) -> float:
+        end = start + 1 if end is None else end
+        if start < self.warmup:
+            return min(end / self.warmup, 1.0)
+        progress = min(1.0, (start - self.warmup) / max(1, self.total - self.warmup))
         if self.decay == "constant":
             return 1.0
         if self.decay == "linear":
@@ -213,7 +259,7 @@ def train_epoch(
         "samples_per_second": total_rows / epoch_seconds,
         "epoch_seconds": epoch_seconds,
         "data_wait_fraction": wait_fraction,
-        "learning_rate": state.scheduler.get_last_lr()[0],
+        "learning_rate": state.optimizer.param_groups[0]["lr"],
     }
 
 
@@ -237,10 +283,12 @@ def optimizer_step(state: TrainState) -> None:
     if t.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
+    start, end = state.next_rows()
+    state.set_rate(start, end)
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
-    state.scheduler.step()
+    state.rows = end
     state.step += 1
     if state.first_step_at is None:
         state.first_step_at = time.time()

@@ -35,7 +35,6 @@ from app.train.loop import (
     epoch_batches,
     order_seed,
     should_stop_early,
-    steps_per_epoch,
     train_epoch,
 )
 from app.train.parts import HEADLINE, LOSS, VALIDATE
@@ -142,7 +141,7 @@ class Worker:
             self.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, self.rank))
         val_batches = self.val_feed.batches(t.batch_size * 4)
         stats |= self.validate(state.model, val_batches, self.device, t.precision)
-        state.epoch = epoch
+        state.end_epoch(epoch)
         state.data_wait_history.append(stats["data_wait_fraction"])
         state.epoch_seconds_history.append(stats["epoch_seconds"])
         metrics = {"epoch": epoch, "step": state.step, **stats}
@@ -203,8 +202,7 @@ def start_state(
     pretrained folder's weights; a resumed one from its checkpoint."""
     t = config.train
     model = parallel.parallelize(build(base_weights=not resumed), t, device)
-    total_steps = steps_per_epoch(train_rows, world, config) * t.epochs
-    state = TrainState.create(model, config, total_steps)
+    state = TrainState.create(model, config, train_rows, world)
     if resumed:
         with resumed.as_directory() as folder:
             state.restore(folder, rank)

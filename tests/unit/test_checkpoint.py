@@ -56,7 +56,7 @@ def config():
 
 def make_state(config, seed: int) -> TrainState:
     torch.manual_seed(seed)
-    return TrainState.create(build_model(config.model, tabular_pre()), config, total_steps=20)
+    return TrainState.create(build_model(config.model, tabular_pre()), config, 20 * 8, world=1)
 
 
 def take_steps(state: TrainState, steps: int) -> None:
@@ -66,8 +66,10 @@ def take_steps(state: TrainState, steps: int) -> None:
         loss = F.cross_entropy(state.model(x=x), y)
         state.optimizer.zero_grad()
         loss.backward()
+        start, end = state.next_rows()
+        state.set_rate(start, end)
         state.optimizer.step()
-        state.scheduler.step()
+        state.rows = end
         state.step += 1
     state.epoch = 1
 
@@ -126,13 +128,13 @@ def test_train_state_loads_with_weights_only_and_resumes(tmp_path, config):
     raw = torch.load(os.path.join(folder, checkpoint.STATE), weights_only=True)
     assert raw["step"] == 4
     loaded = checkpoint.load_train_state(folder)
-    assert set(loaded) == {"optimizer", "scheduler", "scaler", "step", "rng"}
+    assert set(loaded) == {"optimizer", "rows", "scaler", "step", "rng"}
 
     resumed = make_state(config, seed=99)
     resumed.restore(folder)
     assert (resumed.epoch, resumed.step) == (1, 4)
     assert resumed.resume_history == [2]  # resumed at the start of epoch 2
-    assert resumed.scheduler.last_epoch == 4
+    assert resumed.rows == state.rows - 2 * state.config.train.batch_size
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr)
     for a, b in zip(expected_opt, resumed.optimizer.state.values(), strict=True):
         torch.testing.assert_close(a["exp_avg"], b["exp_avg"])

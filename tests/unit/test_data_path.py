@@ -123,7 +123,7 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
     x = rng.normal(size=(256, 4)).astype(np.float32)
     feed = MemoryFeed.from_arrays({"x": x, "label": (x[:, 0] > 0).astype(np.int64)})
     model = MLP(4, 2, hidden=[16], dropout=0.0)
-    state = TrainState.create(model, config, total_steps=10 * 8)
+    state = TrainState.create(model, config, len(feed), world=1)
     device = torch.device("cpu")
     losses = [train_epoch(state, feed.batches(32, seed=e), device)["train_loss"] for e in range(10)]
     stats = train_epoch(state, feed.batches(32, seed=10), device)

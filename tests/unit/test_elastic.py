@@ -66,3 +66,38 @@ def test_per_worker_cpus_ray_may_miscount_are_warned_about(caplog):
     caplog.clear()
     elastic.warn_inexact(digits("train.num_workers=2", "train.cpus_per_worker=0.3").train)
     assert not caplog.text  # a fixed count is not sized by Ray's elastic policy
+
+
+@pytest.mark.parametrize("sizes", [(3, 4, 4), (4, 3, 3), (2, 4, 2)], ids=str)
+def test_the_schedule_ends_at_the_last_step_whatever_sizes_the_run_trains_at(sizes):
+    """Each epoch at its own size, restarted between (a new state restored from the last):
+    the linear decay is a third left at the last epoch's start and just above 0 at its end."""
+    import torch
+
+    from app.train.loop import TrainState
+
+    config = digits(
+        "train.num_workers=[2,4]", "train.epochs=3", "train.lr_schedule=linear",
+        "train.warmup_fraction=0", "train.batch_size=16",
+    )  # fmt: skip
+    rows, base = 10_000, config.train.lr
+    state, rates, firsts = None, [], []
+    for epoch, world in enumerate(sizes, start=1):
+        restarted = TrainState.create(
+            torch.nn.Linear(2, 2), elastic.for_world(config, world), rows, world
+        )
+        if state is not None:  # what TrainState.restore brings back
+            restarted.rows, restarted.step, restarted.epoch = state.rows, state.step, state.epoch
+        state = restarted
+        for i in range(steps_per_epoch(rows, world, state.config)):
+            start, end = state.next_rows()
+            state.set_rate(start, end)
+            rates.append(state.optimizer.param_groups[0]["lr"])
+            if i == 0:
+                firsts.append(rates[-1])
+            state.rows, state.step = end, state.step + 1
+        state.end_epoch(epoch)
+    assert state.rows == 3 * rows
+    assert all(r > 0 for r in rates) and rates == sorted(rates, reverse=True)
+    assert firsts[-1] == pytest.approx(base / 3)
+    assert rates[-1] < 0.03 * base

@@ -97,16 +97,18 @@ def one_rank_group():
 def fsdp_state(config) -> TrainState:
     torch.manual_seed(0)
     model = parallel.parallelize(tiny_transformer(), config.train, torch.device("cpu"))
-    return TrainState.create(model, config, total_steps=10)
+    return TrainState.create(model, config, 10 * config.train.batch_size, world=1)
 
 
 def step(state: TrainState) -> float:
     inputs, labels = batch()
     loss = F.cross_entropy(state.model(**inputs), labels)
     loss.backward()
+    start, end = state.next_rows()
+    state.set_rate(start, end)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    state.scheduler.step()
+    state.rows = end
     state.step += 1
     return loss.item()
 
@@ -174,7 +176,7 @@ def test_a_ddp_checkpoint_is_not_resumed_by_an_fsdp_run_or_the_reverse(one_rank_
     folder = str(tmp_path / "fsdp")
     save_fsdp_checkpoint(state, fsdp, folder)
     torch.manual_seed(0)
-    ddp = TrainState.create(tiny_transformer(), train_config(), total_steps=10)
+    ddp = TrainState.create(tiny_transformer(), train_config(), 10 * 8, world=1)
     with pytest.raises(checkpoint.CheckpointError, match="train.strategy=fsdp"):
         ddp.restore(folder)
 
