@@ -146,14 +146,26 @@ class Pretrained:
 
     def chat_template(self) -> str | None:
         """The tokenizer's chat template: `chat_template.jinja`, or tokenizer_config.json's
-        `chat_template` (a string, or named templates of which "default" is used)."""
+        `chat_template` (a string, or named templates of which "default" is used); compiled
+        and rendered once here, so a broken one fails when the folder is read, not in serving."""
+        from app.chat_template import TemplateRefused, check_template
+
+        source = CHAT_TEMPLATE
         if self.has(CHAT_TEMPLATE):
-            return self._read(CHAT_TEMPLATE)
-        template = self.tokenizer_config().get("chat_template")
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        return template if isinstance(template, str) and template else None
+            template: Any = self._read(CHAT_TEMPLATE)
+        else:
+            source = f"{TOKENIZER_CONFIG}'s chat_template"
+            template = self.tokenizer_config().get("chat_template")
+            if isinstance(template, list):
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+        if not (isinstance(template, str) and template):
+            return None
+        try:
+            check_template(template, self.special_tokens())
+        except TemplateRefused as e:
+            raise self.fail(f"{source}: {e}") from None
+        return template
 
     def special_tokens(self) -> dict[str, str]:
         """`bos_token` and `eos_token` as chat templates read them."""

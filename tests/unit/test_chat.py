@@ -81,3 +81,63 @@ def test_a_model_without_a_template_gets_the_plain_one():
     assert plain.name == "plain"
     assert plain.render(MESSAGES[:2]) == plain_template(MESSAGES[:2])
     assert plain_template(MESSAGES[:2]) == "system: Be brief.\nuser: What is 2 + 2?\nassistant:"
+
+
+# transformers' template environment: loop controls, the generation block, strftime_now and
+# tojson's keyword arguments.
+TRANSFORMERS_FEATURES = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% generation %}{{ m['role'] }}:{{ m['content'] | tojson(ensure_ascii=False, indent=None, "
+    "separators=(',', ':'), sort_keys=True) }}{% endgeneration %}\n"
+    "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}"
+    "{% set ns = namespace(n=0) %}{% set ns.n = dict(a=1)['a'] %}{{ ns.n }}"
+)
+
+
+def test_transformers_template_features_render_as_transformers_renders_them(hf_tokenizer):
+    expected = hf_tokenizer.apply_chat_template(
+        MESSAGES, chat_template=TRANSFORMERS_FEATURES, tokenize=False, add_generation_prompt=True
+    )
+    assert ChatTemplate(TRANSFORMERS_FEATURES).render(MESSAGES) == expected
+    dated = ChatTemplate("{{ strftime_now('%Y') }}").render(MESSAGES)
+    assert dated.isdigit() and len(dated) == 4
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for i in range(100000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+        "{{ 'x' * 10**9 }}",
+        "{% for i in range(100000) %}{{ messages | tojson }}{% endfor %}",
+    ],
+    ids=["10^9 iterations", "a huge value", "a huge output"],
+)
+def test_a_runaway_template_stops_itself_within_a_second_as_a_400(template):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(RequestError) as refused:
+        ChatTemplate(template).render(MESSAGES)
+    assert time.perf_counter() - started < 1.0
+    assert refused.value.status == 400 and refused.value.message.startswith("messages:")
+
+
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        ("{% for m in messages %}{{ m }", "line 1"),
+        ("{% break %}", "does not compile"),
+        ("{{ raise_exception('no') }}", "renders no plain conversation (no)"),
+    ],
+)
+def test_a_folder_whose_template_fails_is_refused_when_it_is_read(tmp_path, template, reason):
+    from app.errors import ConfigError
+    from app.pretrained import Pretrained
+    from tests.make_tiny_pretrained import make_gpt2
+
+    folder = make_gpt2(str(tmp_path / "gpt2"))
+    (tmp_path / "gpt2" / "chat_template.jinja").write_text(template)
+    with pytest.raises(ConfigError) as refused:
+        Pretrained(folder).chat_template()
+    line = str(refused.value)
+    assert "\n" not in line and "chat_template.jinja" in line and reason in line
