@@ -138,7 +138,7 @@ def steps_per_epoch(train_rows: int, world: int, config: Config) -> int:
 
 
 def short_budget(train_rows: int, config: Config) -> str | None:
-    """One line when `train.max_steps` ends the run before it has seen one epoch of the
+    """One line when `train.max_steps` stops training short of one epoch of the
     training rows (at the size the run starts at), else None."""
     t = config.train
     if not t.max_steps or train_rows <= 0:
