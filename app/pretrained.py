@@ -14,13 +14,13 @@ preprocessor, so checkpoints and artifacts rebuild the model without the folder 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from typing import Any
 
@@ -242,24 +242,70 @@ def open_pretrained(uri: str) -> Pretrained:
 
 
 def local_folder(uri: str) -> str:
-    """A local folder holding the files: the folder itself, or a download of a remote one
-    (cached by URI; filled under a temporary name and renamed, so never half there)."""
+    """A local folder holding the files: the folder itself, or a download of a remote one."""
     if storage.is_local(uri):
         path = uri.removeprefix("file://")
         if not os.path.isdir(path):
             raise ConfigError(f"config error: model.pretrained: {uri}: no such folder")
         return path
-    if not storage.exists(storage.join(uri, CONFIG)):
+    return download_folder(uri.rstrip("/"))
+
+
+def read_by_project(name: str) -> bool:
+    """The files of a folder this module reads (weights, configs, tokenizer, card)."""
+    return name in READ or name.endswith(".safetensors")
+
+
+READ = {
+    CONFIG, INDEX, TOKENIZER, VOCAB, TOKENIZER_CONFIG, IMAGE_PROCESSOR, CHAT_TEMPLATE, "README.md"
+}  # fmt: skip
+
+
+def download_folder(uri: str) -> str:
+    """The files of a remote folder the project reads, downloaded once per machine.
+
+    Cached under a key of the URI and the remote listing (names, sizes, modification times),
+    so a folder uploaded again at the same URI is fetched again; processes that miss together
+    take one lock per key and all but the first find the copy done. A copy is filled under a
+    temporary name and renamed whole; a failed one is removed (and one a killed process left
+    is removed by the next that takes the lock)."""
+    import fcntl
+
+    listing = storage.list_files(uri)
+    if not any(name == CONFIG for name, _, _ in listing):
         raise ConfigError(f"config error: model.pretrained: {uri}: missing {CONFIG}")
+    wanted = [entry for entry in listing if read_by_project(entry[0])]
+    key = hashlib.sha256(json.dumps([uri, wanted]).encode()).hexdigest()[:16]
     root = os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/raytorch/pretrained")
-    dest = os.path.join(root, hashlib.sha256(uri.encode()).hexdigest()[:16])
-    if not os.path.isdir(dest):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=root, prefix=".download-")
-        storage.download_dir(uri, tmp)
-        with contextlib.suppress(OSError):  # another process finished first: theirs is as good
+    dest = os.path.join(root, key)
+    os.makedirs(os.path.join(root, ".locks"), exist_ok=True)
+    with open(os.path.join(root, ".locks", key), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(dest):
+            return dest
+        for stale in os.listdir(root):
+            if stale.startswith(f".download-{key}-"):
+                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=f".download-{key}-")
+        try:
+            fetch(uri, [name for name, _, _ in wanted], tmp)
+            # Pickled weights are never read, only named in the refusal: an empty stand-in.
+            for name, _, _ in listing:
+                if name in PICKLED:
+                    open(os.path.join(tmp, name), "w").close()
             os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log.info("model.pretrained: %s downloaded to %s (%d files)", uri, dest, len(wanted))
     return dest
+
+
+def fetch(uri: str, names: list[str], local: str) -> None:
+    for name in names:
+        target = os.path.join(local, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        storage.download_file(storage.join(uri, name), target)
 
 
 SAFETENSORS_DTYPES = {

@@ -174,6 +174,13 @@ def upload_file(local: str, uri: str) -> None:
         shutil.copyfileobj(src, dst, CHUNK)  # type: ignore[misc]  # a pyarrow stream is file-like
 
 
+def download_file(uri: str, local: str) -> None:
+    """Copy the file `uri` to the local path `local`, streamed."""
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as src, open(local, "wb") as dst:
+        shutil.copyfileobj(src, dst, CHUNK)  # type: ignore[misc]  # a pyarrow stream is file-like
+
+
 @contextlib.contextmanager
 def local_path_for(uri: str) -> Iterator[str]:
     """A local path through which to write the file `uri`: the path itself when local, else a
@@ -188,6 +195,18 @@ def local_path_for(uri: str) -> Iterator[str]:
         path = os.path.join(tmp, os.path.basename(uri.rstrip("/")))
         yield path
         upload_file(path, uri)
+
+
+def list_files(uri: str) -> list[tuple[str, int, int]]:
+    """(relative name, size, mtime in ns) of every file under `uri`, recursively, sorted."""
+    fs, path = filesystem(uri)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    root = path.rstrip("/") + "/"
+    return sorted(
+        (i.path.removeprefix(root), i.size or 0, i.mtime_ns or 0)
+        for i in infos
+        if i.type == pafs.FileType.File
+    )
 
 
 def list_dir(uri: str) -> list[str]:

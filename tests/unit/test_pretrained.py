@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -432,10 +433,13 @@ def test_sharded_safetensors_load_and_hash_every_shard(folders, tmp_path):
         assert torch.allclose(model(ids), reference.eval()(ids).logits, atol=1e-4)
 
 
-def test_a_folder_on_s3_is_downloaded_once_and_loads_like_the_local_one(
+def test_a_folder_on_s3_is_downloaded_once_per_upload_and_loads_like_the_local_one(
     folders, tmp_path, monkeypatch
 ):
+    from concurrent.futures import ThreadPoolExecutor
+
     from app import storage
+    from app.pretrained import local_folder
     from tests.s3_server import moto_s3
 
     monkeypatch.setenv("RAYTORCH_PRETRAINED_CACHE", str(tmp_path / "cache"))
@@ -443,12 +447,30 @@ def test_a_folder_on_s3_is_downloaded_once_and_loads_like_the_local_one(
         uri = f"{bucket}/models/bert"
         for name in os.listdir(folders["bert"]):
             storage.upload_file(os.path.join(folders["bert"], name), f"{uri}/{name}")
+        storage.upload_file(
+            os.path.join(folders["bert"], "config.json"), f"{uri}/flax_model.msgpack"
+        )
+        storage.upload_file(os.path.join(folders["bert"], "config.json"), f"{uri}/notes/x.txt")
         open_pretrained.cache_clear()
         model, pre = loaded(uri)
         assert pre.state["pretrained"]["uri"] == uri
-        assert len(os.listdir(tmp_path / "cache")) == 1  # one download, under a stable name
+        copies = [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")]
+        assert len(copies) == 1  # one download, under a stable name
+        # Only what the project reads comes down (a pickle is an empty stand-in).
+        assert "notes" not in os.listdir(tmp_path / "cache" / copies[0])
+        assert os.path.getsize(tmp_path / "cache" / copies[0] / "flax_model.msgpack") == 0
         open_pretrained.cache_clear()
-        assert open_pretrained(uri).local == open_pretrained.__wrapped__(uri).local
+        assert open_pretrained(uri + "/").local == open_pretrained.__wrapped__(uri).local
+        # Uploaded again at the same URI: a new copy, never the old weights.
+        time.sleep(1.1)  # S3 modification times are in seconds
+        storage.upload_file(os.path.join(folders["bert"], "config.json"), f"{uri}/config.json")
+        assert open_pretrained.__wrapped__(uri).local != str(tmp_path / "cache" / copies[0])
+        # Processes that miss together download once; nothing half-written stays.
+        storage.upload_file(os.path.join(folders["bert"], "config.json"), f"{uri}/README.md")
+        with ThreadPoolExecutor(4) as pool:
+            paths = set(pool.map(lambda _: local_folder(uri), range(4)))
+        assert len(paths) == 1
+        assert not [n for n in os.listdir(tmp_path / "cache") if n.startswith(".download-")]
     reference, _ = loaded(folders["bert"])
     inputs = {k: torch.from_numpy(v) for k, v in pre.features(TEXTS).items()}
     with torch.no_grad():
