@@ -101,7 +101,7 @@ def test_jobs_predict_refuses_a_language_model_in_one_line(lm_artifact, tmp_path
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert exit_.value.code == 1 and "Traceback" not in err, err  # a UserError
     assert "task 'lm' has no batch inference" in err.splitlines()[-1]
     assert not (tmp_path / "out").exists()
 
