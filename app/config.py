@@ -422,8 +422,9 @@ class GenerationConfig(_Section):
     # Tokens one request may ask for in all (n x max_tokens): its decoding shares the one
     # decode thread with every other stream, and its answer body grows with it.
     max_request_tokens: int = Field(4096, ge=1)
-    # KV-cache memory (MiB) the running streams may need at most, each counted at its prompt
-    # plus max_tokens; a stream beyond it is a 503 (None: max_streams alone bounds it).
+    # KV-cache memory (MiB) the decode batch may hold: rows x the longest prompt + max_tokens
+    # (rows are padded to it) x 2 (a step's outputs); a stream beyond it waits, then is a 503
+    # (None: max_streams alone bounds it).
     max_kv_cache_mib: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")

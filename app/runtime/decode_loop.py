@@ -158,6 +158,10 @@ class DecodeLoop:
         """Streams submitted whose prompt is not yet in the batch (read from any thread)."""
         return self.waiting.qsize() + len(self.prefilling)
 
+    def cache_tokens(self) -> int:
+        """Token slots the batch's KV cache holds now, padding included (from any thread)."""
+        return self.batch.slots()
+
     def close(self) -> None:
         """The thread ends once the streams it has end (a variant switch starts a new loop)."""
         self._closing = True

@@ -91,6 +91,11 @@ class KVBatch:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def slots(self) -> int:
+        """Token slots the cache holds: rows x the padded width (what its memory is)."""
+        first = self.cache[0]  # one read: another thread may swap the list
+        return int(first.shape[0] * first.shape[2])
+
     def join(self, cache: list[np.ndarray]) -> int:
         """Adds a stream whose cache (batch 1) holds its prompt; its row number."""
         self.join_many([cache])

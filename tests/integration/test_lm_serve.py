@@ -541,8 +541,8 @@ def test_concurrent_streams_share_the_decode_loop_and_keep_their_answers(lm_endp
 
 def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_artifact):
     """A replica (the real LMServer and ONNX Runtime, in this process) with room in its KV-cache
-    budget for one 300-token stream: a second is refused with a 503 and Retry-After while the
-    first runs, and starts once it ended."""
+    budget for one 300-token stream: a second waits, is refused with a 503 and Retry-After
+    while the first runs, and starts once it ended."""
     import asyncio
 
     from app.runtime.types import GenerationRequest, RequestError, Started
@@ -550,7 +550,9 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
 
     config, summary = lm_artifact
     cfg = config.serve.model_copy(deep=True)
-    cfg.generation.max_kv_cache_mib = 0.2  # tinylm: 512 bytes a token, about 400 tokens
+    # tinylm: 512 bytes a token; one 300-token stream and a step's outputs need about 0.3 MiB.
+    cfg.generation.max_kv_cache_mib = 0.4
+    cfg.request_timeout_s = 0.5  # a stream waits for room up to half of it, then is a 503
 
     def request():
         return GenerationRequest("def ", {"max_tokens": 300, "temperature": 0.0})

@@ -534,25 +534,72 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
     assert late[:3] == alone(generator, long_prompt, params)[:3]
 
 
-def test_the_kv_budget_refuses_a_stream_the_cache_has_no_room_for():
+def test_the_kv_budget_counts_the_padded_batch_and_a_steps_outputs(exported, tokenizer):
+    """One long stream beside short ones (a 900-token prompt beside fifteen 7-token ones, in
+    small): the batch left-pads every row to the longest and a step writes its outputs beside
+    it, so only what those arrays fit in is admitted, the rest wait and are a 503, and the
+    arrays measured while the admitted streams run stay within the budget."""
+    from app.runtime.decode_loop import DecodeLoop
+    from app.runtime.types import RequestError
+    from app.serve.replicas.lm_server import KVBudget
+
+    _, sessions = exported
+    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    limit = 60 * 1024  # bytes: 120 tokens of this model, 512 bytes each
+    budget = KVBudget(limit / 2**20, generator.decoder, wait_s=0.05)
+    assert budget.bytes_per_token == 512
+    long_prompt, short_prompts = list(range(5, 25)), [[5 + i, 6] for i in range(15)]
+    # Counted one stream at a time (prompt + max_tokens each), all sixteen would fit:
+    assert (24 + 15 * 6) * budget.bytes_per_token <= limit
+
+    async def scenario():
+        admitted, refused = [long_prompt], []
+        await budget.reserve(24, "m")
+        for prompt in short_prompts:
+            try:
+                await budget.reserve(6, "m")
+                admitted.append(prompt)
+            except RequestError as e:
+                refused.append(e)
+        loop = DecodeLoop(generator)
+        streams = [loop.submit(p, SamplingParams(max_tokens=4, temperature=0)) for p in admitted]
+        reading, peak = asyncio.gather(*(read(s) for s in streams)), 0
+        while not reading.done():
+            peak = max(peak, loop.cache_tokens())
+            await asyncio.sleep(0)
+        loop.close()
+        return len(admitted), refused, peak
+
+    admitted, refused, peak = asyncio.run(scenario())
+    assert admitted == 2 and len(refused) == 14
+    assert all(e.status == 503 and e.retry_after_s == 1 for e in refused)
+    assert "serve.generation.max_kv_cache_mib" in refused[0].message
+    assert peak > 0 and 2 * peak * budget.bytes_per_token <= limit  # the cache and a step's outputs
+
+
+def test_a_stream_waits_for_kv_room_and_one_that_never_fits_is_a_400():
     from types import SimpleNamespace
 
     from app.runtime.types import RequestError
     from app.serve.replicas.lm_server import KVBudget
 
     decoder = SimpleNamespace(layers=2, heads=4, head_dim=8)  # 512 bytes a token
-    budget = KVBudget(1.0, decoder)  # 1 MiB: 2048 tokens
-    budget.reserve(1500, "m")
-    with pytest.raises(RequestError) as full:
-        budget.reserve(1000, "m")
-    assert full.value.status == 503 and full.value.retry_after_s == 1
-    assert "serve.generation.max_kv_cache_mib=1" in full.value.message
-    budget.release(1500)
-    budget.reserve(1000, "m")  # room again once the first stream ended
-    with pytest.raises(RequestError) as never:
-        budget.reserve(3000, "m")  # more than the whole budget: no retry helps
-    assert never.value.status == 400
-    KVBudget(None, decoder).reserve(10**9, "m")  # unset: the stream count alone bounds it
+    budget = KVBudget(1.0, decoder, wait_s=5.0)  # 1 MiB: 1024 padded tokens with a step's outputs
+
+    async def scenario():
+        await budget.reserve(900, "m")
+        waiting = asyncio.ensure_future(budget.reserve(7, "m"))  # 2 x 900 padded: no room yet
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        budget.release(900)
+        await asyncio.wait_for(waiting, 1.0)  # admitted as soon as the long stream ended
+        with pytest.raises(RequestError) as never:
+            await budget.reserve(1500, "m")  # more than the whole budget: no wait helps
+        assert never.value.status == 400
+        await KVBudget(None, decoder).reserve(10**9, "m")  # unset: the stream count bounds it
+
+    asyncio.run(scenario())
+    assert budget.needs == [7]
 
 
 def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, tokenizer):

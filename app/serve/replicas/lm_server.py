@@ -65,10 +65,11 @@ class LMServer:
             "tokens": 0,
             "completed": 0,
             "cancelled": 0,
-            "kv_cache_tokens": 0,  # prompt and generated tokens the running streams' caches hold
         }
         self._metrics = _GenerationMetrics(self.artifact.name)
-        self.kv_budget = KVBudget(cfg.generation.max_kv_cache_mib, self.generator.decoder)
+        self.kv_budget = KVBudget(
+            cfg.generation.max_kv_cache_mib, self.generator.decoder, cfg.request_timeout_s / 2
+        )
         self.chat = chat_template(self.artifact.preprocessor.state)
         log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
 
@@ -105,8 +106,11 @@ class LMServer:
             probe.close()
 
     async def info(self) -> ModelInfo:
-        reserved = self.kv_budget.reserved // self.kv_budget.bytes_per_token
-        stats = self.stats | self.loop.stats | {"kv_reserved_tokens": reserved}
+        kv = {
+            "kv_cache_tokens": self.loop.cache_tokens(),
+            "kv_reserved_tokens": self.kv_budget.padded_tokens(),
+        }
+        stats = self.stats | self.loop.stats | kv
         return model_info(self.artifact, self.variant, generates=True, generation=stats)
 
     async def infer(self, request: InferRequest) -> Any:
@@ -130,18 +134,16 @@ class LMServer:
             raise RequestError(400, str(e)) from None
         params = SamplingParams(**request.params)
         need = len(ids) + min(params.max_tokens, self.generator.block_size - len(ids))
-        self.kv_budget.reserve(need, self.artifact.name)
+        await self.kv_budget.reserve(need, self.artifact.name)
         generation = self.loop.submit(ids, params)
         timing = _Timing()
-        self._hold(1, len(ids))
-        held = len(ids)  # the tokens this stream's cache holds, as last counted
+        self._hold(1)
         ended = "error"  # how the stream ended, for the counter: stop, length, cancelled, error
         try:
             yield Started(prompt_tokens=len(ids), version=self.artifact.version)
             async for piece in generation:
                 timing.token_came()
-                self._hold(0, len(ids) + generation.completion_tokens - held)
-                held = len(ids) + generation.completion_tokens
+                self._hold(0)
                 yield piece
             finished = self._end(generation)
             ended = finished.finish_reason
@@ -154,17 +156,16 @@ class LMServer:
         finally:
             generation.close()
             self.kv_budget.release(need)
-            self._hold(-1, -held)
+            self._hold(-1)
             self.stats["tokens"] += generation.completion_tokens
             self._metrics.observe(timing, generation.completion_tokens, ended)
 
-    def _hold(self, streams: int, tokens: int) -> None:
+    def _hold(self, streams: int) -> None:
         """Streams and cached tokens now, in the stats and the gauges: a stream waits until its
         prompt is in its cache (the decode loop's prefill), then runs."""
         self.stats["active"] += streams
-        self.stats["kv_cache_tokens"] += tokens
         waiting = self.loop.waiting_count()
-        self._metrics.levels(self.stats["active"] - waiting, waiting, self.stats["kv_cache_tokens"])
+        self._metrics.levels(self.stats["active"] - waiting, waiting, self.loop.cache_tokens())
 
     def _end(self, generation: LoopGeneration) -> Finished:
         reason = generation.finish_reason
@@ -179,35 +180,54 @@ class LMServer:
 
 
 class KVBudget:
-    """The KV-cache memory running streams may come to hold, each reserved at its most (prompt
-    plus the tokens it may generate) when it starts, within serve.generation.max_kv_cache_mib."""
+    """The KV-cache memory the decode batch may come to hold, within
+    serve.generation.max_kv_cache_mib. The batch left-pads every row to its widest and a step
+    writes its outputs (`present`) beside its inputs, so streams that may each reach `n_i`
+    tokens (prompt plus max_tokens) cost rows x max(n_i) x 2 x the bytes of a token. A stream
+    that does not fit waits for room up to `wait_s`, then is a 503 with Retry-After; one that
+    could never fit is a 400."""
 
-    def __init__(self, limit_mib: float | None, decoder: Any):
+    STEP_COPIES = 2  # the cache and a step's present outputs
+
+    def __init__(self, limit_mib: float | None, decoder: Any, wait_s: float = 0.0):
         self.limit = None if limit_mib is None else limit_mib * 2**20
         # A float32 key and value per layer, head and position.
         self.bytes_per_token = 2 * decoder.layers * decoder.heads * decoder.head_dim * 4
-        self.reserved = 0
+        self.wait_s = wait_s
+        self.needs: list[int] = []  # tokens each admitted stream may reach
 
-    def reserve(self, tokens: int, model: str) -> None:
-        size = tokens * self.bytes_per_token
+    def padded_tokens(self, needs: list[int] | None = None) -> int:
+        """Token slots the batch of `needs` (default: the admitted streams) may come to hold."""
+        needs = self.needs if needs is None else needs
+        return len(needs) * max(needs, default=0)
+
+    def cost(self, needs: list[int]) -> float:
+        return self.padded_tokens(needs) * self.bytes_per_token * self.STEP_COPIES
+
+    async def reserve(self, tokens: int, model: str) -> None:
         if self.limit is None:
-            self.reserved += size
+            self.needs.append(tokens)
             return
         mib = f"serve.generation.max_kv_cache_mib={self.limit / 2**20:g}"
-        if size > self.limit:
+        if self.cost([tokens]) > self.limit:
             raise RequestError(
-                400, f"prompt + max_tokens need {size / 2**20:.1f} MiB of KV cache, over {mib}"
+                400,
+                f"prompt + max_tokens need {self.cost([tokens]) / 2**20:.1f} MiB of KV cache "
+                f"(with a step's outputs), over {mib}",
             )
-        if self.reserved + size > self.limit:
-            raise RequestError(
-                503,
-                f"model {model!r} has its KV cache ({mib}) in use; retry later",
-                retry_after_s=1,
-            )
-        self.reserved += size
+        deadline = time.monotonic() + self.wait_s
+        while self.cost([*self.needs, tokens]) > self.limit:
+            if time.monotonic() >= deadline:
+                raise RequestError(
+                    503,
+                    f"model {model!r} has its KV cache ({mib}) in use; retry later",
+                    retry_after_s=1,
+                )
+            await asyncio.sleep(0.02)  # streams end on this event loop: room shows up here
+        self.needs.append(tokens)
 
     def release(self, tokens: int) -> None:
-        self.reserved -= tokens * self.bytes_per_token
+        self.needs.remove(tokens)
 
 
 class _Timing:
