@@ -84,6 +84,7 @@ def predict(
         output,
     )
     connect_ray()
+    check_room(cfg, config.data.task_cpus, len(files))
     ds = _pipeline(config, files, spec, scorer, artifact.uri, variant)
     run = f"{RUN_MARK}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     try:
@@ -138,6 +139,30 @@ def scorer_of(schema: dict[str, Any]) -> Scorer:
     if not task.has(PREDICTOR):
         raise UserError(f"predict: task {task.name!r} has no batch inference (jobs.predict)")
     return task.part(PREDICTOR)
+
+
+ROOM_WAIT_S = 5.0  # how long the CPUs the run needs may take to come free
+LISTED_IN_TASKS = 16  # from this many files on, Ray Data lists them in tasks of one CPU each
+
+
+def check_room(cfg: PredictConfig, task_cpus: float, files: int) -> None:
+    """The CPUs the run needs at once must come free within seconds: a cluster without them
+    would otherwise wait forever (Ray Data asks for a whole CPU per listing task of 16 files
+    or more while the actor pool holds its own). One line naming what it needs."""
+    import ray
+
+    read = max(task_cpus, 1.0 if files >= LISTED_IN_TASKS else 0.0)
+    need = cfg.actor_cpus + read
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while (free := ray.available_resources().get("CPU", 0.0)) < need - 1e-9:
+        if time.monotonic() > deadline:
+            total = ray.cluster_resources().get("CPU", 0.0)
+            raise UserError(
+                f"predict: needs {need:g} free CPUs at once ({cfg.actor_cpus:g} for an inference "
+                f"actor, predict.actor_cpus, and {read:g} to read {files} file(s)); the cluster "
+                f"has {free:g} free of {total:g}: free some or lower predict.actor_cpus"
+            )
+        time.sleep(0.25)
 
 
 def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:

@@ -108,3 +108,32 @@ def test_fail_mode_stops_on_a_bad_json_line_and_publishes_nothing(artifact, ray_
     ):
         predict(config, uri, str(tmp_path / "in.jsonl"), str(out))
     assert not out.exists()
+
+
+def test_predict_without_the_cpus_it_needs_says_so_in_one_line_within_seconds(
+    artifact, ray_local, tmp_path
+):
+    import time
+
+    import ray
+
+    config, uri = artifact
+    scoring_input(tmp_path / "in", open_artifact(uri).schema["feature_columns"])
+    free = ray.available_resources().get("CPU", 0.0)
+    hold = ray.remote(num_cpus=max(free - 0.5, 0))(Holder).remote()  # at most half a CPU left
+    ray.get(hold.ready.remote())
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            UserError, match=r"predict: needs 0\.75 free CPUs .* has [0-9.]+ free of"
+        ):
+            predict(config, uri, str(tmp_path / "in"), str(tmp_path / "out"))
+    finally:
+        ray.kill(hold)
+    assert time.monotonic() - started < 15
+    assert not (tmp_path / "out").exists()
+
+
+class Holder:
+    def ready(self) -> bool:
+        return True
