@@ -10,7 +10,7 @@ import os
 import secrets
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -50,17 +50,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 class _Section(BaseModel):
     # Numbers are accepted for text fields (labels "0".."9", run_name=2024) as their text.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
-    # Keys that moved: their old name -> where they live now (an old config fails naming it).
-    MOVED: ClassVar[dict[str, str]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old in data:
-                if old in cls.MOVED:
-                    raise ValueError(f"{old} is now {cls.MOVED[old]} (moved)")
-        return data
 
 
 class StreamConfig(_Section):
@@ -84,13 +73,6 @@ class StreamConfig(_Section):
 
 
 class DataConfig(_Section):
-    MOVED = {
-        "stream_read_tasks_per_worker": "data.stream.read_tasks_per_worker",
-        "stream_reads_in_flight_per_worker": "data.stream.reads_in_flight_per_worker",
-        "stream_prefetch_batches": "data.stream.prefetch_blocks",
-        "stream_max_cpus": "data.stream.max_cpus",
-        "stream_object_store_mb": "data.stream.object_store_mb",
-    }
     source: Literal[SOURCES] = "digits"  # type: ignore[valid-type]
     path: str | None = None
     label_column: str = "label"  # the column holding each row's label (table sources)
@@ -438,18 +420,6 @@ class GenerationConfig(_Section):
 
 
 class ServeConfig(_Section):
-    MOVED = {
-        **{
-            k: f"serve.batching.{k}"
-            for k in ("max_batch_size", "batch_wait_timeout_s", "max_concurrent_batches")
-        },
-        "max_padding_waste": "serve.batching.max_padding_waste",
-        "batch_calls": "serve.batching.calls",
-        **{
-            k: f"serve.generation.{k}"
-            for k in ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_streams")
-        },
-    }
     app_name: str = "models"  # the Serve application routing to every model
     host: str = "127.0.0.1"  # where Serve's HTTP proxy listens
     port: int = Field(8000, ge=1, le=65535)  # Serve's HTTP port

@@ -51,7 +51,7 @@ def replica_counts(serve, app_name: str) -> tuple[int, int]:
 
 def trial(
     serve,
-    build_app,
+    build_model_app,
     args: dict[str, Any],
     url: str,
     body: bytes,
@@ -62,7 +62,7 @@ def trial(
     """Deploy a fresh app (1 replica), load it, time the second replica; then delete the app."""
     import requests
 
-    serve.run(build_app(args), name=name, route_prefix="/")
+    serve.run(build_model_app(args), name=name, route_prefix="/")
     try:
         wait_ready(url, 120)
         infer = f"{url}/v2/models/digits/infer"

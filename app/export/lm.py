@@ -48,6 +48,7 @@ LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexi
 def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
     """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
     from app.evaluate import verify_dataset
+    from app.tasks.registry import run_task
 
     model = loaded.model
     if not isinstance(model, GPT):
@@ -62,22 +63,23 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         int8 = os.path.join(work, art.MODEL_FILES["int8"])
         export_kv_onnx(model, fp32, config.export.opset)
         quantize_weight_only(fp32, int8)
-        report = verify_lm(config, model, fp32, int8, rows)
+        task = run_task(loaded.config.train.task, loaded.preprocessor.kind).name
+        report = {"task": task, **verify_lm(config, model, fp32, int8, rows)}
         gate_lm(report, config)
         Path(work, TOKENIZER_FILE).write_text(tokens_of(loaded.preprocessor).tokenizer.to_str())
-        schema = schema_for_lm(model, loaded.preprocessor)
+        schema = schema_for_lm(model, loaded.preprocessor, task)
         write_metadata(work, config, loaded, report, checkpoint_uri, schema)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
     return {"stage": "export", "artifact": uri, "report": report}
 
 
-def schema_for_lm(model: GPT, pre: Any) -> dict[str, Any]:
+def schema_for_lm(model: GPT, pre: Any, task: str) -> dict[str, Any]:
     """schema.json of a language model: text in, text out, and the graph's cache layout."""
     first = first_attention(model)
     return {
         "kind": pre.kind,
-        "task": "lm",
+        "task": task,
         "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
         "labels": [],
@@ -225,7 +227,6 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
         parity["max_abs_diff"],
     )
     return {
-        "task": "lm",
         "parity": parity,
         "perplexity": ppl,
         "perplexity_rows": int(len(rows)),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from app import storage
 from app.data import kinds
@@ -59,8 +59,6 @@ class ArtifactFile(storage.Contract):
 class ArtifactManifest(storage.Contract):
     """`<artifact>/manifest.json`: the artifact's identity, lineage and the hash of every file."""
 
-    # A version written as a number by an older tool is still read as its text.
-    model_config = ConfigDict(coerce_numbers_to_str=True)
     error = ArtifactError
     name: str
     version: str | None = None  # None until publish claims a number

@@ -35,11 +35,6 @@ class Generator:
         max_prompt_tokens: int | None = None,
     ):
         self.decoder = KVDecoder(session)
-        if not self.decoder.batched:
-            raise ValueError(
-                "the graph cannot step streams together (no position_ids or attention_mask "
-                "input): export the checkpoint again with jobs.export"
-            )
         self.tokenizer = tokenizer
         self.block_size = block_size
         # A prompt must leave room for at least one generated token in the position table.

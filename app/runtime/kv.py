@@ -27,17 +27,20 @@ POSITIONS, KEY_MASK = "position_ids", "attention_mask"
 
 
 class KVDecoder:
-    """One ONNX Runtime session of an exported LM graph and its cache layout. A graph with
-    `position_ids` and `attention_mask` inputs (`batched`) can step streams of different
-    lengths together (`KVBatch`); older artifacts' graphs step one stream at a time."""
+    """One ONNX Runtime session of an exported LM graph and its cache layout. Its
+    `position_ids` and `attention_mask` inputs let streams of different lengths step together
+    (`KVBatch`)."""
 
     def __init__(self, session: Any):
         self.session = session
         inputs = {i.name: i for i in session.get_inputs()}
         self.layers = sum(1 for name in inputs if name.startswith("past_key_"))
-        if "input_ids" not in inputs or self.layers == 0:
-            raise ValueError("not a KV-cache language model graph (input_ids, past_key_0, ...)")
-        self.batched = POSITIONS in inputs and KEY_MASK in inputs
+        needed = ("input_ids", POSITIONS, KEY_MASK)
+        if any(name not in inputs for name in needed) or self.layers == 0:
+            raise ValueError(
+                "not a KV-cache language model graph of this version (input_ids, position_ids, "
+                "attention_mask, past_key_0, ...): export the checkpoint again with jobs.export"
+            )
         shape = inputs[past_name("key", 0)].shape  # [batch, heads, cached, head_dim]
         self.heads, self.head_dim = int(shape[1]), int(shape[3])
         self.vocab_size = int(session.get_outputs()[0].shape[-1])
@@ -57,18 +60,17 @@ class KVDecoder:
         mask: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list]:
         """Logits [batch, tokens, vocab] for `ids` [batch, tokens] after `cache`; the new cache.
-        `positions` and `mask` (a batched graph's): by default every cache slot is the row's
-        and the tokens follow it."""
+        `positions` and `mask`: by default every cache slot is the row's and the tokens
+        follow it."""
         feed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
-        if self.batched:
-            batch, tokens = feed["input_ids"].shape
-            past = cache[0].shape[2]
-            if positions is None:
-                positions = np.broadcast_to(np.arange(past, past + tokens), (batch, tokens))
-            if mask is None:
-                mask = np.ones((batch, past + tokens), dtype=np.int64)
-            feed[POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
-            feed[KEY_MASK] = np.ascontiguousarray(mask, dtype=np.int64)
+        batch, tokens = feed["input_ids"].shape
+        past = cache[0].shape[2]
+        if positions is None:
+            positions = np.broadcast_to(np.arange(past, past + tokens), (batch, tokens))
+        if mask is None:
+            mask = np.ones((batch, past + tokens), dtype=np.int64)
+        feed[POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
+        feed[KEY_MASK] = np.ascontiguousarray(mask, dtype=np.int64)
         for i in range(self.layers):
             feed[past_name("key", i)] = cache[2 * i]
             feed[past_name("value", i)] = cache[2 * i + 1]
@@ -82,8 +84,6 @@ class KVBatch:
     new slot. Rows join with the cache of their prompt and leave when their stream ends."""
 
     def __init__(self, decoder: KVDecoder):
-        if not decoder.batched:
-            raise ValueError("the graph has no position_ids/attention_mask: one stream a step")
         self.decoder = decoder
         self.cache = decoder.empty_cache(0)
         self.lengths: list[int] = []
@@ -151,7 +151,7 @@ def _left_pad(cache: np.ndarray, slots: int) -> np.ndarray:
 def prefill(
     decoder: KVDecoder, prompts: Sequence[Sequence[int]]
 ) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-    """Several prompts in one call of a batched graph: each one's last-position logits
+    """Several prompts in one call: each one's last-position logits
     [prompts, vocab] and its own cache (batch 1, its length). The prompts are right-padded:
     a prompt's tokens come before its padding, so no real token ever attends to a pad (and the
     pads, masked, see real tokens: no row of the softmax is empty)."""

@@ -227,16 +227,10 @@ def test_hold_gives_up_with_one_line():
         pass
 
 
-def test_each_model_is_its_own_application_and_the_old_shape_is_carried_over(serve):
-    cfg = ServeConfig().model_dump(mode="json")
-    legacy = {
-        "name": "models",
-        "route_prefix": "/",
-        "import_path": deploy_mod.LEGACY_IMPORT_PATH,
-        "args": {"models": [{"name": "tabular", "artifact": "/registry/tabular/4"}], "serve": cfg},
-    }
+def test_each_model_is_its_own_application_and_others_apps_are_kept(serve):
     other = {"name": "someone-else", "route_prefix": "/x", "import_path": "x:y", "args": {}}
-    fake = serve(apps=[legacy, other])
+    fake = serve(apps=[other])
+    apply(fake, "tabular", "4")
     apply(fake, "digits", "1")
     by_name = {a["name"]: a for a in fake.applications}
     assert by_name["someone-else"] == other  # applications not ours are kept as they are

@@ -4,9 +4,8 @@ The applications are managed declaratively, the same way `serve deploy cluster/s
 (so the two never fight): the job reads the running config, sets this model's application
 (app.serve.control.builders.applications: one per model, plus the index at `/`) and submits the whole config.
 Serve then rolls only what changed: a new version of one model is a rolling update of that model's
-application, with no failed requests; deploying an older version is a rollback. A config from
-before one application per model (one `build_app` application listing every model) is carried
-over. The job returns once the model answers with the new version over HTTP.
+application, with no failed requests; deploying an older version is a rollback. The job returns
+once the model answers with the new version over HTTP.
 
 Two deploys at once would each submit a config without the other's model, so the whole
 read-modify-write, the rollout check and any rollback run under the cluster's deploy lock
@@ -35,8 +34,6 @@ from app.serve.http.middleware import api_key
 from app.serve.replicas.apps import model_app_name
 
 log = logging.getLogger(__name__)
-# One application listing every model: the shape before one application per model.
-LEGACY_IMPORT_PATH = "app.serve.control.builders:build_app"
 POLL_S = 1.0
 ROLLBACK_TIMEOUT_S = 120.0
 
@@ -100,14 +97,12 @@ def serving_address(details: dict[str, Any], cfg: ServeConfig) -> tuple[str, int
 
 
 def served_models(apps: dict[str, dict[str, Any]], cfg: ServeConfig) -> dict[str, str]:
-    """name -> artifact of every model this project's applications serve (either shape)."""
+    """name -> artifact of every model this project's applications serve."""
     models: dict[str, str] = {}
     for name, app in apps.items():
         args = app.get("args") or {}
         if is_model_app(name, app, cfg):
             models[args["model"]["name"]] = args["model"]["artifact"]
-        elif name == cfg.app_name and app.get("import_path") == LEGACY_IMPORT_PATH:
-            models.update({m["name"]: m["artifact"] for m in args.get("models", [])})
     return models
 
 

@@ -81,7 +81,7 @@ class LMServer:
                 self.threads,
                 max_prompt_tokens=self.cfg.generation.max_prompt_tokens,
             )
-        except ValueError as e:  # an older graph: one line naming the artifact
+        except ValueError as e:  # a graph this version cannot run: one line naming the artifact
             raise ValueError(f"{self.artifact.uri}: {e}") from None
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
