@@ -236,23 +236,7 @@ def test_names_that_become_folders_cannot_leave_their_root(config_factory, overr
         config_factory(override)
 
 
-@pytest.mark.parametrize(
-    "old,new",
-    [
-        ("serve.max_batch_size=8", "serve.batching.max_batch_size"),
-        ("serve.batch_calls=on", "serve.batching.calls"),
-        ("serve.max_streams=2", "serve.generation.max_streams"),
-        ("data.stream_prefetch_batches=2", "data.stream.prefetch_blocks"),
-    ],
-)
-def test_a_key_that_moved_fails_in_one_line_naming_its_new_place(config_factory, old, new):
-    with pytest.raises(ConfigError) as failed:
-        config_factory(old)
-    message = str(failed.value)
-    assert new in message and "\n" not in message
-
-
-def test_grouped_keys_take_overrides_in_their_new_place(config_factory):
+def test_grouped_keys_take_overrides(config_factory):
     config = config_factory("serve.batching.max_batch_size=8", "data.stream.prefetch_blocks=2")
     assert config.serve.batching.max_batch_size == 8 and config.data.stream.prefetch_blocks == 2
 
