@@ -94,10 +94,17 @@ def run_job(stage: str, *args: str, timeout: float = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_jobs(jobs: dict[str, tuple[str, list[str]]], timeout: float = 600) -> dict[str, dict]:
+Jobs = dict[str, tuple[str, list[str]]]
+
+
+def run_jobs(jobs: Jobs, timeout: float = 600) -> dict[str, dict]:
     """Several `python -m jobs.<stage> ...` at once; each one's summary, by key. Any failure
     fails the lot, naming the job, once all have ended."""
-    procs = {
+    return collect_jobs(jobs, start_jobs(jobs), timeout)
+
+
+def start_jobs(jobs: Jobs) -> dict[str, subprocess.Popen]:
+    return {
         key: subprocess.Popen(
             [PY, "-m", f"jobs.{stage}", *args],
             cwd=REPO,
@@ -108,6 +115,11 @@ def run_jobs(jobs: dict[str, tuple[str, list[str]]], timeout: float = 600) -> di
         )
         for key, (stage, args) in jobs.items()
     }
+
+
+def collect_jobs(
+    jobs: Jobs, procs: dict[str, subprocess.Popen], timeout: float = 600
+) -> dict[str, dict]:
     outputs = {key: proc.communicate(timeout=timeout) for key, proc in procs.items()}
     failed = {k: p.returncode for k, p in procs.items() if p.returncode != 0}
     if failed:

@@ -16,7 +16,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.conftest import SERVE, run_jobs
+from tests.e2e.conftest import SERVE, collect_jobs, start_jobs
 from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
 
@@ -30,11 +30,12 @@ DATA = {  # small data: each run is seconds of training
 
 
 @pytest.fixture(scope="module")
-def pipelines(cluster, tmp_path_factory):
-    """The three pipelines run at once (as three users would submit them): each spends most of
-    its time starting processes and waiting on Ray, so together they take little more than one.
-    Small CPU shares let all three train and serve beside the models already deployed; they
-    stay deployed (`pt-*`), as any other live models would."""
+def pipelines(cluster, tmp_path_factory, request):
+    """The three pipelines run at once (as three users would submit them), while the README's
+    digits chain runs too: each spends most of its time starting processes and waiting on Ray,
+    so together they take little more than one. Small CPU shares let all of them train and
+    serve beside the models already deployed; they stay deployed (`pt-*`), as any other live
+    models would."""
     root = tmp_path_factory.mktemp("pretrained")
     runs = {}
     for family, config in CONFIGS.items():
@@ -57,7 +58,10 @@ def pipelines(cluster, tmp_path_factory):
             *DATA[family],
         ]
         runs[family] = {"base": base, "folder": folder}
-    summaries = run_jobs({family: ("pipeline", run["base"]) for family, run in runs.items()})
+    jobs = {family: ("pipeline", run["base"]) for family, run in runs.items()}
+    started = start_jobs(jobs)
+    request.getfixturevalue("readme_chain")  # the session's chain, on the cluster meanwhile
+    summaries = collect_jobs(jobs, started)
     for family, summary in summaries.items():
         runs[family]["summary"] = summary
     return runs
