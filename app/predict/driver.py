@@ -148,21 +148,26 @@ LISTED_IN_TASKS = 16  # from this many files on, Ray Data lists them in tasks of
 def check_room(cfg: PredictConfig, task_cpus: float, files: int) -> None:
     """The CPUs the run needs at once must come free within seconds: a cluster without them
     would otherwise wait forever (Ray Data asks for a whole CPU per listing task of 16 files
-    or more while the actor pool holds its own). One line naming what it needs."""
+    or more while the actor pool holds its own). Asked of the scheduler itself with a
+    placement group (the cluster's resource view lags), then let go. One line naming them."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     read = max(task_cpus, 1.0 if files >= LISTED_IN_TASKS else 0.0)
-    need = cfg.actor_cpus + read
-    deadline = time.monotonic() + ROOM_WAIT_S
-    while (free := ray.available_resources().get("CPU", 0.0)) < need - 1e-9:
-        if time.monotonic() > deadline:
-            total = ray.cluster_resources().get("CPU", 0.0)
-            raise UserError(
-                f"predict: needs {need:g} free CPUs at once ({cfg.actor_cpus:g} for an inference "
-                f"actor, predict.actor_cpus, and {read:g} to read {files} file(s)); the cluster "
-                f"has {free:g} free of {total:g}: free some or lower predict.actor_cpus"
-            )
-        time.sleep(0.25)
+    probe = placement_group([{"CPU": cfg.actor_cpus}, {"CPU": read}], strategy="PACK")
+    try:
+        fits = probe.wait(timeout_seconds=ROOM_WAIT_S)
+    finally:
+        remove_placement_group(probe)
+    if not fits:
+        free = ray.available_resources().get("CPU", 0.0)
+        total = ray.cluster_resources().get("CPU", 0.0)
+        raise UserError(
+            f"predict: needs {cfg.actor_cpus + read:g} free CPUs at once ({cfg.actor_cpus:g} "
+            f"for an inference actor, predict.actor_cpus, and {read:g} to read {files} "
+            f"file(s)); the cluster has about {free:g} free of {total:g}: free some or lower "
+            "predict.actor_cpus"
+        )
 
 
 def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:
