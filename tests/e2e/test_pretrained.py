@@ -20,7 +20,9 @@ from tests.e2e.conftest import SERVE, collect_jobs, start_jobs
 from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
 
-pytestmark = pytest.mark.e2e
+# The README's per-family pipelines run in `make test-all`; `make test` runs the digits chain
+# (tests/readme_commands.py), and each family's loading and parity with transformers (tests/unit).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CONFIGS = {"gpt2": "gpt2-finetune", "bert": "bert-text", "vit": "vit-images"}
 DATA = {  # small data: each run is seconds of training
     "gpt2": ["data.path={stdlib}/email/*.py", "data.val_fraction=0.2", "model.max_length=64"],
