@@ -3,8 +3,8 @@ line of its code blocks, and which test runs each.
 
 - `CHAIN`: the digits chain, run in order by the e2e tier in `make test`
   (tests/e2e/conftest.py:readme_chain), on the suite's cluster.
-- `PRETRAINED`: the pipelines on downloaded folders, run in `make test` by
-  tests/e2e/test_pretrained.py with `model.pretrained=` a tiny folder
+- `PRETRAINED`: the pipelines on downloaded folders, run in `make test-all` by
+  tests/e2e/test_pretrained.py (marked slow) with `model.pretrained=` a tiny folder
   (tests/make_tiny_pretrained.py) and small data.
 - `LATER`: run by `make test-all` (tests/e2e/test_readme_commands.py, marked slow), each with
   the overrides it maps to.
