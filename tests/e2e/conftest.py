@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,14 +106,7 @@ def run_jobs(jobs: Jobs, timeout: float = 600) -> dict[str, dict]:
 
 def start_jobs(jobs: Jobs) -> dict[str, subprocess.Popen]:
     return {
-        key: subprocess.Popen(
-            [PY, "-m", f"jobs.{stage}", *args],
-            cwd=REPO,
-            env=job_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        key: start_command([PY, "-m", f"jobs.{stage}", *args], REPO)
         for key, (stage, args) in jobs.items()
     }
 
@@ -120,7 +114,7 @@ def start_jobs(jobs: Jobs) -> dict[str, subprocess.Popen]:
 def collect_jobs(
     jobs: Jobs, procs: dict[str, subprocess.Popen], timeout: float = 600
 ) -> dict[str, dict]:
-    outputs = {key: proc.communicate(timeout=timeout) for key, proc in procs.items()}
+    outputs = {key: output_of(proc, timeout) for key, proc in procs.items()}
     failed = {k: p.returncode for k, p in procs.items() if p.returncode != 0}
     if failed:
         key = next(iter(failed))
@@ -169,13 +163,40 @@ def checkout_copy(into: Path) -> Path:
 def run_command(argv: list[str], cwd: Path, timeout: float = 600, summary: bool = True) -> dict:
     """A README command as a subprocess from `cwd`, on the suite's cluster; its summary (the
     last line of its output)."""
-    proc = subprocess.run(
-        argv, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=timeout
+    return finish_command(start_command(argv, cwd), argv, timeout, summary)
+
+
+def start_command(argv: list[str], cwd: Path) -> subprocess.Popen:
+    """The command started, its output going to files (a pipe nobody reads yet would fill and
+    stall a chatty job running in the background)."""
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=job_env(),
+        stdout=tempfile.TemporaryFile("w+"),
+        stderr=tempfile.TemporaryFile("w+"),
+        text=True,
     )
+
+
+def output_of(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    proc.wait(timeout=timeout)
+    texts = []
+    for stream in (proc.stdout, proc.stderr):
+        stream.seek(0)  # type: ignore[union-attr]
+        texts.append(stream.read())  # type: ignore[union-attr]
+        stream.close()  # type: ignore[union-attr]
+    return texts[0], texts[1]
+
+
+def finish_command(
+    proc: subprocess.Popen, argv: list[str], timeout: float = 600, summary: bool = True
+) -> dict:
+    out, err = output_of(proc, timeout)
     if proc.returncode != 0:
         shown = " ".join(argv[1:])
-        raise AssertionError(f"`{shown}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) if summary else {}
+        raise AssertionError(f"`{shown}` exited {proc.returncode}:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1]) if summary else {}
 
 
 def predict_input(state: dict, into: Path) -> str:
@@ -196,17 +217,25 @@ def predict_input(state: dict, into: Path) -> str:
 @pytest.fixture(scope="session")
 def readme_chain(cluster, tmp_path_factory) -> dict:
     """The README's digits chain (tests/readme_commands.py:CHAIN) run as a user runs it: each
-    command as shown, in order, from the root of a checkout with the shipped config and its
+    command as shown, in order (`jobs.tune`, which needs only the prepared data, beside the
+    steps after training), from the root of a checkout with the shipped config and its
     default paths, on the suite's cluster. Each summary by stage (`verify` for
     `export --verify`), and `root`."""
     from tests.readme_commands import CHAIN, fill
 
     root = checkout_copy(tmp_path_factory.mktemp("checkout"))
     state: dict = {"root": root, "output": str(root / "predictions")}
+    [tune] = [c for c in CHAIN if "jobs.tune" in c]
+    tuning = None  # started once training is done: it needs only the prepared data
     for command in CHAIN:
         if "jobs.predict" in command:
             state["input"] = predict_input(state, root)
         argv = fill(command, state)
         stage = "verify" if "--verify" in argv else argv[2].removeprefix("jobs.")
+        if command == tune and tuning is not None:
+            state[stage] = finish_command(tuning, argv)
+            continue
         state[stage] = run_command(argv, root)
+        if stage == "train":
+            tuning = start_command(fill(tune, state), root)
     return state

@@ -5,8 +5,9 @@ location the run uses is `s3://` on an S3 server (moto) on 127.0.0.1; the creden
 node as its environment. The run (`train.num_workers: [1, 2]`) starts on the one node there is,
 grows when a second joins, shrinks back when that node is lost (the rank on it dies: the run
 resumes from its last registered checkpoint on the survivor) and ends with the model a
-fixed-size run makes, every epoch trained once; the artifact is then exported, deployed and
-used for batch inference on the same cluster, all through the object store.
+fixed-size run makes, every epoch trained once. In `make test-all` the artifact is then
+exported, deployed and used for batch inference on the same cluster, all through the object
+store.
 
 One machine cannot hide one node's disk from another (and root writes through any mode bits),
 so what is checked is that nothing of the run lands on local disk outside the nodes' temp
@@ -79,51 +80,63 @@ def outputs_listing() -> list[str]:
     return sorted(str(p) for p in outputs.rglob("*")) if outputs.exists() else []
 
 
-@pytest.fixture
-def s3_root():
-    with moto_s3() as bucket:
-        yield f"{bucket}/{uuid.uuid4().hex[:8]}"
-
-
-def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
-    s3_root, workspace, tmp_path, monkeypatch
-):
+@pytest.fixture(scope="module")
+def elastic_run(workspace, tmp_path_factory):
     """The run holds at the start of epochs 3 and 6 (a test hook) so the cluster changes at
     known points: a node joins while epoch 3 waits on one worker, and the test lets it go once
     the group has restarted on two; the node is removed while epoch 6 waits on two, after
-    epoch 5's checkpoint is registered."""
+    epoch 5's checkpoint is registered. The cluster stays up for the module's tests."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    tmp_path = tmp_path_factory.mktemp("elastic")
     ray.shutdown()  # needs its own multi-node cluster; later tests re-init a local one
-    # A restart right after the node loss may first try two workers (Ray's view of free
-    # resources lags by up to 20 s): let each such try time out in 10 s, not 60.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    config = workload_config(
-        workspace,
-        "tabular",
-        f"data.output={s3_root}/data",
-        f"train.storage_path={s3_root}/runs",
-        f"export.registry={s3_root}/registry",
-        f"train.epochs={EPOCHS}",
-        "train.num_workers=[1,2]",
-        "train.cpus_per_worker=2",
-        "train.elastic_resize_interval_s=1",
-        "train.max_failures=2",
-        "train.run_name=tabular-elastic",
-        "export.latency_repeats=3",
-        "export.parity_rows=32",
-    )
+    with moto_s3() as bucket, pytest.MonkeyPatch.context() as env:
+        s3_root = f"{bucket}/{uuid.uuid4().hex[:8]}"
+        # A restart right after the node loss may first try two workers (Ray's view of free
+        # resources lags by up to 20 s): let each such try time out in 10 s, not 60.
+        env.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+        config = workload_config(
+            workspace,
+            "tabular",
+            f"data.output={s3_root}/data",
+            f"train.storage_path={s3_root}/runs",
+            f"export.registry={s3_root}/registry",
+            f"train.epochs={EPOCHS}",
+            "train.num_workers=[1,2]",
+            "train.cpus_per_worker=2",
+            "train.elastic_resize_interval_s=1",
+            "train.max_failures=2",
+            "train.run_name=tabular-elastic",
+            "export.latency_repeats=3",
+            "export.parity_rows=32",
+        )
+        before = outputs_listing()
+        # The head (no CPUs: it runs no worker) is this machine, the driver's, with its HOME.
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        # Room for one worker a node (2 CPUs each); after training, the survivor's 2 CPUs hold
+        # jobs.predict (Ray Data's file listing alone asks for a whole CPU) and then Serve.
+        cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "survivor"))
+        try:
+            ray.init(address=cluster.address, log_to_driver=False)
+            cluster.wait_for_nodes()
+            summary = grow_and_shrink(config, cluster, tmp_path)
+            yield {
+                "config": config, "summary": summary, "s3_root": s3_root, "tmp_path": tmp_path,
+                "before": before,
+            }  # fmt: skip
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def grow_and_shrink(config, cluster, tmp_path: Path) -> dict:
+    """Train while a node joins at epoch 3 and leaves at epoch 6; the run's summary."""
     run_dir = storage.join(config.storage_path, "tabular-elastic")
     for epoch in (GROW_AT, SHRINK_AT):  # tests/fault_hooks.py, installed on every node
         fault_hooks.hold(run_dir, epoch)
-    before = outputs_listing()
-    # The head (no CPUs: it runs no worker) is this machine, the driver's, with its HOME.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    # Room for one worker a node (2 CPUs each); after training, the survivor's 2 CPUs hold
-    # jobs.predict (Ray Data's file listing alone asks for a whole CPU) and then Serve.
-    cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "survivor"))
     outcome: dict = {}
 
     def run() -> None:
@@ -135,31 +148,26 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
     def held(epoch: int, world: int) -> bool:
         return fault_hooks.held(run_dir, epoch, world)
 
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        prepare(config)
-        trainer = threading.Thread(target=run)
-        trainer.start()
-        alive = trainer.is_alive
-        wait_until(lambda: held(GROW_AT, 1), 180, alive, "epoch 3 never held on one worker")
-        joined = cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "joined"))
-        wait_until(lambda: held(GROW_AT, 2), 120, alive, "the group never grew to two")
-        fault_hooks.release(run_dir, GROW_AT)
-        wait_until(lambda: held(SHRINK_AT, 2), 120, alive, "epoch 6 never held on two")
-        wait_until(lambda: registered_epoch(run_dir) == SHRINK_AT - 1, 60, alive, "no checkpoint")
-        cluster.remove_node(joined)  # kills its raylet and the rank on it
-        fault_hooks.release(run_dir, SHRINK_AT)
-        trainer.join(timeout=300)
-        assert not trainer.is_alive(), "training did not finish after the node loss"
-        assert "error" not in outcome, outcome.get("error")
-        summary = outcome["summary"]
-        artifact, served, predicted = export_serve_predict(config, summary, tmp_path, s3_root)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    prepare(config)
+    trainer = threading.Thread(target=run)
+    trainer.start()
+    alive = trainer.is_alive
+    wait_until(lambda: held(GROW_AT, 1), 180, alive, "epoch 3 never held on one worker")
+    joined = cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "joined"))
+    wait_until(lambda: held(GROW_AT, 2), 120, alive, "the group never grew to two")
+    fault_hooks.release(run_dir, GROW_AT)
+    wait_until(lambda: held(SHRINK_AT, 2), 120, alive, "epoch 6 never held on two")
+    wait_until(lambda: registered_epoch(run_dir) == SHRINK_AT - 1, 60, alive, "no checkpoint")
+    cluster.remove_node(joined)  # kills its raylet and the rank on it
+    fault_hooks.release(run_dir, SHRINK_AT)
+    trainer.join(timeout=300)
+    assert not trainer.is_alive(), "training did not finish after the node loss"
+    assert "error" not in outcome, outcome.get("error")
+    return outcome["summary"]
 
+
+def test_an_elastic_run_on_nodes_sharing_no_disk_grows_and_shrinks(elastic_run):
+    summary, s3_root = elastic_run["summary"], elastic_run["s3_root"]
     sizes = summary["num_workers_history"]
     assert [(s["workers"], s["from_epoch"]) for s in sizes] == [(1, 1), (2, 3), (1, 6)], sizes
     assert summary["num_workers"] == 1  # the size it ended at
@@ -171,10 +179,22 @@ def test_an_elastic_run_on_nodes_sharing_no_disk_grows_shrinks_and_serves(
     assert [h["epoch"] for h in summary["history"]] == list(range(1, EPOCHS + 1))
     assert summary["metrics"]["val_accuracy"] >= 0.9
     assert summary["checkpoint"].startswith(f"{s3_root}/runs/")
-    # The same artifact answers the same row the same way online and in batch.
-    assert artifact.startswith(f"{s3_root}/registry/")
+    assert outputs_listing() == elastic_run["before"]  # nothing written to local outputs/
+
+
+@pytest.mark.slow
+def test_the_elastic_runs_model_is_exported_served_and_predicted_through_the_object_store(
+    elastic_run,
+):
+    """The same artifact answers the same row the same way online and in batch, on nodes that
+    share no disk (every location `s3://`)."""
+    run = elastic_run
+    artifact, served, predicted = export_serve_predict(
+        run["config"], run["summary"], run["tmp_path"], run["s3_root"]
+    )
+    assert artifact.startswith(f"{run['s3_root']}/registry/")
     assert str(served) == str(predicted)
-    assert outputs_listing() == before  # nothing written to the repo's local outputs/
+    assert outputs_listing() == run["before"]
 
 
 def export_serve_predict(config, summary, tmp_path, root: str) -> tuple[str, str, str]:
