@@ -169,23 +169,19 @@ def run_command(argv: list[str], cwd: Path, timeout: float = 600, summary: bool 
 def start_command(argv: list[str], cwd: Path) -> subprocess.Popen:
     """The command started, its output going to files (a pipe nobody reads yet would fill and
     stall a chatty job running in the background)."""
-    return subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=job_env(),
-        stdout=tempfile.TemporaryFile("w+"),
-        stderr=tempfile.TemporaryFile("w+"),
-        text=True,
-    )
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by output_of
+    proc = subprocess.Popen(argv, cwd=cwd, env=job_env(), stdout=out, stderr=err, text=True)
+    proc.logs = (out, err)  # type: ignore[attr-defined]
+    return proc
 
 
 def output_of(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     proc.wait(timeout=timeout)
     texts = []
-    for stream in (proc.stdout, proc.stderr):
-        stream.seek(0)  # type: ignore[union-attr]
-        texts.append(stream.read())  # type: ignore[union-attr]
-        stream.close()  # type: ignore[union-attr]
+    for stream in proc.logs:  # type: ignore[attr-defined]
+        stream.seek(0)
+        texts.append(stream.read())
+        stream.close()
     return texts[0], texts[1]
 
 
