@@ -3,7 +3,8 @@ to an L2-normalised embedding, the batch free), fp32 and int8, through the gate.
 
 The gate: every fp32 ONNX embedding of `export.parity_rows` val rows has cosine at least
 `export.min_cosine` with torch's; int8 loses at most `export.max_recall_drop` points of val
-Recall@1 in either direction against fp32 (the same outcome as a classifier's accuracy gate:
+Recall@1 in either direction against fp32, or one query where the val split is too small to
+measure finer (the same outcome as a classifier's accuracy gate:
 exit 3, nothing published). Both graphs' int8 variants hold int8 weights (weight-only): a
 row's embedding never depends on its batch mates.
 """
@@ -148,7 +149,7 @@ def verify(
             torch_text(pick(sample, "text")), run(sessions["fp32"]["text"], pick(sample, "text"))
         ),
     }
-    recalls = {}
+    recalls, queries = {}, {}
     for variant, graph_sessions in sessions.items():
         encoders = (
             lambda x, s=graph_sessions["image"]: run(s, x),
@@ -156,12 +157,14 @@ def verify(
         )
         rows = embed_split(config, pre, "val", encoders, max_rows=RECALL_ROWS)
         recalls[variant] = recall(rows.images, rows.texts, rows.groups)
+        queries = {"i2t": len(np.unique(rows.groups)), "t2i": len(rows.texts)}
     return {
         "parity": {"min_cosine": cosine, "rows": len(sample["pixels"])},
         "recall": recalls,
         "recall_drop": {
             d: recalls["fp32"][f"{d}_r1"] - recalls["int8"][f"{d}_r1"] for d in ("i2t", "t2i")
         },
+        "recall_queries": queries,
         "size_bytes": {
             v: sum(os.path.getsize(os.path.join(work, art.graph_file(g, v))) for g in GRAPHS)
             for v in art.VARIANTS
@@ -213,14 +216,21 @@ def gate(report: dict[str, Any], config: Config) -> None:
                 f"{cosine:.5f} with torch's, below export.min_cosine={e.min_cosine}",
                 report,
             )
-    worst = max(report["recall_drop"], key=report["recall_drop"].get)
-    drop = report["recall_drop"][worst]
-    if drop > e.max_recall_drop:
-        raise GateError(
-            f"export refused: int8 loses {drop:.2f} points of val {worst} R@1 against fp32, "
-            f"more than export.max_recall_drop={e.max_recall_drop:g}; nothing was published",
-            report,
-        )
+    for direction, drop in report["recall_drop"].items():
+        if drop > allowed_drop(e.max_recall_drop, report["recall_queries"][direction]):
+            raise GateError(
+                f"export refused: int8 loses {drop:.2f} points of val {direction} R@1 against "
+                f"fp32, more than export.max_recall_drop={e.max_recall_drop:g} (and more than "
+                "one query); nothing was published",
+                report,
+            )
+
+
+def allowed_drop(max_drop: float, queries: int) -> float:
+    """Points of Recall@1 int8 may lose over `queries` queries: `max_drop`, but never less
+    than one query's worth. A val split of 31 pictures moves in steps of 3.2 points, so a
+    2-point bound there would refuse a model for one picture's rank, below what it measures."""
+    return max(max_drop, 100.0 / max(queries, 1) + 1e-9)
 
 
 def schema_for(pre: ImageText, loaded: LoadedCheckpoint) -> dict[str, Any]:

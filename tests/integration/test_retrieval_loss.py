@@ -65,6 +65,8 @@ def rank_main(rank: int, init: str, out: str) -> None:
         g /= 2
     if rank == 0:
         torch.save({"loss": float(total) / 2, "grads": grads}, out)
+    # Both ranks leave together: gloo aborts a rank whose peer tore the group down first.
+    dist.barrier()
     dist.destroy_process_group()
 
 

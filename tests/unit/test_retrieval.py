@@ -267,3 +267,27 @@ def test_embeddings_answer_in_openais_shape_as_floats_or_base64(monkeypatch):
     encoded = client.post("/v1/embeddings", json=body | {"encoding_format": "base64"}).json()
     raw = base64.b64decode(encoded["data"][1]["embedding"])
     assert np.frombuffer(raw, "<f4").tolist() == [0.5] * 4
+
+
+def test_the_int8_recall_gate_needs_more_than_one_query_on_a_small_val_split():
+    """31 pictures: Recall@1 moves in steps of 3.2 points, so one picture's rank is not a
+    refusal but two are; with 200 queries the configured 2 points bound it."""
+    from app.config import validate
+    from app.errors import GateError
+    from app.export.retrieval import gate
+
+    config = validate({"export": {"max_recall_drop": 2.0}})
+
+    def report(drop: float, pictures: int) -> dict:
+        return {
+            "parity": {"min_cosine": {"image": 1.0, "text": 1.0}},
+            "recall_drop": {"i2t": drop, "t2i": 0.0},
+            "recall_queries": {"i2t": pictures, "t2i": 5 * pictures},
+        }
+
+    gate(report(100 / 31, 31), config)
+    with pytest.raises(GateError, match="i2t R@1"):
+        gate(report(200 / 31, 31), config)
+    gate(report(1.5, 200), config)
+    with pytest.raises(GateError, match="export.max_recall_drop=2"):
+        gate(report(2.5, 200), config)
