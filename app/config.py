@@ -333,9 +333,9 @@ class ExportConfig(_Section):
     greedy_prompts: int = Field(8, ge=1)
     greedy_prompt_tokens: int = Field(16, ge=1)
     greedy_tokens: int = Field(16, ge=1)
-    # Retrieval: points of val Recall@1 (either direction) int8 may lose against fp32 (at
-    # least one query's worth on a small val split), and the cosine every fp32 ONNX
-    # embedding must reach against torch's.
+    # Retrieval: points of val Recall@1 (either direction) int8 may lose against fp32 (a loss
+    # beyond it refuses the export when it is more than chance flips: McNemar's test on the
+    # queries), and the cosine every fp32 ONNX embedding must reach against torch's.
     max_recall_drop: float = 2.0
     min_cosine: float = Field(0.999, gt=0, le=1)
 

@@ -117,22 +117,29 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch
     return torch.zeros((0,) if dtype == torch.int64 else (0, 1), dtype=dtype)
 
 
-def recall(
-    images: np.ndarray, texts: np.ndarray, groups: np.ndarray, ks: tuple[int, ...] = KS
-) -> dict[str, float]:
-    """Recall@K (in %) of row-aligned image and text embeddings (a picture's embedding on each
-    of its captions' rows), pictures counted once by `groups`; and their sum (`rsum`)."""
+def ranks(images: np.ndarray, texts: np.ndarray, groups: np.ndarray) -> dict[str, np.ndarray]:
+    """Each query's rank (0: found first) of row-aligned image and text embeddings (a
+    picture's embedding on each of its captions' rows): `i2t` a picture's best-ranked caption
+    among every caption (pictures counted once by `groups`), `t2i` a caption's picture."""
     pictures, first, of_caption = np.unique(groups, return_index=True, return_inverse=True)
     similar = texts @ images[first].T  # [captions, pictures]
     own = similar[np.arange(len(texts)), of_caption]
-    t2i_rank = (similar > own[:, None]).sum(1)
-    # A picture's rank: its best-ranked caption's position among every caption.
     order = np.argsort(-similar.T, axis=1, kind="stable")
-    i2t_rank = np.argmax(of_caption[order] == np.arange(len(pictures))[:, None], axis=1)
+    return {
+        "i2t": np.argmax(of_caption[order] == np.arange(len(pictures))[:, None], axis=1),
+        "t2i": (similar > own[:, None]).sum(1),
+    }
+
+
+def recall(
+    images: np.ndarray, texts: np.ndarray, groups: np.ndarray, ks: tuple[int, ...] = KS
+) -> dict[str, float]:
+    """Recall@K (in %) both ways (`ranks`), and their sum (`rsum`)."""
+    by = ranks(images, texts, groups)
     out: dict[str, float] = {}
     for k in ks:
-        out[f"i2t_r{k}"] = 100.0 * float(np.mean(i2t_rank < k))
-        out[f"t2i_r{k}"] = 100.0 * float(np.mean(t2i_rank < k))
+        out[f"i2t_r{k}"] = 100.0 * float(np.mean(by["i2t"] < k))
+        out[f"t2i_r{k}"] = 100.0 * float(np.mean(by["t2i"] < k))
     out["rsum"] = sum(out.values())
     return out
 
