@@ -67,9 +67,7 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     a few dozen tokens rather than the whole vocabulary on the decode thread."""
     k = min(64, len(probs))
     while True:
-        kth = np.partition(probs, len(probs) - k)[len(probs) - k]
-        candidates = np.flatnonzero(probs >= kth)  # a prefix of the stable descending order
-        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        order = descending_prefix(probs, k)
         sorted_probs = probs[order]
         before = np.cumsum(sorted_probs) - sorted_probs
         if before[-1] + sorted_probs[-1] >= top_p or len(order) == len(probs):
@@ -119,14 +117,20 @@ class TokenTexts:
 
 
 def top_tokens(scores: np.ndarray, top: int) -> np.ndarray:
-    """The ids of the `top` highest scores, highest first (ties in token order), by partial
-    selection: never a sort of the whole vocabulary."""
+    """The ids of the `top` highest scores, highest first (ties in token order)."""
     top = min(max(top, 0), len(scores))
     if top == 0:
         return np.zeros(0, dtype=np.int64)
-    kth = np.partition(scores, len(scores) - top)[len(scores) - top]
-    candidates = np.flatnonzero(scores >= kth)
-    return candidates[np.argsort(-scores[candidates], kind="stable")][:top]
+    return descending_prefix(scores, top)[:top]
+
+
+def descending_prefix(values: np.ndarray, k: int) -> np.ndarray:
+    """The ids of every value at least as large as the k-th largest (k or more, ties kept),
+    largest first, ties in id order: the start of a stable descending sort, found by partial
+    selection, never a sort of the whole vocabulary."""
+    kth = np.partition(values, len(values) - k)[len(values) - k]
+    candidates = np.flatnonzero(values >= kth)
+    return candidates[np.argsort(-values[candidates], kind="stable")]
 
 
 def byte_level_alphabet() -> list[str]:
