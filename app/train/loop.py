@@ -71,12 +71,15 @@ class TrainState:
         state.set_rate(0, 1)
         return state
 
-    def next_rows(self) -> tuple[int, int]:
-        """The rows the next optimizer step covers: every rank's batches, within this epoch."""
+    def advance(self) -> None:
+        """Before an optimizer step: its learning rate, from the rows it covers (every rank's
+        batches, within this epoch), and the counters moved past it."""
         t = self.config.train
         epoch_end = (self.epoch + 1) * self.train_rows
         step_rows = self.world * t.batch_size * t.grad_accum_steps
-        return self.rows, max(self.rows, min(self.rows + step_rows, epoch_end))
+        end = max(self.rows, min(self.rows + step_rows, epoch_end))
+        self.set_rate(self.rows, end)
+        self.rows, self.step = end, self.step + 1
 
     def set_rate(self, start: float, end: float) -> None:
         """The learning rate for a step over rows [start, end) (and, with train.max_steps,
@@ -283,13 +286,10 @@ def optimizer_step(state: TrainState) -> None:
     if t.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)
         nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
-    start, end = state.next_rows()
-    state.set_rate(start, end)
+    state.advance()
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
-    state.rows = end
-    state.step += 1
     if state.first_step_at is None:
         state.first_step_at = time.time()
 

@@ -66,11 +66,8 @@ def take_steps(state: TrainState, steps: int) -> None:
         loss = F.cross_entropy(state.model(x=x), y)
         state.optimizer.zero_grad()
         loss.backward()
-        start, end = state.next_rows()
-        state.set_rate(start, end)
+        state.advance()
         state.optimizer.step()
-        state.rows = end
-        state.step += 1
     state.epoch = 1
 
 

@@ -90,12 +90,10 @@ def test_the_schedule_ends_at_the_last_step_whatever_sizes_the_run_trains_at(siz
             restarted.rows, restarted.step, restarted.epoch = state.rows, state.step, state.epoch
         state = restarted
         for i in range(steps_per_epoch(rows, world, state.config)):
-            start, end = state.next_rows()
-            state.set_rate(start, end)
+            state.advance()
             rates.append(state.optimizer.param_groups[0]["lr"])
             if i == 0:
                 firsts.append(rates[-1])
-            state.rows, state.step = end, state.step + 1
         state.end_epoch(epoch)
     assert state.rows == 3 * rows
     assert all(r > 0 for r in rates) and rates == sorted(rates, reverse=True)

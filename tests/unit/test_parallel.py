@@ -104,12 +104,9 @@ def step(state: TrainState) -> float:
     inputs, labels = batch()
     loss = F.cross_entropy(state.model(**inputs), labels)
     loss.backward()
-    start, end = state.next_rows()
-    state.set_rate(start, end)
+    state.advance()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    state.rows = end
-    state.step += 1
     return loss.item()
 
 
