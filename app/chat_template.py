@@ -11,9 +11,11 @@ values beyond that size. A template past a bound stops itself with `TemplateRefu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
@@ -56,36 +58,28 @@ def render(template: Any, **context: Any) -> str:
     return "".join(out)
 
 
-class _StepBudget:
-    """A trace function that counts the lines the template's own code runs (only frames
-    compiled from the template are traced line by line) and stops it past the budget."""
+@contextlib.contextmanager
+def _step_budget(limit: int) -> Iterator[None]:
+    """A trace that counts the lines the template's own code runs (only frames compiled from
+    the template are traced line by line) and stops it past `limit`."""
+    steps = 0
 
-    def __init__(self, limit: int):
-        self.limit, self.steps = limit, 0
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps > limit:
+            raise TemplateRefused(f"the template ran over {limit:,} steps (a loop too long)")
+        return line
 
-    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "call":
-            return self._line if frame.f_code.co_filename == TEMPLATE_FILE else None
-        return None
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename == TEMPLATE_FILE else None
 
-    def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        self.steps += 1
-        if self.steps > self.limit:
-            raise TemplateRefused(f"the template ran over {self.limit:,} steps (a loop too long)")
-        return self._line
-
-
-class _step_budget:  # noqa: N801 - used as a context manager
-    def __init__(self, limit: int):
-        self.budget = _StepBudget(limit)
-
-    def __enter__(self) -> _StepBudget:
-        self.previous = sys.gettrace()
-        sys.settrace(self.budget)
-        return self.budget
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.settrace(self.previous)
+    previous = sys.gettrace()
+    sys.settrace(call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 @functools.lru_cache(maxsize=8)
