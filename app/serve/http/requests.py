@@ -44,9 +44,12 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+def _serve(info: ValidationInfo) -> ServeConfig:
+    return (info.context or {}).get("cfg") or ServeConfig()
+
+
 def _generation(info: ValidationInfo) -> Any:
-    cfg = (info.context or {}).get("cfg")
-    return (cfg or ServeConfig()).generation
+    return _serve(info).generation
 
 
 def within_max_tokens(value: int | None, info: ValidationInfo) -> int | None:
@@ -131,14 +134,18 @@ class OpenAIRequest(Sampling):
 
     @model_validator(mode="after")
     def _request_tokens(self, info: ValidationInfo) -> OpenAIRequest:
-        generation = _generation(info)
-        length = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else ""
-        tokens = getattr(self, "max_completion_tokens", None) or self.max_tokens
-        tokens = tokens or generation.default_max_tokens
-        if (self.n or 1) * tokens > generation.max_request_tokens:
+        cfg = _serve(info)
+        limit = cfg.generation.max_request_tokens
+        tokens = self.params(cfg)["max_tokens"]  # what the request really asks, default included
+        if (self.n or 1) * tokens > limit:
+            named = (
+                "max_completion_tokens"
+                if "max_completion_tokens" in self.model_fields_set
+                else "max_tokens"
+            )
             raise ValueError(
-                f"n: {self.n or 1} completions x {length or 'max_tokens'} {tokens} is over "
-                f"{generation.max_request_tokens} tokens (serve.generation.max_request_tokens)"
+                f"n: {self.n or 1} completions x {named} {tokens} is over {limit} tokens "
+                "(serve.generation.max_request_tokens)"
             )
         return self
 
@@ -347,7 +354,7 @@ class EmbeddingsRequest(Strict):
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not items:
             raise ValueError(f"expected a string or a non-empty list, got {json_type(value)}")
-        limit = ((info.context or {}).get("cfg") or ServeConfig()).max_request_rows
+        limit = _serve(info).max_request_rows
         if len(items) > limit:
             raise ValueError(f"{len(items)} items, more than serve.max_request_rows={limit}")
         return tuple(embedding_item(item, i) for i, item in enumerate(items))
@@ -425,7 +432,7 @@ class SearchBody(Strict):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int, info: ValidationInfo) -> int:
-        limit = ((info.context or {}).get("cfg") or ServeConfig()).max_top_k
+        limit = _serve(info).max_top_k
         if value > limit:
             raise ValueError(f"{_short(value)} is over serve.max_top_k={limit}")
         return value
