@@ -3,6 +3,7 @@ penalties) and token log-probabilities as OpenAI reports them. numpy only."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +71,14 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         order = descending_prefix(probs, k)
         sorted_probs = probs[order]
         before = np.cumsum(sorted_probs) - sorted_probs
-        if before[-1] + sorted_probs[-1] >= top_p or len(order) == len(probs):
+        mass = before[-1] + sorted_probs[-1]
+        if mass >= top_p or len(order) == len(probs):
             break
-        k = min(2 * k, len(probs))
+        # Grow by the mass still missing (twice over), and past a quarter of the vocabulary
+        # sort it all: every round repartitions the whole vocabulary, and a flat
+        # distribution's nucleus is most of it.
+        k = math.ceil(2 * len(order) * top_p / max(mass, 1e-12))
+        k = k if 4 * k < len(probs) else len(probs)
     # Keep a token while the mass before it is below top_p: the most likely always stays.
     keep = before < top_p
     out = np.zeros_like(probs)
@@ -128,6 +134,8 @@ def descending_prefix(values: np.ndarray, k: int) -> np.ndarray:
     """The ids of every value at least as large as the k-th largest (k or more, ties kept),
     largest first, ties in id order: the start of a stable descending sort, found by partial
     selection, never a sort of the whole vocabulary."""
+    if k >= len(values):
+        return np.argsort(-values, kind="stable")
     kth = np.partition(values, len(values) - k)[len(values) - k]
     candidates = np.flatnonzero(values >= kth)
     return candidates[np.argsort(-values[candidates], kind="stable")]
