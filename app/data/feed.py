@@ -147,6 +147,31 @@ class StreamFeed:
         return rebatch(tensors, batch_size, self.shuffle_buffer, generator)
 
 
+# Marks a batch that only keeps ranks' forward passes equal: validation runs it, counts nothing.
+PADDING_KEY = "padding"
+
+
+def padded(batches: Iterable[Batch], extra: int) -> Iterator[Batch]:
+    """`batches`, then `extra` one-row copies of the first row marked with PADDING_KEY."""
+    first: Batch | None = None
+    for batch in batches:
+        first = first or {k: v[:1] for k, v in batch.items()}
+        yield batch
+    if extra and first is None:
+        raise RuntimeError("validation: this rank has no rows to pad its forward passes with")
+    for _ in range(extra):
+        assert first is not None
+        yield first | {PADDING_KEY: torch.ones(1, dtype=torch.bool)}
+
+
+def unpadded(batch: Batch) -> tuple[Batch, bool]:
+    """A validation batch without its padding mark, and whether it was padding (its forward
+    pass is run, its rows are not counted)."""
+    if PADDING_KEY not in batch:
+        return batch, False
+    return {k: v for k, v in batch.items() if k != PADDING_KEY}, True
+
+
 def as_tensors(block: dict[str, np.ndarray]) -> Batch:
     """A block's columns as tensors sharing its memory (see `quiet_read_only_warning`)."""
     return {k: torch.from_numpy(np.asarray(v)) for k, v in block.items()}

@@ -109,18 +109,23 @@ def iter_shards(files: list[str]) -> Iterator[pd.DataFrame]:
         yield pq.read_table(path, filesystem=fs).to_pandas()
 
 
-def rank_range(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank's contiguous row range of a split: every rank the same count, the last `rows % world`
-    rows left out (DDP and FSDP need every rank to run the same number of steps; Ray Data's
-    `streaming_split(equal=True)` splits the same way)."""
+def rank_range(rows: int, rank: int, world: int, every_row: bool = False) -> tuple[int, int]:
+    """Rank's contiguous row range of a split. Training: every rank the same count, the last
+    `rows % world` rows left out (DDP and FSDP need every rank to run the same number of
+    steps). Validation (`every_row`): every row, the ranks' counts differing by at most one
+    (`padding_batches` then evens the forward passes)."""
+    if every_row:
+        return rows * rank // world, rows * (rank + 1) // world
     share = rows // world
     return rank * share, (rank + 1) * share
 
 
-def rank_ranges(shards: list[tuple[str, int]], rank: int, world: int) -> list[tuple[str, int, int]]:
+def rank_ranges(
+    shards: list[tuple[str, int]], rank: int, world: int, every_row: bool = False
+) -> list[tuple[str, int, int]]:
     """(uri, start, stop) row ranges of the shards that hold rank's share (`rank_range`), in
     manifest order; shards outside it are left out."""
-    lo, hi = rank_range(sum(rows for _, rows in shards), rank, world)
+    lo, hi = rank_range(sum(rows for _, rows in shards), rank, world, every_row)
     out, offset = [], 0
     for uri, rows in shards:
         start, offset = offset, offset + rows
@@ -131,7 +136,11 @@ def rank_ranges(shards: list[tuple[str, int]], rank: int, world: int) -> list[tu
 
 
 def read_rank_share(
-    shards: list[tuple[str, int]], rank: int, world: int, pre: Preprocessor
+    shards: list[tuple[str, int]],
+    rank: int,
+    world: int,
+    pre: Preprocessor,
+    every_row: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """This rank's rows of a split, read straight from its Parquet shards and preprocessed, one
     block per shard file (files outside the rank's range are never opened).
@@ -140,8 +149,17 @@ def read_rank_share(
     start before the first step (`shards` are (uri, rows) in manifest order, already verified
     against their sha256 on the driver).
     """
-    for uri, a, b in rank_ranges(shards, rank, world):
+    for uri, a, b in rank_ranges(shards, rank, world, every_row):
         yield transform_rows(pre, *storage.filesystem(uri), a, b)
+
+
+def padding_batches(rows: int, rank: int, world: int, batch_size: int) -> int:
+    """Batches rank must add to its share of a split of `rows` (`rank_range(every_row=True)`)
+    so that every rank runs as many forward passes (0 or 1): FSDP gathers each block's
+    parameters in forward, and DDP may sync buffers in the first one after training."""
+    lo, hi = rank_range(rows, rank, world, every_row=True)
+    most = -(-rows // world)
+    return -(-most // batch_size) - -(-(hi - lo) // batch_size)
 
 
 def transform_rows(
@@ -223,6 +241,7 @@ def stream_split(
     preprocessor: Preprocessor,
     rank: int = 0,
     world: int = 1,
+    every_row: bool = False,
 ):
     """A lazy Ray Dataset of rank's share of a split (`rank_range`), model-ready blocks streamed
     as they are read: each train worker streams its own share (a split that fits in memory is
@@ -244,7 +263,9 @@ def stream_split(
     quiet_progress()
     d = config.data
     fs, _ = storage.filesystem(shards[0][0])  # one store for the whole dataset
-    ranges = [(storage.filesystem(u)[1], a, b) for u, a, b in rank_ranges(shards, rank, world)]
+    ranges = [
+        (storage.filesystem(u)[1], a, b) for u, a, b in rank_ranges(shards, rank, world, every_row)
+    ]
     pieces = [
         {"path": p, "start": a, "stop": b}
         for p, a, b in shard_pieces(ranges, d.stream.read_tasks_per_worker)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.data.feed import unpadded
 from app.data.preprocess import LABEL_KEY
 from app.tasks.steps import all_reduce, autocast
 
@@ -44,9 +45,12 @@ def validate_classifier(
     model.eval()
     loss_sum, correct, rows = 0.0, 0.0, 0.0
     for batch in batches:
+        batch, padding = unpadded(batch)
         inputs, labels = split_batch(batch, device)
         with autocast(device, precision):
             logits = model(**inputs)
+        if padding:  # a forward pass to match the other ranks'; nothing to count
+            continue
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
         correct += (logits.argmax(1) == labels).sum().item()
         rows += len(labels)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.data.feed import unpadded
 from app.data.kinds.tokens import tokens_of
 from app.tasks.steps import all_reduce, autocast
 
@@ -55,10 +56,13 @@ def validate_lm(
     model.eval()
     loss_sum, correct, tokens = 0.0, 0.0, 0.0
     for batch in batches:
+        batch, padding = unpadded(batch)
         ids = batch[TOKENS_KEY].to(device)
         targets = ids[:, 1:]
         with autocast(device, precision):
             logits = model(ids[:, :-1])
+        if padding:  # a forward pass to match the other ranks'; nothing to count
+            continue
         loss_sum += F.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
         ).item()

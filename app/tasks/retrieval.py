@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from app.data.feed import unpadded
 from app.data.kinds.image_text import GROUP_KEY
 from app.tasks.steps import autocast
 
@@ -90,16 +91,18 @@ def validate_retrieval(
     model.eval()
     images, texts, groups, loss_sum, rows = [], [], [], 0.0, 0
     for batch in batches:
+        batch, padding = unpadded(batch)
         with autocast(device, precision):
             img, txt, scale = model(**{k: batch[k].to(device) for k in INPUTS})
-        img, txt = img.float(), txt.float()
-        loss_sum += float(pair_loss(img, txt, scale.float(), batch[GROUP_KEY].to(device))) * len(
-            img
-        )
+        img, txt, group = img.float(), txt.float(), batch[GROUP_KEY].to(device)
+        if padding:  # the other ranks' forward pass and loss gathers, with no rows to count
+            pair_loss(img[:0], txt[:0], scale.float(), group[:0])
+            continue
+        loss_sum += float(pair_loss(img, txt, scale.float(), group)) * len(img)
         rows += len(img)
         images.append(img)
         texts.append(txt)
-        groups.append(batch[GROUP_KEY].to(device))
+        groups.append(group)
     all_images, _ = gather_rows(_cat(images), grad=False)
     all_texts, _ = gather_rows(_cat(texts), grad=False)
     all_groups, _ = gather_rows(_cat(groups, torch.int64), grad=False)

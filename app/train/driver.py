@@ -96,6 +96,7 @@ def plan_run(config: Config) -> RunPlan:
     manifest = read_manifest(config.data_output)
     for split in ("train", "val"):  # a damaged shard is refused here, naming the file
         verify_shards(config.data_output, manifest, split)
+    check_val_rows(manifest.rows["val"], config.train.max_workers)
     preprocessor = run_preprocessor(config, run_dir, manifest, fit_preprocessor)
     task = run_task(config.train.task, manifest.kind)
     check_metric(config, task)
@@ -114,6 +115,15 @@ def plan_run(config: Config) -> RunPlan:
     # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)
+
+
+def check_val_rows(rows: int, workers: int) -> None:
+    """Every worker validates at least one row (each validates its share of every row)."""
+    if rows < workers:
+        raise UserError(
+            f"data: the val split has {rows} rows, fewer than the {workers} workers "
+            "train.num_workers allows: raise data.val_fraction or lower train.num_workers"
+        )
 
 
 def reference_metrics(config: Config, run: RunPlan) -> dict[str, float]:

@@ -24,6 +24,8 @@ from torch import nn
 from app import hooks
 from app.config import Config, dump, validate
 from app.data import kinds
+from app.data.feed import padded
+from app.data.ingest import padding_batches
 from app.data.preprocess import Preprocessor
 from app.ray_private import quiet_train_logs
 from app.tasks.registry import Task
@@ -41,6 +43,7 @@ from app.train.parts import HEADLINE, LOSS, VALIDATE
 from app.train.profiling import RunProbes
 
 log = logging.getLogger(__name__)
+VAL_BATCH_FACTOR = 4  # validation batches are this many training batches (no gradients)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -68,6 +71,7 @@ class Worker:
     preprocessor: Preprocessor
     train_feed: Any
     val_feed: Any
+    val_padding: int  # padding batches after this rank's val share (equal forward passes)
     state: TrainState
     build: Callable[[], nn.Module]
     probes: RunProbes
@@ -97,8 +101,11 @@ class Worker:
             raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
         shards, stream = loop_config["shards"], loop_config["stream"]
         train_feed, val_feed = (
-            feed(config, shards[s], stream[s], preprocessor, rank, world) for s in ("train", "val")
+            feed(config, shards[s], stream[s], preprocessor, rank, world, s == "val")
+            for s in ("train", "val")
         )
+        val_rows = sum(rows for _, rows in shards["val"])
+        val_padding = padding_batches(val_rows, rank, world, t.batch_size * VAL_BATCH_FACTOR)
         resumed = ray.train.get_checkpoint()
         if not resumed:  # streamed: Ray Data starts its first pass while the model is built
             train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
@@ -116,6 +123,7 @@ class Worker:
             preprocessor=preprocessor,
             train_feed=train_feed,
             val_feed=val_feed,
+            val_padding=val_padding,
             state=state,
             build=build,
             # Memory, step times, profiler trace: optimizer hooks, so after restoring.
@@ -139,7 +147,8 @@ class Worker:
         stats = train_epoch(state, batches, self.device, log_every, self.task.part(LOSS))
         if epoch < t.epochs and not budget_spent(state):  # the next pass overlaps validation
             self.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, self.rank))
-        val_batches = self.val_feed.batches(t.batch_size * 4)
+        val_size = t.batch_size * VAL_BATCH_FACTOR
+        val_batches = padded(self.val_feed.batches(val_size), self.val_padding)
         stats |= self.validate(state.model, val_batches, self.device, t.precision)
         state.end_epoch(epoch)
         state.data_wait_history.append(stats["data_wait_fraction"])
@@ -223,16 +232,18 @@ def feed(
     preprocessor: Preprocessor,
     rank: int,
     world: int,
+    every_row: bool = False,
 ):
     """This worker's batches of one split: its row range of `shards` read once and kept in
-    memory (the memory path), or streamed by Ray Data each epoch."""
+    memory (the memory path), or streamed by Ray Data each epoch. Training shares are equal,
+    validation shares cover every row (`rank_range`)."""
     from app.data.feed import MemoryFeed, StreamFeed
     from app.data.ingest import read_rank_share, stream_split
 
     if not stream:
-        return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor))
+        return MemoryFeed(lambda: read_rank_share(shards, rank, world, preprocessor, every_row))
     d = config.data
-    share = stream_split(config, shards, preprocessor, rank, world)
+    share = stream_split(config, shards, preprocessor, rank, world, every_row)
     return StreamFeed(share, d.stream.prefetch_blocks, config.train.shuffle_buffer)
 
 

@@ -233,6 +233,12 @@ def test_each_rank_reads_an_equal_disjoint_range_straight_from_the_shards(tmp_pa
     # 12 rows over 5 ranks: 2 each, the last 2 rows left out (every rank takes as many steps).
     shares = [rows_of(r, 5) for r in range(5)]
     assert shares == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    # Validation shares: every row, the ranks' counts differing by at most one.
+    val = [
+        [int(v) for b in read_rank_share(shards, r, 5, pre, True) for v in b["x"][:, 0]]
+        for r in range(5)
+    ]
+    assert val == [[0, 1], [2, 3], [4, 5, 6], [7, 8], [9, 10, 11]]
     # A rank whose range lies in one file never opens the others.
     (tmp_path / "part-2.parquet").unlink()
     assert rows_of(0, 3) == [0, 1, 2, 3]
@@ -341,3 +347,32 @@ def test_ray_data_scheduling_loop_pauses_only_when_it_would_spin(monkeypatch):
     now[0] += 0.0001
     paced.on_execution_step(idle)
     assert slept[-1] == PacedScheduling.FIRST_PAUSE_S
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_validation_shares_cover_every_row_in_as_many_forward_passes(world):
+    from app.data.feed import MemoryFeed, padded, unpadded
+    from app.data.ingest import padding_batches, rank_range
+
+    for rows in range(world, 40):
+        for batch_size in (1, 3, 4, 7):
+            seen, passes = [], set()
+            for rank in range(world):
+                lo, hi = rank_range(rows, rank, world, every_row=True)
+                share = MemoryFeed.from_arrays({"x": np.arange(lo, hi)})
+                extra = padding_batches(rows, rank, world, batch_size)
+                batches = list(padded(share.batches(batch_size), extra))
+                passes.add(len(batches))
+                seen += [int(v) for b in batches if not unpadded(b)[1] for v in b["x"]]
+            assert seen == list(range(rows)), (rows, batch_size)
+            assert len(passes) == 1, (rows, batch_size, passes)
+
+
+def test_a_val_split_smaller_than_the_workers_is_refused_in_one_line():
+    from app.errors import UserError
+    from app.train.driver import check_val_rows
+
+    check_val_rows(2, 2)
+    with pytest.raises(UserError, match=r"val split has 1 rows, fewer than the 2 workers") as e:
+        check_val_rows(1, 2)
+    assert "\n" not in str(e.value)
