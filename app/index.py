@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -214,7 +214,7 @@ def publish_index(
             listed[file] = art.ArtifactFile(sha256=art.sha256_bytes(data), size=len(data))
         art.ArtifactManifest(
             name=name,
-            created=datetime.now(timezone.utc).isoformat(),
+            created=datetime.now(UTC).isoformat(),
             workload=config.workload,
             files=listed,
         ).write(os.path.join(work, art.MANIFEST))

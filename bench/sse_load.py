@@ -61,7 +61,7 @@ class Connection:
         connection is then reopened)."""
         try:
             return await asyncio.wait_for(self._stream(path, body), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.close()
             return None
 

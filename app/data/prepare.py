@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import logging
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import numpy as np
@@ -178,7 +178,7 @@ def publish_generation(
     keep: int = 2,
 ) -> DatasetManifest:
     """Shards under a new generation prefix, then the manifest (the commit), then clean-up."""
-    stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+    stamp = f"{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
     generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
     try:
         manifest = write_dataset(
@@ -273,7 +273,7 @@ def build_manifest(
 ) -> DatasetManifest:
     sample = to_arrow(data.frame.iloc[:1], data)
     return DatasetManifest(
-        created=datetime.now(timezone.utc).isoformat(),
+        created=datetime.now(UTC).isoformat(),
         source=data.description,
         kind=data.kind,
         feature_columns=data.feature_columns,

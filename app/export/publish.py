@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ def write_metadata(
     manifest = art.ArtifactManifest(
         name=config.artifact_name,
         version=None,  # set at publish time
-        created=datetime.now(timezone.utc).isoformat(),
+        created=datetime.now(UTC).isoformat(),
         source_checkpoint=checkpoint_uri,
         base_model=base_model(loaded.preprocessor),
         run_name=loaded.config.train.run_name,

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -86,7 +86,7 @@ def predict(
     connect_ray()
     check_room(cfg, config.data.task_cpus, len(files))
     ds = _pipeline(config, files, spec, scorer, artifact.uri, variant)
-    run = f"{RUN_MARK}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    run = f"{RUN_MARK}{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     try:
         tally, (parts, rejects) = _write(ds, output, run, spec, cfg)
         rows = {
@@ -96,7 +96,7 @@ def predict(
         }
         check_row_count(rows, expected_rows)
         manifest = PredictionManifest(
-            created=datetime.now(timezone.utc).isoformat(),
+            created=datetime.now(UTC).isoformat(),
             artifact=artifact.uri,
             model_name=artifact.name,
             model_version=artifact.version,

@@ -295,8 +295,11 @@ def create_session(model_bytes: bytes, threads: int = 1):
         return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
+LOGITS = ["logits"]  # a classifier graph's output, the one a replica or predictor fetches
+
+
 def run_logits(session, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    return session.run(["logits"], inputs)[0]
+    return session.run(LOGITS, inputs)[0]
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -35,11 +35,18 @@ Rows = np.ndarray | list[str]  # float32 [rows, features], or one string per row
 
 def request_rows(request: InferRequest, schema: dict[str, Any], max_rows: int) -> Rows:
     """The rows of a request, checked against the model's schema and `max_rows`."""
-    if request.instances is not None:
-        rows = instance_rows(request.instances, schema)
+    tensor, spec = request.tensor, schema["inputs"][0]
+    if tensor is None:
+        rows = instance_rows(request.instances or [], schema)
+    elif tensor.name != spec["name"]:
+        raise bad(f"inputs[0].name: expected {spec['name']!r}, got {tensor.name!r}")
+    elif spec["datatype"] == "BYTES":
+        rows = text_tensor_rows(tensor, max_rows)
     else:
-        assert request.tensor is not None
-        rows = tensor_rows(request.tensor, schema, max_rows)
+        width = int(spec["shape"][-1])
+        rows = numeric_rows(
+            tensor.data, "inputs[0]", width, tensor.datatype, tensor.shape, max_rows
+        )
     if len(rows) > max_rows:  # counted after flattening: a text tensor [1, N] is N rows
         raise too_many_rows(len(rows), max_rows)
     return rows
@@ -53,23 +60,16 @@ def num_features(schema: dict[str, Any]) -> int:
     return int(schema["inputs"][0]["shape"][-1])
 
 
-def tensor_rows(tensor: Tensor, schema: dict[str, Any], max_rows: int) -> Rows:
-    spec = schema["inputs"][0]
-    if tensor.name != spec["name"]:
-        raise bad(f"inputs[0].name: expected {spec['name']!r}, got {tensor.name!r}")
-    if takes_text(schema):
-        if tensor.datatype != "BYTES":
-            raise bad(f"inputs[0].datatype: expected BYTES (text), got {tensor.datatype!r}")
-        claimed = claimed_rows("BYTES", tensor.shape)
-        if claimed > max_rows:
-            raise too_many_rows(claimed, max_rows)
-        rows = text_rows(tensor.data, "inputs[0].data")
-        if len(rows) != claimed:
-            raise bad(f"inputs[0].shape: {tensor.shape} does not match {len(rows)} strings")
-        return rows
-    return numeric_rows(
-        tensor.data, "inputs[0]", num_features(schema), tensor.datatype, tensor.shape, max_rows
-    )
+def text_tensor_rows(tensor: Tensor, max_rows: int) -> list[str]:
+    if tensor.datatype != "BYTES":
+        raise bad(f"inputs[0].datatype: expected BYTES (text), got {tensor.datatype!r}")
+    claimed = claimed_rows("BYTES", tensor.shape)
+    if claimed > max_rows:
+        raise too_many_rows(claimed, max_rows)
+    rows = text_rows(tensor.data, "inputs[0].data")
+    if len(rows) != claimed:
+        raise bad(f"inputs[0].shape: {tensor.shape} does not match {len(rows)} strings")
+    return rows
 
 
 def numeric_rows(
@@ -86,8 +86,17 @@ def numeric_rows(
         raise bad(
             f"{field}.datatype: {datatype!r} is not accepted for this model; use FP32 (or another numeric type)"
         )
-    if shape is not None:
-        check_numeric_shape(shape, field, width, max_rows)
+    if shape is not None:  # [rows, ...] whose trailing dims hold `width` values a row
+        if len(shape) < 2:
+            raise bad(f"{field}.shape: expected [rows, {width}], got {shape}")
+        if shape[0] == 0:
+            raise bad(f"{field}: empty batch (no rows)")
+        if max_rows is not None and shape[0] > max_rows:
+            raise too_many_rows(shape[0], max_rows)
+        dims = shape[1:]
+        per_row = dims[0] if len(dims) == 1 else bounded_product(dims, MAX_DIM, f"{field}.shape")
+        if per_row != width:
+            raise bad(f"{field}.shape: each row needs {width} values, got {per_row}")
     array = data if isinstance(data, np.ndarray) else _number_array(data, field)
     if shape is None:  # one v1 instance: a row (nested lists allowed, e.g. an 8x8 image)
         rows = array.reshape(1, -1)
@@ -107,19 +116,6 @@ def numeric_rows(
     return rows
 
 
-def check_numeric_shape(shape: list[int], field: str, width: int, max_rows: int | None) -> None:
-    """[rows, ...] whose trailing dims hold `width` values a row; rows within `max_rows`."""
-    if len(shape) < 2:
-        raise bad(f"{field}.shape: expected [rows, {width}], got {shape}")
-    if shape[0] == 0:
-        raise bad(f"{field}: empty batch (no rows)")
-    if max_rows is not None and shape[0] > max_rows:
-        raise too_many_rows(shape[0], max_rows)
-    per_row = bounded_product(shape[1:], MAX_DIM, f"{field}.shape")
-    if per_row != width:
-        raise bad(f"{field}.shape: each row needs {width} values, got {per_row}")
-
-
 def _number_array(data: Any, field: str) -> np.ndarray:
     if not isinstance(data, list):
         raise bad(f"{field}: expected a list of numbers, got {type(data).__name__}")
@@ -131,7 +127,8 @@ def _number_array(data: Any, field: str) -> np.ndarray:
         if array.size == 0:
             return array.astype(np.float64)
         raise bad(f"{field}: values must be numbers (strings, booleans and nulls are not accepted)")
-    if _has_bool(data):  # numpy reads true as 1 beside numbers
+    # numpy reads true as 1 beside numbers; a flat list is checked without a Python frame a row
+    if bool in map(type, data) or (list in map(type, data) and _has_bool(data)):
         raise bad(f"{field}: values must be numbers (strings, booleans and nulls are not accepted)")
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad(f"{field}: values must be finite numbers (no NaN or Infinity)")

@@ -29,23 +29,34 @@ class MetricBuffer:
         self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._values: list[tuple[Any, float, dict[str, str]]] = []
         self._levels: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="metric-flush", daemon=True)
+        self._thread.start()
 
     def inc(self, counter: Any, tags: dict[str, str], by: float = 1) -> None:
         with self._lock:
             self._counts[(counter, tuple(sorted(tags.items())))] += by
-        self._start()
+
+    def inc_and_observe(
+        self,
+        counter: Any,
+        counter_tags: dict[str, str],
+        histogram: Any,
+        value: float,
+        tags: dict[str, str],
+    ) -> None:
+        """`inc` and `observe` under one lock (a request's count and latency)."""
+        with self._lock:
+            self._counts[(counter, tuple(sorted(counter_tags.items())))] += 1
+            self._values.append((histogram, value, tags))
 
     def observe(self, histogram: Any, value: float, tags: dict[str, str]) -> None:
         with self._lock:
             self._values.append((histogram, value, tags))
-        self._start()
 
     def set(self, gauge: Any, value: float, tags: dict[str, str]) -> None:
         """A gauge's level: the last one set before a flush is recorded."""
         with self._lock:
             self._levels[(gauge, tuple(sorted(tags.items())))] = value
-        self._start()
 
     def flush(self) -> None:
         """Record everything buffered so far in the metrics it belongs to."""
@@ -62,14 +73,6 @@ class MetricBuffer:
             failed += not _recorded(histogram.observe, value, tags)
         if failed:
             log.warning("%d buffered metric records failed (see the first error above)", failed)
-
-    def _start(self) -> None:
-        if self._thread is not None:  # first use starts it: none for a process that never records
-            return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="metric-flush", daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -115,3 +118,25 @@ def _recorded(record: Any, value: float, tags: dict[str, str]) -> bool:
             _warned.add(type(e).__name__)
             log.warning("recording a buffered metric failed: %s: %s", type(e).__name__, e)
         return False
+
+
+class IngressMetrics:
+    """Requests and latency by *model*: Serve's own request metrics are per application, and the
+    index application answers v1 predictions for every model."""
+
+    def __init__(self) -> None:
+        self.requests = model_counter(
+            "raytorch_requests_total", "HTTP requests by model and status", ("model", "code")
+        )
+        self.latency = model_histogram(
+            "raytorch_request_latency_ms",
+            "request latency (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+        )
+        self.buffer = process_buffer()
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        tags = {"model": model}
+        self.buffer.inc_and_observe(
+            self.requests, tags | {"code": str(code)}, self.latency, latency_ms, tags
+        )

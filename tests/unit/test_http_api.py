@@ -16,7 +16,7 @@ from app.ray_private import UNKNOWN_HOST, serve_http_host
 from app.runtime.types import GenerationRequest, InferRequest, InferResult, ModelInfo, RequestError
 from app.serve.http.api import create_api
 from app.serve.http.clients import Models
-from app.serve.http.middleware import Admit, FullPath, Observe, api_key
+from app.serve.http.middleware import Gate, api_key
 
 pytestmark = pytest.mark.unit
 
@@ -427,8 +427,18 @@ def http_scope(path: str = "/x") -> dict:
     return {"type": "http", "method": "GET", "path": path, "headers": [], "root_path": ""}
 
 
-def guarded(app, seen: list) -> Observe:
-    return Observe(app, observe=lambda scope, status, ms: seen.append((status, ms)))
+class Seen:
+    """Request metrics kept in a list: (status, ms) per answered request."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def observe(self, model: str, code: int, latency_ms: float) -> None:
+        self.seen.append((code, latency_ms))
+
+
+def guarded(app, seen: list, key: str | None = None) -> Gate:
+    return Gate(app, key=key, max_body_bytes=1024, metrics=Seen(seen))
 
 
 async def no_body():
@@ -516,10 +526,7 @@ def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(mo
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
 
-    guard = Observe(
-        Admit(FullPath(app), key="s3cret", max_body_bytes=1024),
-        observe=lambda scope, status, ms: seen.append(status),
-    )
+    guard = guarded(app, seen, key="s3cret")
     sent: list = []
 
     async def send(message):
@@ -530,7 +537,7 @@ def test_the_api_key_holds_under_a_model_prefix_and_other_scopes_pass_through(mo
     bearer = [(b"authorization", b"Bearer s3cret")]
     asyncio.run(guard({**prefixed, "headers": bearer}, no_body, send))
     asyncio.run(guard({"type": "lifespan", "root_path": "/v2/models/m"}, no_body, send))
-    assert seen == [401, 200]  # the refused request never reached the app
+    assert [status for status, _ in seen] == [401, 200]  # the refused one never reached the app
     assert inner == [("http", ""), ("lifespan", "")]
 
 

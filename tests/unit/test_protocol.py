@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 
@@ -293,29 +294,40 @@ BAD_BODIES = {
 }
 
 
-def arrive(body: bytes, max_items: int, chunk: int = 65536) -> int:
-    """Feeds `body` to an ItemGuard in chunks; the bytes that had arrived when it refused."""
-    from app.serve.http.protocol import ItemGuard
+def arrive(body: bytes, inputs: list[dict], chunk: int = 65536) -> int:
+    """Feeds `body` in chunks to the body reader of every route, for a model taking `inputs`;
+    the bytes that had arrived when it refused."""
+    from types import SimpleNamespace
 
-    guard, received = ItemGuard(max_items), bytearray()
-    for start in range(0, len(body), chunk):
-        received += body[start : start + chunk]
-        try:
-            guard.arrived(received, body[start : start + chunk])
-        except RequestError as e:
-            assert e.status == 413 and f"holds more than {max_items} JSON values" in e.message
-            return len(received)
-    guard.done(received)
-    return len(received)
+    from app.config import ServeConfig
+    from app.serve.http.protocol import max_json_items
+    from app.serve.http.routes.common import body as read_body
+
+    arrived = 0
+
+    async def stream():
+        nonlocal arrived
+        for start in range(0, len(body), chunk):
+            arrived = min(start + chunk, len(body))
+            yield body[start : start + chunk]
+
+    cfg = ServeConfig(max_body_bytes=1 << 30)
+    request = SimpleNamespace(
+        headers={}, app=SimpleNamespace(state=SimpleNamespace(config=cfg)), stream=stream
+    )
+    max_items = max_json_items(inputs, cfg.max_request_rows)
+    try:
+        asyncio.run(read_body(request, inputs=inputs))  # type: ignore[arg-type]
+    except RequestError as e:
+        assert e.status == 413 and f"holds more than {max_items} JSON values" in e.message
+    return arrived
 
 
 @pytest.mark.parametrize("name", sorted(BAD_BODIES))
 def test_a_body_holding_more_values_than_the_models_rows_can_is_refused_as_it_arrives(name):
-    from app.serve.http.protocol import max_json_items
 
     body = BAD_BODIES[name]
-    max_items = max_json_items(DIGITS_INPUTS, 1024)
-    assert arrive(body, max_items) < len(body) / 4  # refused with most of it still to come
+    assert arrive(body, DIGITS_INPUTS) < len(body) / 4  # refused with most of it still to come
 
 
 def well_formed_bodies() -> list[bytes]:
@@ -341,13 +353,11 @@ def well_formed_bodies() -> list[bytes]:
 def test_the_largest_well_formed_bodies_pass_the_item_bound_however_they_arrive(chunk):
     from app.serve.http.protocol import max_json_items
 
-    digits_items = max_json_items(DIGITS_INPUTS, 1024)
-    text_items = max_json_items(TEXT["inputs"], 1024)
     bodies = well_formed_bodies()
-    for body, max_items in zip(bodies, [digits_items, digits_items, text_items], strict=True):
+    for body, inputs in zip(bodies, [DIGITS_INPUTS, DIGITS_INPUTS, TEXT["inputs"]], strict=True):
         if chunk == 7 and len(body) > 2**20:
             body = body[: 2**20]  # seven bytes at a time: the first MiB is enough
-        assert arrive(body, max_items, chunk) == len(body)
+        assert arrive(body, inputs, chunk) == len(body)
     # A row of no fixed size (a language model's tokens) is not bounded this way.
     assert max_json_items([{"name": "t", "datatype": "INT64", "shape": [-1, -1]}], 1024) is None
 

@@ -54,8 +54,8 @@ class FakeSession:
         return [np.stack([1 - odd, odd], axis=1)]
 
 
-class NoMetrics:
-    def observe_call(self, rows: int) -> None:
+class NoBuffer:
+    def observe(self, histogram, value: float, tags: dict) -> None:
         pass
 
 
@@ -95,7 +95,8 @@ def text_server(
     server.max_request_rows = max_request_rows
     server.max_padding_waste = max_padding_waste
     server.in_flight = 0
-    server._metrics = NoMetrics()  # type: ignore[assignment]
+    server.version, server.labels, server.pid = "3", pre.labels, 1
+    server.buffer, server.batch_rows, server.metric_tags = NoBuffer(), None, {}  # type: ignore[assignment]
     server.infer_batch = Batcher(server)  # type: ignore[method-assign]
     return server
 

@@ -12,7 +12,6 @@ many rows, 503 (with Retry-After where ours) when a model's queue is full or its
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,9 +22,8 @@ from app import __version__
 from app.config import ServeConfig
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
-from app.serve.http.middleware import Admit, FullPath, Observe, api_key, error, request_id
+from app.serve.http.middleware import Gate, RequestMetrics, api_key, error, request_id
 from app.serve.http.routes import generation, retrieval, v1, v2
-from app.serve.metrics import model_histogram, process_buffer
 
 log = logging.getLogger("ray.serve")
 
@@ -33,7 +31,7 @@ log = logging.getLogger("ray.serve")
 def create_api(
     cfg: ServeConfig,
     models: Models,
-    metrics: Any = None,
+    metrics: RequestMetrics | None = None,
     serve_host: str | None = None,
     under_serve: bool = False,
 ) -> FastAPI:
@@ -53,11 +51,14 @@ def create_api(
     api.add_exception_handler(RequestError, request_error)
     api.add_exception_handler(StarletteHTTPException, http_error)
     api.add_exception_handler(RequestValidationError, validation_error)
-    # Added innermost first: Observe wraps Admit wraps FullPath wraps the routes.
-    api.add_middleware(FullPath)
-    api.add_middleware(Admit, key=api_key(cfg, serve_host), max_body_bytes=cfg.max_body_bytes)
-    observe = _observer(models, metrics) if metrics is not None else None
-    api.add_middleware(Observe, observe=observe, echo_request_id=not under_serve)
+    api.add_middleware(
+        Gate,
+        key=api_key(cfg, serve_host),
+        max_body_bytes=cfg.max_body_bytes,
+        metrics=metrics,
+        models=frozenset(models.clients),
+        echo_request_id=not under_serve,
+    )
     return api
 
 
@@ -79,38 +80,3 @@ async def http_error(request: Request, exc: Exception):
 async def validation_error(request: Request, exc: Exception):
     assert isinstance(exc, RequestValidationError)
     return error(400, str(exc.errors()[0].get("msg", "invalid request")), path=request.url.path)
-
-
-def _observer(models: Models, metrics: Any):
-    def observe(scope: dict[str, Any], status: int, latency_ms: float) -> None:
-        # Routing put the matched route's path parameters into this same scope (FullPath).
-        name = scope.get("path_params", {}).get("name")
-        try:
-            metrics.observe("-" if name is None else models.metrics_tag(name), status, latency_ms)
-        except Exception:  # noqa: BLE001 - a metrics failure must never change the answer
-            log.exception("could not record request metrics")
-
-    return observe
-
-
-class IngressMetrics:
-    """Requests and latency by *model*: Serve's own request metrics are per application, and the
-    index application answers v1 predictions for every model."""
-
-    def __init__(self) -> None:
-        from ray.util.metrics import Counter
-
-        self.requests = Counter(
-            "raytorch_requests_total",
-            description="HTTP requests by model and status",
-            tag_keys=("model", "code"),
-        )
-        self.latency = model_histogram(
-            "raytorch_request_latency_ms",
-            "request latency (ms)",
-            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
-        )
-
-    def observe(self, model: str, code: int, latency_ms: float) -> None:
-        process_buffer().inc(self.requests, {"model": model, "code": str(code)})
-        process_buffer().observe(self.latency, latency_ms, {"model": model})

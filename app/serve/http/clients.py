@@ -30,8 +30,6 @@ from app.runtime.types import (
     SearchResult,
 )
 
-# The metrics tag of a model name that is not deployed: one series, however many names are tried.
-UNKNOWN_MODEL = "unknown"
 INFO_FRESH_S = 1.0  # how stale the ready probe's and the generation check's view may be
 
 
@@ -51,25 +49,15 @@ class ModelClient(Protocol):
 
 
 class LocalModel:
-    """A ModelServer or LMServer in this process."""
+    """A ModelServer or LMServer in this process: its own methods, bound (no call in between)."""
 
     def __init__(self, server: Any):
         self.server = server
-
-    def info(self) -> Awaitable[ModelInfo]:
-        return self.server.info()
-
-    def infer(self, request: InferRequest) -> Awaitable[InferResult]:
-        return self.server.infer(request)
-
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        return self.server.generate(request)
-
-    def embed(self, request: EmbedRequest) -> Awaitable[EmbedResult]:
-        return self.server.embed(request)
-
-    def search(self, request: SearchRequest) -> Awaitable[SearchResult]:
-        return self.server.search(request)
+        self.info = server.info
+        self.infer = getattr(server, "infer", None)
+        self.generate = getattr(server, "generate", None)
+        self.embed = getattr(server, "embed", None)
+        self.search = getattr(server, "search", None)
 
 
 class RayModel:
@@ -128,11 +116,6 @@ class Models:
             raise RequestError(404, f"model {name!r} not found (deployed: {sorted(self.clients)})")
         return client
 
-    def metrics_tag(self, name: str) -> str:
-        # URL names are client-controlled: tagging with them would make unbounded series (and
-        # Ray's metrics refuse non-ASCII tags outright).
-        return name if name in self.clients else UNKNOWN_MODEL
-
     async def info(self, name: str, fresh_within_s: float = 0.0) -> ModelInfo:
         """The model's info; with `fresh_within_s`, a copy at most that old is good enough."""
         seen = self._infos.get(name)
@@ -143,7 +126,8 @@ class Models:
         return info
 
     async def infer(self, name: str, request: InferRequest) -> InferResult:
-        return await self._call(name, self.get(name).infer(request))
+        client = self.clients.get(name) or self.get(name)  # get: the 404
+        return await self._call(name, client.infer(request))
 
     async def embed(self, name: str, request: EmbedRequest) -> EmbedResult:
         if not (await self.info(name, INFO_FRESH_S)).embeds:
@@ -175,8 +159,9 @@ class Models:
         from ray.serve.exceptions import BackPressureError
 
         try:
-            return await within(call, self.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout_s):  # no task of its own, as wait_for makes
+                return await call
+        except TimeoutError:
             cancel = getattr(call, "cancel", None)
             if cancel is not None:  # frees the replica's slot; the client has its answer
                 cancel()
@@ -193,15 +178,6 @@ class Models:
             raise RequestError(
                 503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
             ) from None
-
-
-async def within(call: Awaitable[Any], timeout_s: float) -> Any:
-    """`call`'s result, or asyncio.TimeoutError after `timeout_s`; on 3.11+ without a task of
-    its own per call (wait_for creates one, a measurable cost per request)."""
-    if not hasattr(asyncio, "timeout"):  # Python 3.10
-        return await asyncio.wait_for(call, timeout_s)
-    async with asyncio.timeout(timeout_s):
-        return await call
 
 
 async def close_events(events: Any) -> None:

@@ -1,9 +1,7 @@
-"""The plain-ASGI middleware around every application, one job each, outermost first:
-
-    Observe     request id, request metrics (status, latency to the answer's first byte), and
-                the last line of defence: a crash becomes a JSON 500, never a plain-text page
-    Admit       the API key and the declared body size, checked before the app sees the request
-    FullPath    routes on the full path whatever prefix the application is mounted at
+"""The plain-ASGI middleware around every application (`Gate`): the mount prefix dropped, the
+request id, the API key and the declared body size checked before the app sees the request,
+request metrics, and the last line of defence: a crash becomes a JSON 500, never a plain-text
+page. One class, so a request passes one frame of middleware, not one per job.
 
 Plain ASGI rather than Starlette's `BaseHTTPMiddleware`, which runs the rest of the app in a
 task group of its own with memory streams for every request.
@@ -17,8 +15,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable, Container, MutableMapping
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
@@ -27,7 +25,13 @@ from app.config import ServeConfig
 
 log = logging.getLogger("ray.serve")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
+# The metrics tag of a model name that is not deployed: one series, however many names are tried.
+UNKNOWN_MODEL = "unknown"
 ASGIApp = Callable[..., Any]
+
+
+class RequestMetrics(Protocol):
+    def observe(self, model: str, code: int, latency_ms: float) -> None: ...
 
 
 def error(
@@ -77,80 +81,48 @@ def api_key(cfg: ServeConfig, serve_host: str | None = None) -> str | None:
     return key
 
 
-class FullPath:
-    """Serve hands an application mounted at `/v2/models/digits` the full path with that prefix
-    as `root_path`, and Starlette would route on the rest (`/infer`). Each model's application
-    answers the same public routes as the index at `/`, so the prefix is dropped, in this same
-    scope: routing writes the matched path parameters (the model name the metrics are tagged
-    with) into the scope it is given."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("root_path"):
-            scope["root_path"] = ""
-        await self.app(scope, receive, send)
-
-
-class Admit:
-    """Refuses, before the app runs, a request without the API key or with a declared body
-    over serve.max_body_bytes (a body sent without a length is counted as it is read)."""
-
-    def __init__(self, app: ASGIApp, key: str | None, max_body_bytes: int):
-        self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            refusal = self.refuse(scope["path"], Headers(scope=scope))
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def refuse(self, path: str, headers: Headers) -> JSONResponse | None:
-        if self.key and path not in PUBLIC_PATHS:
-            auth = headers.get("authorization", "")
-            if not auth:
-                return error(401, "missing Authorization: Bearer <api key>")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.key.encode()
-            ):
-                return error(403, "invalid API key")
-        length = headers.get("content-length")
-        # A length of thousands of digits is too large, and too long to convert.
-        if length and length.isdigit() and (len(length) > 18 or int(length) > self.max_body_bytes):
-            return error(413, f"body exceeds serve.max_body_bytes={self.max_body_bytes}")
-        return None
-
-
 def request_id(scope: Any) -> str:
-    """The request's id for log lines: the one Observe echoes, else the client's or Serve's
+    """The request's id for log lines: the one Gate echoes, else the client's or Serve's
     `x-request-id`, else "-"."""
     state = scope.get("state") or {}
     return state.get("request_id") or Headers(scope=scope).get("x-request-id") or "-"
 
 
-class Observe:
-    """Request id (`x-request-id`, echoed unless Serve's own middleware does), request metrics,
-    and a JSON 500 for a crash before the answer began."""
+class Gate:
+    """The one middleware: Serve hands an application mounted at `/v2/models/digits` the full
+    path with that prefix as `root_path`, and each model's application answers the same public
+    routes as the index at `/`, so the prefix is dropped in this same scope (routing writes the
+    matched path parameters, the model name the metrics are tagged with, into the scope it is
+    given). Then, for an HTTP request: its id (`x-request-id`, echoed unless Serve's own
+    middleware does), the API key and declared body size checked before the app runs (a body
+    sent without a length is counted as it is read), request metrics (status, latency to the
+    answer's first byte) and a JSON 500 for a crash before the answer began."""
 
     def __init__(
         self,
         app: ASGIApp,
-        observe: Callable[[dict[str, Any], int, float], None] | None,
+        key: str | None,
+        max_body_bytes: int,
+        metrics: RequestMetrics | None = None,
+        models: Container[str] = (),
         echo_request_id: bool = True,
     ):
-        self.app, self.observe, self.echo_request_id = app, observe, echo_request_id
+        self.app, self.key, self.max_body = app, key, max_body_bytes
+        self.metrics, self.models, self.echo_request_id = metrics, models, echo_request_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("root_path"):
+            scope["root_path"] = ""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        # An id of our own only where we echo it (under Serve, Serve's middleware does).
-        tag = self._request_id_header(scope) if self.echo_request_id else []
+        headers = Headers(scope=scope)
+        tag: list[tuple[bytes, bytes]] = []
+        if self.echo_request_id:  # an id of our own only where we echo it
+            rid = headers.get("x-request-id") or uuid.uuid4().hex
+            scope.setdefault("state", {})["request_id"] = rid
+            tag = [(b"x-request-id", rid.encode("latin-1"))]
         answer: dict[str, Any] = {}  # status and latency, once the answer starts
 
         async def send_tagged(message: MutableMapping[str, Any]) -> None:
@@ -160,8 +132,15 @@ class Observe:
                     message = {**message, "headers": [*message.get("headers", ()), *tag]}
             await send(message)
 
+        length = headers.get("content-length")
         try:
-            await self.app(scope, receive, send_tagged)
+            refusal = self.key_refusal(scope["path"], headers) if self.key else None
+            # A length of thousands of digits is too large, and too long to convert.
+            if length and length.isdigit() and (len(length) > 18 or int(length) > self.max_body):
+                refusal = refusal or error(
+                    413, f"body exceeds serve.max_body_bytes={self.max_body}"
+                )
+            await (refusal or self.app)(scope, receive, send_tagged)
         except Exception:
             if answer:  # the answer has begun: nothing else can be sent (the server logs it)
                 raise
@@ -170,11 +149,25 @@ class Observe:
         finally:
             # A request cancelled before it was answered (the client went away) is not counted:
             # it has no status of ours, and Serve counts it (499) itself.
-            if self.observe is not None and answer:
-                self.observe(scope, answer["status"], answer["ms"])
+            if self.metrics is not None and answer:
+                # Tagged by the model name routing put in the scope. URL names are the client's:
+                # tags of them would make unbounded series (and Ray refuses non-ASCII tags).
+                name = scope.get("path_params", {}).get("name")
+                model = "-" if name is None else name if name in self.models else UNKNOWN_MODEL
+                try:
+                    self.metrics.observe(model, answer["status"], answer["ms"])
+                except Exception:  # noqa: BLE001 - a metrics failure must never change the answer
+                    log.exception("could not record request metrics")
 
-    @staticmethod
-    def _request_id_header(scope: Any) -> list[tuple[bytes, bytes]]:
-        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-        return [(b"x-request-id", rid.encode("latin-1"))]
+    def key_refusal(self, path: str, headers: Headers) -> JSONResponse | None:
+        if path in PUBLIC_PATHS or self.key is None:
+            return None
+        auth = headers.get("authorization", "")
+        if not auth:
+            return error(401, "missing Authorization: Bearer <api key>")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.key.encode()
+        ):
+            return error(403, "invalid API key")
+        return None

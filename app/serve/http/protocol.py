@@ -104,27 +104,26 @@ def holds_more_items(text: Text, max_items: int) -> bool:
     return items > max_items
 
 
+@dataclass(slots=True)
 class ItemGuard:
-    """Counts a JSON body's items as its chunks arrive and refuses it (413) as soon as what has
-    arrived holds more than `max_items`; the exact count (strings set apart) runs at most once
-    each time the raw count doubles."""
+    """A JSON body's items counted as its chunks arrive (`routes/common.body` adds each chunk's
+    `json_items`): once the raw count passes `max_items` (and each time it doubles after that)
+    `check` makes the exact count, strings set apart, and refuses the body (413) as soon as
+    what has arrived holds more than `max_items`."""
 
-    def __init__(self, max_items: int):
-        self.max_items, self.items, self.checked = max_items, 0, 0
+    max_items: int
+    items: int = 0  # commas and brackets so far, those inside strings included
+    checked: int = 0  # the raw count at the last exact count
 
-    def arrived(self, received: Text, chunk: bytes) -> None:
-        self.items += json_items(chunk)
-        if self.items > max(self.max_items, 2 * self.checked):
-            self._check(received)
-
-    def done(self, received: Text) -> None:
-        if self.items > self.max_items and self.items != self.checked:
-            self._check(received)
-
-    def _check(self, received: Text) -> None:
+    def check(self, received: Text) -> None:
         if holds_more_items(received, self.max_items):
             raise bad(f"body: holds more than {self.max_items} JSON values for this model", 413)
         self.checked = self.items
+
+    def done(self, received: Text) -> None:
+        """The whole body has arrived: its exact count if the raw one is over the bound."""
+        if self.items > self.max_items and self.items != self.checked:
+            self.check(received)
 
 
 def check_content_type(content_type: str | None, binary: bool) -> None:
@@ -152,7 +151,7 @@ def split_binary(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
 
 
 def decode_v2(body: bytes, header_length: str | None, max_rows: int) -> V2Request:
-    json_part, binary = split_binary(body, header_length)
+    json_part, binary = (body, b"") if header_length is None else split_binary(body, header_length)
     request = parse_json(json_part)
     if not isinstance(request, dict):
         raise bad("body: expected a JSON object with 'inputs'")
@@ -171,10 +170,13 @@ def decode_v2(body: bytes, header_length: str | None, max_rows: int) -> V2Reques
         if not isinstance(tensor[key], str):
             raise bad(f"inputs[0].{key}: expected a string, got {json_type(tensor[key])}")
     shape = check_shape(tensor["shape"], "inputs[0].shape")
-    rows = claimed_rows(tensor["datatype"], shape)
+    numeric = tensor["datatype"] != "BYTES" and shape
+    rows = shape[0] if numeric else claimed_rows(tensor["datatype"], shape)
     if rows > max_rows:  # before any data is read
         raise too_many_rows(rows, max_rows)
-    size = parameters(tensor, "inputs[0].parameters").get("binary_data_size")
+    size = None
+    if tensor.get("parameters") is not None:
+        size = parameters(tensor, "inputs[0].parameters").get("binary_data_size")
     if size is not None:
         data = _binary_tensor(binary, size, tensor["datatype"], shape)
     elif "data" not in tensor:
@@ -187,7 +189,9 @@ def decode_v2(body: bytes, header_length: str | None, max_rows: int) -> V2Reques
     return V2Request(
         id=request.get("id"),
         request=InferRequest(tensor=Tensor(tensor["name"], tensor["datatype"], shape, data)),
-        binary_outputs=frozenset(_binary_outputs(request)),
+        binary_outputs=frozenset(
+            _binary_outputs(request) if "outputs" in request or "parameters" in request else ()
+        ),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from app.config import ServeConfig
-from app.runtime.artifact import Artifact, open_artifact, run_logits, softmax
+from app.runtime.artifact import LOGITS, Artifact, open_artifact, run_logits, softmax
 from app.runtime.rows import request_rows
 from app.runtime.types import InferRequest, InferResult, ModelInfo, RequestError
 from app.serve.metrics import model_histogram, process_buffer
@@ -55,8 +55,16 @@ class ModelServer:
         self.batch_setting = cfg.batching.calls
         self._choose_batch_calls()
         self.infer_batch = serve_batcher(self._run_batch, cfg)
-        self.in_flight = 0  # validated requests queued for, or inside, a batch
-        self._metrics = _ReplicaMetrics(self.artifact.name)
+        self.in_flight = 0  # validated requests called alone, queued for, or inside, a batch
+        self.version, self.labels = self.artifact.version, self.artifact.preprocessor.labels
+        self.pid = os.getpid()
+        # Rows per ONNX Runtime call: what Serve's own metrics cannot see (a batch's calls).
+        self.batch_rows = model_histogram(
+            "raytorch_batch_size",
+            "rows per ONNX Runtime call",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+        )
+        self.buffer, self.metric_tags = process_buffer(), {"model": self.artifact.name}
         log.info(
             "model %s version %s loaded from %s; batched requests %s (%s)",
             self.artifact.name,
@@ -121,39 +129,38 @@ class ModelServer:
         return model_info(self.artifact, self.variant, batching=self.batch_calls)
 
     async def infer(self, request: InferRequest) -> InferResult:
-        inputs = self._inputs(request)
-        labels, probabilities = await self._batched(inputs)
-        return InferResult(
-            labels=labels,
-            probabilities=probabilities,
-            version=self.artifact.version,
-            label_names=self.artifact.preprocessor.labels,
-            replica_pid=os.getpid(),
-        )
-
-    def _inputs(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Validated rows -> model inputs, for this request alone (before it joins a batch)."""
+        """Rows checked against the schema and turned into model inputs for this request alone
+        (whatever its input breaks stays its own 400), then batched."""
         try:
             rows = request_rows(request, self.artifact.schema, self.max_request_rows)
-            return self.artifact.preprocessor.features(rows)
+            inputs = self.artifact.preprocessor.features(rows)
         except RequestError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever this input breaks stays its own 400
             log.warning("request refused: %s: %s", type(e).__name__, e)
             raise RequestError(400, f"inputs: could not be read ({type(e).__name__})") from None
+        labels, probabilities = await self._batched(inputs, len(rows))
+        return InferResult(labels, probabilities, self.version, self.labels, self.pid)
 
-    async def _batched(self, inputs: dict[str, np.ndarray]) -> Answer:
+    async def _batched(self, inputs: dict[str, np.ndarray], rows: int) -> Answer:
         """Through the batcher, which waits up to batch_wait_timeout_s for batch mates. A request
         alone in the replica is called at once instead: no mate can come in time (a closed-loop
         client at low concurrency would pay the whole wait on every request), and the requests
         that arrive while it runs fill the next batch. When requests do not share calls there is
-        nothing to wait for: straight to a thread."""
-        if not self.share_calls:
-            return await self._alone(inputs)
+        nothing to wait for: straight to a thread. A request called alone that fails is this
+        request's (400): with no batch mates to compare with, a model that fails everything is
+        left to check_health, which fails too and has Serve replace the replica."""
+        alone = not self.share_calls or self.in_flight == 0
         self.in_flight += 1
         try:
-            if self.in_flight == 1:
-                return await self._alone(inputs)
+            if alone:
+                self.buffer.observe(self.batch_rows, rows, self.metric_tags)
+                loop = asyncio.get_running_loop()
+                try:
+                    return (await loop.run_in_executor(self.pool, self._predict, [inputs]))[0]
+                except Exception as e:  # noqa: BLE001 - answered as this request's error
+                    log.warning("request failed on its own: %s: %s", type(e).__name__, e)
+                    raise model_error(400, e) from None
             answer = await self.infer_batch(inputs)
         finally:
             self.in_flight -= 1
@@ -161,23 +168,14 @@ class ModelServer:
             raise answer
         return answer
 
-    async def _alone(self, inputs: dict[str, np.ndarray]) -> Answer:
-        """One request, one call on a worker thread. A failure is this request's (400): with
-        no batch mates to compare with, a model that fails everything is left to check_health,
-        which fails too and has Serve replace the replica."""
-        self._metrics.observe_call(_rows_of(inputs))
-        loop = asyncio.get_running_loop()
-        answer = await loop.run_in_executor(self.pool, self._predict_alone, inputs)
-        if isinstance(answer, Exception):
-            raise model_error(400, answer)
-        return answer
-
     async def _run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[Any]:
         """Per request: its Answer, or a RequestError that is that request's alone."""
         lengths = [row_lengths(r) for r in requests]
         groups = padding_groups(lengths, self.max_padding_waste)
         for group in groups:
-            self._metrics.observe_call(sum(len(lengths[i]) for i in group))
+            self.buffer.observe(
+                self.batch_rows, sum(len(lengths[i]) for i in group), self.metric_tags
+            )
         loop = asyncio.get_running_loop()
         shares = await asyncio.gather(
             *(
@@ -224,12 +222,12 @@ class ModelServer:
         if self.trim and MASK in batch:
             longest = int(row_lengths(batch).max())
             batch = {k: v[:, :longest] for k, v in batch.items()}
-        probabilities = softmax(run_logits(self.session, batch))
+        probabilities = softmax(self.session.run(LOGITS, batch)[0])  # run_logits, inline
         labels = self.artifact.preprocessor.labels
         predicted = np.asarray(labels, dtype=object)[probabilities.argmax(1)].tolist()
         out, start = [], 0
         for r in requests:
-            n = _rows_of(r)
+            n = len(next(iter(r.values())))
             out.append((predicted[start : start + n], probabilities[start : start + n]))
             start += n
         return out
@@ -246,25 +244,6 @@ def model_error(status: int, e: Exception) -> RequestError:
     return RequestError(
         status, f"inputs: the model could not run this request ({type(e).__name__})"
     )
-
-
-def _rows_of(inputs: dict[str, np.ndarray]) -> int:
-    return len(next(iter(inputs.values())))
-
-
-class _ReplicaMetrics:
-    """Rows per ONNX Runtime call: what Serve's own metrics cannot see (a batch's calls)."""
-
-    def __init__(self, model: str):
-        self.tags = {"model": model}
-        self.batch_rows = model_histogram(
-            "raytorch_batch_size",
-            "rows per ONNX Runtime call",
-            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
-        )
-
-    def observe_call(self, rows: int) -> None:
-        process_buffer().observe(self.batch_rows, rows, self.tags)
 
 
 def model_info(a: Artifact, variant: str, generates: bool = False, **extra: Any) -> ModelInfo:

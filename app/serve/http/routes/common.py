@@ -10,7 +10,7 @@ from fastapi import Request
 from app.config import ServeConfig
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
-from app.serve.http.protocol import ItemGuard, check_content_type, max_json_items
+from app.serve.http.protocol import ItemGuard, check_content_type, json_items, max_json_items
 
 
 def models(request: Request) -> Models:
@@ -26,9 +26,12 @@ async def body(
 ) -> bytes:
     """The body, counted as it arrives (a body sent without a length is bounded too). With the
     model's `inputs`, a JSON body is refused as soon as what has arrived holds more values than
-    serve.max_request_rows rows could, before the rest is read or any of it parsed."""
-    check_content_type(request.headers.get("content-type"), binary=binary)
-    cfg = config(request)
+    serve.max_request_rows rows could, before the rest is read or any of it parsed (`ItemGuard`
+    counts each chunk's items; the exact count runs only once they pass the bound)."""
+    content_type = request.headers.get("content-type")
+    if content_type and content_type != "application/json":
+        check_content_type(content_type, binary=binary)
+    cfg: ServeConfig = request.app.state.config
     max_items = None if binary or not inputs else max_json_items(inputs, cfg.max_request_rows)
     guard = ItemGuard(max_items) if max_items is not None else None
     received = bytearray()
@@ -37,7 +40,9 @@ async def body(
             raise RequestError(413, f"body exceeds serve.max_body_bytes={cfg.max_body_bytes}")
         received += chunk
         if guard is not None:
-            guard.arrived(received, chunk)
-    if guard is not None:
+            guard.items += json_items(chunk)
+            if guard.items > max(guard.max_items, 2 * guard.checked):
+                guard.check(received)
+    if guard is not None and guard.items > guard.max_items:
         guard.done(received)
     return bytes(received)

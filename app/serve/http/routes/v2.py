@@ -82,7 +82,7 @@ async def infer_version(name: str, version: str, request: Request):
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Both infer routes (a separate route each: with an optional `version` parameter, FastAPI
     would read it from the query string of every unversioned request)."""
-    m = models(request)
+    m: Models = request.app.state.models
     info = await m.info(name, INFO_FRESH_S)  # its schema bounds what is parsed
     if version is not None and version != info.version:  # a 404 before any model runs
         raise not_deployed(name, version, info.version)
