@@ -472,6 +472,21 @@ class ServeConfig(_Section):
         return self
 
 
+class PredictGenerationConfig(_Section):
+    """`predict.generation`: completions of a language model's rows (app/predict/generate.py)."""
+
+    # The column of each row's prompt, or of its chat messages (a list of {role, content},
+    # rendered with the model's chat template, as /v1/chat/completions does).
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    # Each row's sampling fields, read and checked as /v1/completions reads its body (the
+    # bounds of serve.generation apply); a column of the same name sets a row's own value
+    # (null: this default). Absent fields are the endpoint's defaults.
+    sampling: dict[str, Any] = Field(default_factory=lambda: {"max_tokens": 64, "temperature": 0})
+    logprobs: int | None = Field(None, ge=0, le=5)  # each token's log-probability (and top n)
+    max_streams: int = Field(16, ge=1)  # rows one actor decodes together (continuous batching)
+
+
 class PredictConfig(_Section):
     """Offline batch inference (`jobs.predict`, app/predict/)."""
 
@@ -491,6 +506,7 @@ class PredictConfig(_Section):
     gpus_per_actor: float = Field(1.0, gt=0)  # GPUs per predict actor when on GPU
     variant: Literal["fp32", "int8"] | None = None  # null: what `serve.variant` serves
     rows_per_file: int = Field(1_000_000, ge=1)  # rows per output Parquet file
+    generation: PredictGenerationConfig = Field(default_factory=lambda: PredictGenerationConfig())
 
 
 class SearchDimension(_Section):

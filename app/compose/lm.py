@@ -10,6 +10,8 @@ from app.evaluate import EVALUATE, evaluate_language_model
 from app.export.exporter import EXPORT
 from app.export.lm import export_lm
 from app.pipeline import SMOKE, sample_completion
+from app.predict.actor import PREDICTOR
+from app.predict.generate import CompletionPredictor
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import LMApp
 from app.tasks.lm import headline, next_token_loss, reference_metrics, validate_lm
@@ -36,6 +38,7 @@ def spec() -> Task:
                 EVALUATE.of(evaluate_language_model),
                 EXPORT.of(export_lm),
                 SERVER.of(LMApp),
+                PREDICTOR.of(CompletionPredictor),
                 SMOKE.of(sample_completion),
             ]
         ),

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from app.config import Config
 from app.data.checks import MISSING, values_of
 from app.data.preprocess import Column
 from app.predict.rows import CheckedBatch, InputSpec, check_batch, json_line_columns
@@ -38,7 +39,13 @@ class Scorer(Protocol):
     ) -> Any: ...
 
     def input_spec(
-        self, schema: dict[str, Any], id_column: str, fmt: str, present: list[str], /
+        self,
+        schema: dict[str, Any],
+        id_column: str,
+        fmt: str,
+        present: list[str],
+        config: Config,
+        /,
     ) -> InputSpec: ...
 
 
@@ -84,7 +91,7 @@ class Predictor(ArtifactBatches):
 
     @staticmethod
     def input_spec(
-        schema: dict[str, Any], id_column: str, fmt: str, present: list[str]
+        schema: dict[str, Any], id_column: str, fmt: str, present: list[str], config: Config
     ) -> InputSpec:
         return InputSpec.of(schema, id_column, fmt)
 

@@ -68,7 +68,7 @@ def predict(
     fmt, files = input_files(input_uri)
     artifact = open_artifact(artifact_uri)  # verified once here; resolves `latest` for every actor
     scorer = scorer_of(artifact.schema)
-    spec = scorer.input_spec(artifact.schema, id_column, fmt, header(files, fmt))
+    spec = scorer.input_spec(artifact.schema, id_column, fmt, header(files, fmt), config)
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)
@@ -142,18 +142,17 @@ def scorer_of(schema: dict[str, Any]) -> Scorer:
 
 
 ROOM_WAIT_S = 5.0  # how long the CPUs the run needs may take to come free
-LISTED_IN_TASKS = 16  # from this many files on, Ray Data lists them in tasks of one CPU each
 
 
 def check_room(cfg: PredictConfig, task_cpus: float, files: int) -> None:
-    """The CPUs the run needs at once must come free within seconds: a cluster without them
-    would otherwise wait forever (Ray Data asks for a whole CPU per listing task of 16 files
-    or more while the actor pool holds its own). Asked of the scheduler itself with a
-    placement group (the cluster's resource view lags), then let go. One line naming them."""
+    """The CPUs the run needs at once (an inference actor and a read task) must come free
+    within seconds: a cluster without them would otherwise wait forever. Asked of the
+    scheduler itself with a placement group (the cluster's resource view lags), then let go.
+    One line naming them."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    read = max(task_cpus, 1.0 if files >= LISTED_IN_TASKS else 0.0)
+    read = task_cpus
     probe = placement_group([{"CPU": cfg.actor_cpus}, {"CPU": read}], strategy="PACK")
     try:
         fits = probe.wait(timeout_seconds=ROOM_WAIT_S)

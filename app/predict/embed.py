@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from app.config import Config
 from app.data.kinds.image_text import CAPTIONS, PICTURES, BadPicture, decode, require
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, good_values, outputs_table
@@ -20,7 +21,7 @@ EMBEDDING = "embedding"
 class EmbeddingPredictor(ArtifactBatches):
     @staticmethod
     def input_spec(
-        schema: dict[str, Any], id_column: str, fmt: str, present: list[str]
+        schema: dict[str, Any], id_column: str, fmt: str, present: list[str], config: Config
     ) -> InputSpec:
         """The column embedded: the image column if the input has it, else the caption column
         (JSON Lines, which has no header, carries captions)."""

@@ -1,5 +1,5 @@
 """Reading the input: a file or a folder of Parquet, CSV or JSON Lines, checked for the model's
-columns before any work, read lazily by Ray Data (JSON Lines as raw lines)."""
+columns before any work, read lazily by Ray Data tasks (JSON Lines as raw lines)."""
 
 from __future__ import annotations
 
@@ -90,55 +90,91 @@ def _listed(names: Sequence[str], limit: int = 8) -> str:
     return f"{shown}, ... ({len(names)} columns)" if len(names) > limit else shown or "no columns"
 
 
+PIECE_ROWS = 100_000  # Parquet rows one read task reads (whole row groups): blocks stream early
+
+
 def read_input(files: list[str], spec: InputSpec, cpus: float):
-    """A lazy Ray Dataset of the input's id and feature columns (one line per row for JSONL)."""
+    """A lazy Ray Dataset of the input's id and feature columns (one line per row for JSONL):
+    pieces the driver already knows (a Parquet file's row groups, a CSV or JSON Lines file),
+    each read by a task of `cpus` CPUs. Not `read_parquet` or `read_csv`: Ray Data 2.60 lists
+    the paths again in a task of a whole CPU of its own, which a cluster with less than a CPU
+    free (a Serve replica beside the job on a small machine) never schedules."""
     import ray.data
 
     fs, _ = storage.filesystem(files[0])
-    paths = [storage.filesystem(f)[1] for f in files]
+    pieces = input_pieces([storage.filesystem(f)[1] for f in files], spec.format, fs)
+    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+        read_piece,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
+        fn_kwargs={"spec": spec, "fs": fs},
+        batch_format="pyarrow",
+        batch_size=1,
+        num_cpus=cpus,
+    )
+
+
+def input_pieces(paths: list[str], fmt: str, fs: Any) -> list[dict[str, Any]]:
+    """(path, first row group, row groups) per read task: a Parquet file in runs of whole row
+    groups of about PIECE_ROWS rows, another format a file each (-1: the whole file)."""
+    if fmt != "parquet":
+        return [{"path": p, "start": 0, "stop": -1} for p in paths]
+    pieces = []
+    for path in paths:
+        meta = pq.read_metadata(path, filesystem=fs)
+        start = rows = 0
+        for g in range(meta.num_row_groups):
+            rows += meta.row_group(g).num_rows
+            if rows >= PIECE_ROWS or g == meta.num_row_groups - 1:
+                pieces.append({"path": path, "start": start, "stop": g + 1})
+                start, rows = g + 1, 0
+        if meta.num_row_groups == 0:
+            pieces.append({"path": path, "start": 0, "stop": 0})
+    return pieces
+
+
+def read_piece(piece: pa.Table, spec: InputSpec, fs: Any) -> Iterator[pa.Table]:
+    """One piece's rows: the spec's columns (Parquet, CSV) or raw lines (JSON Lines)."""
+    path, start, stop = (piece[c][0].as_py() for c in ("path", "start", "stop"))
     if spec.format == "parquet":
-        return ray.data.read_parquet(paths, filesystem=fs, columns=spec.columns, num_cpus=cpus)
-    if spec.format == "csv":
-        from pyarrow import csv as pacsv
-
-        # Features read as raw bytes, so that a value that is not a number (or not UTF-8) is
-        # that row's problem, found by the checks, instead of failing the whole file's read.
-        convert = pacsv.ConvertOptions(
-            column_types={c: pa.binary() for c in spec.feature_columns},
-            include_columns=spec.columns,
-            include_missing_columns=True,
-        )
-        return ray.data.read_csv(paths, filesystem=fs, convert_options=convert, num_cpus=cpus)
-    return ray.data.read_datasource(JsonLinesSource(paths, filesystem=fs), num_cpus=cpus)
+        shard = pq.ParquetFile(path, filesystem=fs)
+        names = set(shard.schema_arrow.names)
+        columns = [c for c in spec.columns if c in names]
+        yield shard.read_row_groups(list(range(start, stop)), columns=columns)
+    elif spec.format == "csv":
+        yield from _csv_batches(path, spec, fs)
+    else:
+        yield from _json_line_blocks(path, fs)
 
 
-def _json_lines_source():
-    from ray.data.datasource import FileBasedDatasource
+def _csv_batches(path: str, spec: InputSpec, fs: Any) -> Iterator[pa.Table]:
+    from pyarrow import csv as pacsv
 
-    class _JsonLinesSource(FileBasedDatasource):
-        """JSON Lines as raw lines (bytes, line number, file): parsing happens per row in the
-        predictor, because pyarrow's JSON reader fails a whole file on one bad line or type."""
+    # Features read as raw bytes, so that a value that is not a number (or not UTF-8) is
+    # that row's problem, found by the checks, instead of failing the whole file's read.
+    convert = pacsv.ConvertOptions(
+        column_types={c: pa.binary() for c in spec.feature_columns},
+        include_columns=spec.columns,
+        include_missing_columns=True,
+    )
+    with fs.open_input_stream(path) as f, pacsv.open_csv(f, convert_options=convert) as reader:
+        for batch in reader:
+            yield pa.Table.from_batches([batch])
 
-        _FILE_EXTENSIONS = ["jsonl", "ndjson"]
 
-        def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
+def _json_line_blocks(path: str, fs: Any, block_lines: int = 10_000) -> Iterator[pa.Table]:
+    """JSON Lines as raw lines (bytes, line number, file): parsing happens per row in the
+    predictor, because pyarrow's JSON reader fails a whole file on one bad line or type."""
+    with fs.open_input_stream(path) as f:
+        text = f.read()
+    lines, numbers = [], []
+    for number, line in enumerate(text.split(b"\n"), start=1):
+        if line.strip():  # a blank line is no row
+            lines.append(line)
+            numbers.append(number)
+        if len(lines) >= block_lines:
+            yield _lines_block(lines, numbers, path)
             lines, numbers = [], []
-            for number, line in enumerate(f.readall().split(b"\n"), start=1):
-                if line.strip():  # a blank line is no row
-                    lines.append(line)
-                    numbers.append(number)
-                if len(lines) >= 10_000:
-                    yield _lines_block(lines, numbers, path)
-                    lines, numbers = [], []
-            if lines:
-                yield _lines_block(lines, numbers, path)
-
-    return _JsonLinesSource
-
-
-def JsonLinesSource(paths: list[str], **kwargs: Any):  # noqa: N802 - a class, built lazily
-    """Ray is imported only when a job reads (nothing heavy at import time)."""
-    return _json_lines_source()(paths, **kwargs)
+    if lines:
+        yield _lines_block(lines, numbers, path)
 
 
 def _lines_block(lines: list[bytes], numbers: list[int], path: str) -> pa.Table:

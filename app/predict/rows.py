@@ -25,16 +25,18 @@ log = logging.getLogger(__name__)
 class InputSpec:
     """The columns an artifact reads, by name, and how to check each row."""
 
-    kind: str  # tabular | image | text | image_text
+    kind: str  # tabular | image | text | image_text | tokens
     feature_columns: tuple[str, ...]
     num_features: int
     id_column: str
     format: Literal["parquet", "csv", "jsonl"] = "parquet"
     passthrough: tuple[str, ...] = ()  # input columns copied to the output as they are
+    options: tuple[str, ...] = ()  # columns a row may set its own options with (may be absent)
+    settings: str = ""  # the task's own settings for its actors, as JSON
 
     @property
     def columns(self) -> list[str]:
-        return [self.id_column, *self.feature_columns, *self.passthrough]
+        return [self.id_column, *self.feature_columns, *self.passthrough, *self.options]
 
     @classmethod
     def of(cls, schema: dict[str, Any], id_column: str, fmt: str = "parquet") -> InputSpec:
@@ -66,22 +68,22 @@ def check_batch(
     for JSON lines, where a missing key reads as `MISSING`). `known`: problems found before
     (a line that is not JSON), which come first. The kind of data checks its own columns."""
     reasons: list[str | None] = list(known) if known else [None] * n
-    _note(reasons, _id_problems(columns[spec.id_column], spec.id_column))
+    note(reasons, id_problems(columns[spec.id_column], spec.id_column))
     kind = processor(spec.kind)
     raw, problems = kind.check_columns(columns, list(spec.feature_columns), spec.num_features)
-    _note(reasons, problems)
+    note(reasons, problems)
     good = np.asarray([i for i, r in enumerate(reasons) if r is None], dtype=np.int64)
     return CheckedBatch(reasons, kind.good_rows(raw, good, spec.num_features), good)
 
 
-def _note(reasons: list[str | None], problems: Problems) -> None:
+def note(reasons: list[str | None], problems: Problems) -> None:
     """Keep each row's first problem (sparse: a clean column costs nothing per row)."""
     for i, problem in problems.items():
         if reasons[i] is None:
             reasons[i] = problem
 
 
-def _id_problems(column: Column, name: str) -> Problems:
+def id_problems(column: Column, name: str) -> Problems:
     if not isinstance(column, list):
         nulls = column.is_null().to_numpy(zero_copy_only=False)
         return {i: f"column {name!r}: null" for i in np.flatnonzero(nulls).tolist()}

@@ -90,20 +90,79 @@ def test_export_writes_a_gated_kv_cache_artifact(lm_artifact):
         assert json.load(f) == report
 
 
-def test_jobs_predict_refuses_a_language_model_in_one_line(lm_artifact, tmp_path, capsys):
+def test_jobs_predict_completes_each_row_as_the_endpoint_answers_it(
+    lm_endpoint, lm_artifact, tmp_path
+):
+    """Prompts (greedy, seeded with a row's own temperature, a stop string), chat messages and
+    bad rows through batch inference, on the cluster that serves the model (its replicas hold
+    CPUs the job's reads must do without): each good row's text, finish reason and token
+    counts equal the online endpoint's answer to the same request."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from jobs.predict import main
+    from app.config import load_config
+    from app.predict.driver import predict
+    from app.predict.write import verify_output
 
-    pq.write_table(pa.table({"id": [1], "text": ["def f"]}), tmp_path / "in.parquet")
-    argv = ["--artifact", lm_artifact[1]["artifact"], "--input", str(tmp_path / "in.parquet")]
-    with pytest.raises(SystemExit) as exit_:
-        main([*argv, "--output", str(tmp_path / "out")])
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 1 and "Traceback" not in err, err  # a UserError
-    assert "task 'lm' has no batch inference" in err.splitlines()[-1]
-    assert not (tmp_path / "out").exists()
+    rows = [
+        {"id": 1, "prompt": "def ", "temperature": None, "seed": None, "stop": None},
+        {"id": 2, "prompt": "import ", "temperature": 1.0, "seed": 7, "stop": None},
+        {"id": 3, "prompt": "class ", "temperature": None, "seed": None, "stop": ["e"]},
+        {"id": 4, "prompt": "", "temperature": None, "seed": None, "stop": None},
+        {"id": 5, "prompt": "x = ", "temperature": 5.0, "seed": None, "stop": None},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
+    chat = [{"id": 6, "messages": [{"role": "user", "content": "def"}]}]
+    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
+    artifact = lm_artifact[1]["artifact"]
+    config = load_config(
+        None,
+        [
+            "predict.on_bad_rows=reject",
+            "predict.generation.sampling={max_tokens: 12, temperature: 0}",
+        ],
+    )
+    for name in ("prompts", "chat"):
+        predict(config, artifact, str(tmp_path / f"{name}.parquet"), str(tmp_path / name))
+
+    def read(name: str, shards: str = "files") -> list[dict]:
+        manifest = verify_output(str(tmp_path / name))
+        tables = [pq.read_table(tmp_path / name / f.file) for f in getattr(manifest, shards)]
+        return [row for table in tables for row in table.to_pylist()]
+
+    out = read("prompts") + read("chat")
+    assert sorted(r["id"] for r in out) == [1, 2, 3, 6]
+    rejects = read("prompts", "rejects")
+    assert {r["id"]: r["reason"].split(":")[0] for r in rejects} == {
+        "4": "column 'prompt'",
+        "5": "column 'temperature'",
+    }
+    for row in out:
+        asked = next((r for r in rows if r["id"] == row["id"]), None)
+        if asked is None:
+            body = {
+                "model": "tinylm",
+                "messages": chat[0]["messages"],
+                "max_tokens": 12,
+                "temperature": 0,
+            }
+            answer = requests.post(
+                f"{lm_endpoint}/v1/chat/completions", json=body, timeout=60
+            ).json()
+            text = answer["choices"][0]["message"]["content"]
+        else:
+            fields = {k: asked[k] for k in ("temperature", "seed", "stop") if asked[k] is not None}
+            answer = completion(
+                lm_endpoint, prompt=asked["prompt"], **{"temperature": 0, **fields}
+            ).json()
+            text = answer["choices"][0]["text"]
+        assert row["text"] == text, row
+        assert row["finish_reason"] == answer["choices"][0]["finish_reason"]
+        usage = answer["usage"]
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (
+            usage["prompt_tokens"],
+            usage["completion_tokens"],
+        )
 
 
 def test_the_gate_refuses_and_publishes_nothing(lm_checkpoint, workspace):
