@@ -94,27 +94,26 @@ def test_jobs_predict_completes_each_row_as_the_endpoint_answers_it(
     lm_endpoint, lm_artifact, tmp_path
 ):
     """Prompts (greedy, seeded with a row's own temperature, a stop string), chat messages and
-    bad rows through batch inference, on the cluster that serves the model (its replicas hold
-    CPUs the job's reads must do without): each good row's text, finish reason and token
-    counts equal the online endpoint's answer to the same request."""
-    import pyarrow as pa
+    bad rows in one JSON Lines file through batch inference, on the cluster that serves the
+    model (its replicas hold CPUs the job's reads must do without): each good row's text,
+    finish reason and token counts equal the online endpoint's answer to the same request."""
     import pyarrow.parquet as pq
 
     from app.config import load_config
     from app.predict.driver import predict
     from app.predict.write import verify_output
 
+    chat = [{"role": "user", "content": "def"}]
     rows = [
-        {"id": 1, "prompt": "def ", "temperature": None, "seed": None, "stop": None},
-        {"id": 2, "prompt": "import ", "temperature": 1.0, "seed": 7, "stop": None},
-        {"id": 3, "prompt": "class ", "temperature": None, "seed": None, "stop": ["e"]},
-        {"id": 4, "prompt": "", "temperature": None, "seed": None, "stop": None},
-        {"id": 5, "prompt": "x = ", "temperature": 5.0, "seed": None, "stop": None},
+        {"id": 1, "prompt": "def "},
+        {"id": 2, "prompt": "import ", "temperature": 1.0, "seed": 7},
+        {"id": 3, "prompt": "class ", "stop": ["e"], "temperature": None},
+        {"id": 4, "messages": chat},
+        {"id": 5, "prompt": ""},
+        {"id": 6, "prompt": "x = ", "temperature": 5.0},
     ]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
-    chat = [{"id": 6, "messages": [{"role": "user", "content": "def"}]}]
-    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
-    artifact = lm_artifact[1]["artifact"]
+    lines = [json.dumps(r) for r in rows]
+    (tmp_path / "rows.jsonl").write_text("\n".join([*lines, '{"id": 7, "prompt": 3}']) + "\n")
     config = load_config(
         None,
         [
@@ -122,42 +121,29 @@ def test_jobs_predict_completes_each_row_as_the_endpoint_answers_it(
             "predict.generation.sampling={max_tokens: 12, temperature: 0}",
         ],
     )
-    for name in ("prompts", "chat"):
-        predict(config, artifact, str(tmp_path / f"{name}.parquet"), str(tmp_path / name))
+    out = str(tmp_path / "out")
+    predict(config, lm_artifact[1]["artifact"], str(tmp_path / "rows.jsonl"), out)
+    manifest = verify_output(out)
 
-    def read(name: str, shards: str = "files") -> list[dict]:
-        manifest = verify_output(str(tmp_path / name))
-        tables = [pq.read_table(tmp_path / name / f.file) for f in getattr(manifest, shards)]
-        return [row for table in tables for row in table.to_pylist()]
+    def read(shards) -> list[dict]:
+        return [r for s in shards for r in pq.read_table(f"{out}/{s.file}").to_pylist()]
 
-    out = read("prompts") + read("chat")
-    assert sorted(r["id"] for r in out) == [1, 2, 3, 6]
-    rejects = read("prompts", "rejects")
-    assert {r["id"]: r["reason"].split(":")[0] for r in rejects} == {
-        "4": "column 'prompt'",
-        "5": "column 'temperature'",
+    assert {r["id"]: r["reason"].split(":")[0] for r in read(manifest.rejects)} == {
+        "5": "column 'prompt'",
+        "6": "column 'temperature'",
+        "7": "column 'prompt'",
     }
-    for row in out:
-        asked = next((r for r in rows if r["id"] == row["id"]), None)
-        if asked is None:
-            body = {
-                "model": "tinylm",
-                "messages": chat[0]["messages"],
-                "max_tokens": 12,
-                "temperature": 0,
-            }
-            answer = requests.post(
-                f"{lm_endpoint}/v1/chat/completions", json=body, timeout=60
-            ).json()
-            text = answer["choices"][0]["message"]["content"]
-        else:
-            fields = {k: asked[k] for k in ("temperature", "seed", "stop") if asked[k] is not None}
-            answer = completion(
-                lm_endpoint, prompt=asked["prompt"], **{"temperature": 0, **fields}
-            ).json()
-            text = answer["choices"][0]["text"]
+    done = read(manifest.files)
+    assert sorted(r["id"] for r in done) == [1, 2, 3, 4]
+    for row in done:
+        asked = {k: v for k, v in rows[row["id"] - 1].items() if k != "id" and v is not None}
+        body = {"model": "tinylm", "max_tokens": 12, "temperature": 0, **asked}
+        route = "chat/completions" if "messages" in asked else "completions"
+        answer = requests.post(f"{lm_endpoint}/v1/{route}", json=body, timeout=60).json()
+        choice = answer["choices"][0]
+        text = choice["message"]["content"] if "messages" in asked else choice["text"]
         assert row["text"] == text, row
-        assert row["finish_reason"] == answer["choices"][0]["finish_reason"]
+        assert row["finish_reason"] == choice["finish_reason"]
         usage = answer["usage"]
         assert (row["prompt_tokens"], row["completion_tokens"]) == (
             usage["prompt_tokens"],
