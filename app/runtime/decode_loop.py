@@ -64,9 +64,10 @@ class LoopGeneration:
     def handoff(self, pieces: list[str], ended: bool) -> list[object]:
         """What the consumer gets for a step: its pieces (the first carrying the tokens'
         logprobs) and, if the stream ended, the end."""
+        # Held-back text (no pieces) keeps its tokens' logprobs for the piece that carries it.
+        logprobs = self.decoding.pop_logprobs() if pieces and self.decoding.logprobs else ()
         items: list[object] = [
-            Piece(text, self.decoding.pop_logprobs() if i == 0 else ())
-            for i, text in enumerate(pieces)
+            Piece(text, logprobs if i == 0 else ()) for i, text in enumerate(pieces)
         ]
         return [*items, *([_END] if ended else [])]
 
@@ -175,7 +176,8 @@ class DecodeLoop:
                 self._wake.wait()
                 self._wake.clear()
             try:
-                self._admit()
+                if self.prefilling or not self.waiting.empty():
+                    self._admit()
                 self._drop_cancelled()
                 if self.rows:
                     self._step()

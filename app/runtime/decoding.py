@@ -84,6 +84,7 @@ class Decoding:
         self.rng = np.random.default_rng(params.seed)
         self.text, self.stops = IncrementalDecoder(generator.tokenizer), StopFilter(params.stop)
         self.counts = collections.Counter[int]()
+        self.penalized = bool(params.presence_penalty or params.frequency_penalty)
         # Tokens the position table still has room for after the prompt.
         self.budget = min(params.max_tokens, generator.block_size - len(prompt))
         self.tokens = 0
@@ -94,7 +95,9 @@ class Decoding:
         """The text that the token sampled from `logits` (one position's) adds."""
         if self.budget <= 0:
             return self._finish("length")
-        token = sample(self.params.penalized(logits, self.counts), self.params, self.rng)
+        if self.penalized:
+            logits = self.params.penalized(logits, self.counts)
+        token = sample(logits, self.params, self.rng)
         if token == self.eos_id:
             return self._finish("stop")
         if self.params.logprobs is not None:

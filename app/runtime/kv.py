@@ -47,6 +47,9 @@ class KVDecoder:
         self.outputs = ["logits"] + [
             present_name(kind, i) for i in range(self.layers) for kind in ("key", "value")
         ]
+        self.cache_inputs = [
+            past_name(kind, i) for i in range(self.layers) for kind in ("key", "value")
+        ]
 
     def empty_cache(self, batch: int = 1) -> list[np.ndarray]:
         empty = np.zeros((batch, self.heads, 0, self.head_dim), dtype=np.float32)
@@ -71,9 +74,7 @@ class KVDecoder:
             mask = np.ones((batch, past + tokens), dtype=np.int64)
         feed[POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
         feed[KEY_MASK] = np.ascontiguousarray(mask, dtype=np.int64)
-        for i in range(self.layers):
-            feed[past_name("key", i)] = cache[2 * i]
-            feed[past_name("value", i)] = cache[2 * i + 1]
+        feed.update(zip(self.cache_inputs, cache, strict=True))  # key_0, value_0, key_1, ...
         logits, *presents = self.session.run(self.outputs, feed)
         return logits, presents
 

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("ray.serve")
@@ -29,6 +30,7 @@ class MetricBuffer:
         self._counts: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._values: list[tuple[Any, float, dict[str, str]]] = []
         self._levels: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
+        self._samplers: list[Callable[[], None]] = []  # read levels once a flush, off the hot path
         self._thread = threading.Thread(target=self._run, name="metric-flush", daemon=True)
         self._thread.start()
 
@@ -58,8 +60,18 @@ class MetricBuffer:
         with self._lock:
             self._levels[(gauge, tuple(sorted(tags.items())))] = value
 
+    def sample(self, sampler: Callable[[], None]) -> None:
+        """`sampler` runs at every flush, before the levels are recorded: gauges that change
+        with every step (a decode batch's cache) are read once a flush, not set per token."""
+        self._samplers.append(sampler)
+
     def flush(self) -> None:
         """Record everything buffered so far in the metrics it belongs to."""
+        for sampler in list(self._samplers):
+            try:
+                sampler()
+            except Exception:  # noqa: BLE001 - must not stop the flush thread
+                log.exception("a metrics sampler failed")
         with self._lock:
             counts, self._counts = self._counts, defaultdict(float)
             values, self._values = self._values, []

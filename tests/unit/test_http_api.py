@@ -401,6 +401,14 @@ def test_request_metrics_are_summed_and_recorded_off_the_request_path():
     assert histogram.calls == [(2.5, {"model": "m"})] * 4
     buffer.flush()
     assert len(counter.calls) == 2  # flushed once
+    # A level that changes every step is read by the flush, once, not set per token; a
+    # sampler that fails costs its own reading only.
+    level = iter(range(10, 100))
+    buffer.sample(lambda: buffer.set(gauge, next(level), {"model": "m"}))
+    buffer.sample(lambda: 1 / 0)
+    buffer.flush()
+    buffer.flush()
+    assert gauge.calls[-2:] == [(10, {"model": "m"}), (11, {"model": "m"})]
 
 
 def test_a_failing_metric_record_costs_that_record_only():

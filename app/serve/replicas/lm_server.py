@@ -67,6 +67,7 @@ class LMServer:
             "cancelled": 0,
         }
         self._metrics = _GenerationMetrics(self.artifact.name)
+        self._metrics.buffer.sample(self._levels)
         self.kv_budget = KVBudget(
             cfg.generation.max_kv_cache_mib, self.generator.decoder, cfg.request_timeout_s / 2
         )
@@ -137,13 +138,12 @@ class LMServer:
         await self.kv_budget.reserve(need, self.artifact.name)
         generation = self.loop.submit(ids, params)
         timing = _Timing()
-        self._hold(1)
+        self.stats["active"] += 1
         ended = "error"  # how the stream ended, for the counter: stop, length, cancelled, error
         try:
             yield Started(prompt_tokens=len(ids), version=self.artifact.version)
             async for piece in generation:
                 timing.token_came()
-                self._hold(0)
                 yield piece
             finished = self._end(generation)
             ended = finished.finish_reason
@@ -156,14 +156,13 @@ class LMServer:
         finally:
             generation.close()
             self.kv_budget.release(need)
-            self._hold(-1)
+            self.stats["active"] -= 1
             self.stats["tokens"] += generation.completion_tokens
             self._metrics.observe(timing, generation.completion_tokens, ended)
 
-    def _hold(self, streams: int) -> None:
-        """Streams and cached tokens now, in the stats and the gauges: a stream waits until its
-        prompt is in its cache (the decode loop's prefill), then runs."""
-        self.stats["active"] += streams
+    def _levels(self) -> None:
+        """The gauges, read by the metrics flush thread: streams running, those whose prompt is
+        not yet in the decode loop's cache, and the tokens the batch's cache holds."""
         waiting = self.loop.waiting_count()
         self._metrics.levels(self.stats["active"] - waiting, waiting, self.loop.cache_tokens())
 
