@@ -19,7 +19,7 @@ import pyarrow as pa
 from pydantic import ValidationError
 
 from app.config import Config, ServeConfig
-from app.data.checks import MISSING
+from app.data.checks import MISSING, values_of
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, id_problems, note
@@ -103,7 +103,9 @@ class CompletionPredictor(ArtifactBatches):
         columns, n, known, where = self.columns(batch)
         reasons: list[str | None] = list(known)
         note(reasons, id_problems(columns[self.spec.id_column], self.spec.id_column))
-        jobs = {i: self._job(columns, i) for i in range(n) if reasons[i] is None}
+        read = (*self.spec.feature_columns, *self.spec.options)
+        values = {name: values_of(columns[name]) for name in read}
+        jobs = {i: self._job(values, i) for i in range(n) if reasons[i] is None}
         note(reasons, {i: job for i, job in jobs.items() if isinstance(job, str)})
         ready = {i: job for i, job in jobs.items() if not isinstance(job, str)}
         answers = dict(zip(ready, self._complete(list(ready.values())), strict=True))
@@ -114,12 +116,14 @@ class CompletionPredictor(ArtifactBatches):
         outputs = completion_outputs(done, self.settings.logprobs is not None)  # type: ignore[arg-type]
         return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
 
-    def _job(self, columns: dict[str, Any], row: int) -> tuple[list[int], SamplingParams] | str:
+    def _job(
+        self, values: dict[str, list[Any]], row: int
+    ) -> tuple[list[int], SamplingParams] | str:
         """A row's prompt tokens and sampling, or why the row cannot be completed."""
-        values = {name: _value(columns[name], row) for name in self.spec.options}
+        own = {name: values[name][row] for name in self.spec.options}
         try:
-            params = sampling_params(values, self.settings, self.serve)
-            prompt, field = self._prompt(columns, row)
+            params = sampling_params(own, self.settings, self.serve)
+            prompt, field = self._prompt(values, row)
             return self.generator.encode(prompt, field), params
         except (RequestError, PromptError) as e:  # "<field>: <problem>"
             field, _, problem = (e.message if isinstance(e, RequestError) else str(e)).partition(
@@ -127,12 +131,12 @@ class CompletionPredictor(ArtifactBatches):
             )
             return f"column {field!r}: {problem}"
 
-    def _prompt(self, columns: dict[str, Any], row: int) -> tuple[str, str]:
+    def _prompt(self, values: dict[str, list[Any]], row: int) -> tuple[str, str]:
         """The row's prompt text and the column it came from (messages rendered)."""
         names = self.spec.feature_columns
-        name, value = names[0], _value(columns[names[0]], row)
+        name, value = names[0], values[names[0]][row]
         if value is MISSING and len(names) > 1:  # JSON Lines: a row of messages instead
-            name, value = names[1], _value(columns[names[1]], row)
+            name, value = names[1], values[names[1]][row]
         if value is MISSING:
             raise RequestError(400, f"{name}: missing")
         if name == self.settings.messages_column:
@@ -183,12 +187,6 @@ def sampling_params(
     except ValidationError as e:
         raise refusal(e, Sampling) from None
     return SamplingParams(**sampling.params(serve), logprobs=settings.logprobs)
-
-
-def _value(column: Any, row: int) -> Any:
-    if isinstance(column, list):
-        return column[row]
-    return column[row].as_py()
 
 
 def _messages(value: Any, name: str) -> list[dict[str, str]]:

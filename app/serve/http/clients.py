@@ -52,7 +52,6 @@ class LocalModel:
     """A ModelServer or LMServer in this process: its own methods, bound (no call in between)."""
 
     def __init__(self, server: Any):
-        self.server = server
         self.info = server.info
         self.infer = getattr(server, "infer", None)
         self.generate = getattr(server, "generate", None)

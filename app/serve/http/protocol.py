@@ -120,11 +120,6 @@ class ItemGuard:
             raise bad(f"body: holds more than {self.max_items} JSON values for this model", 413)
         self.checked = self.items
 
-    def done(self, received: Text) -> None:
-        """The whole body has arrived: its exact count if the raw one is over the bound."""
-        if self.items > self.max_items and self.items != self.checked:
-            self.check(received)
-
 
 def check_content_type(content_type: str | None, binary: bool) -> None:
     """JSON, or octet-stream with the binary extension; a missing Content-Type reads as JSON."""

@@ -43,6 +43,7 @@ async def body(
             guard.items += json_items(chunk)
             if guard.items > max(guard.max_items, 2 * guard.checked):
                 guard.check(received)
-    if guard is not None and guard.items > guard.max_items:
-        guard.done(received)
+    # The whole body: its exact count if the raw one is over the bound and not counted yet.
+    if guard is not None and guard.max_items < guard.items != guard.checked:
+        guard.check(received)
     return bytes(received)
