@@ -322,6 +322,11 @@ class ExportConfig(_Section):
     )  # largest |ONNX fp32 - torch| logit difference allowed
     parity_rows: int = Field(256, ge=1)  # val rows the parity check and calibration sample use
     latency_repeats: int = Field(30, ge=3)  # timed calls per batch size in the report
+    # What classifiers are exported as: ONNX always (fp32 and int8, what every path can serve),
+    # plus `aoti` (model.pt2: AOTInductor, native code for this machine's CPU, servable) and
+    # `executorch` (model.pte, model.int8.pte: XNNPACK programs for phones and edge devices).
+    # A program that cannot be built or fails the gate is left out and the report says why.
+    formats: list[Literal["onnx", "aoti", "executorch"]] = ["onnx"]  # pydantic copies defaults
     # Language models (task lm, app/export/lm.py): int8 perplexity may exceed fp32's by this
     # fraction on `perplexity_rows` val sequences, and along fp32's greedy continuation of
     # `greedy_prompts` val prompts (`greedy_prompt_tokens` each, `greedy_tokens` tokens) int8
@@ -338,6 +343,16 @@ class ExportConfig(_Section):
     # queries), and the cosine every fp32 ONNX embedding must reach against torch's.
     max_recall_drop: float = 2.0
     min_cosine: float = Field(0.999, gt=0, le=1)
+
+    @field_validator("formats")
+    @classmethod
+    def _names_onnx(cls, formats: list[str]) -> list[str]:
+        if "onnx" not in formats or len(set(formats)) != len(formats):
+            raise ValueError(
+                f"export.formats: {formats} must name onnx (what every path serves) and each "
+                "format once"
+            )
+        return formats
 
 
 class IndexConfig(_Section):
@@ -424,7 +439,9 @@ class ServeConfig(_Section):
     app_name: str = "models"  # the Serve application routing to every model
     host: str = "127.0.0.1"  # where Serve's HTTP proxy listens
     port: int = Field(8000, ge=1, le=65535)  # Serve's HTTP port
-    variant: Literal["fp32", "int8"] = "int8"
+    # auto: the variant export measured fastest at `batching.max_batch_size` rows among those
+    # this process can run (ONNX fp32, ONNX int8, AOTInductor); aoti needs export.formats aoti.
+    variant: Literal["auto", "fp32", "int8", "aoti"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
     # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
     # on (http_options.host) is not loopback (the rule: app.serve.http.middleware.api_key).
@@ -504,7 +521,7 @@ class PredictConfig(_Section):
     # null: a GPU per actor (`gpus_per_actor`) when the cluster has GPUs, else CPU.
     use_gpu: bool | None = None
     gpus_per_actor: float = Field(1.0, gt=0)  # GPUs per predict actor when on GPU
-    variant: Literal["fp32", "int8"] | None = None  # null: what `serve.variant` serves
+    variant: Literal["auto", "fp32", "int8", "aoti"] | None = None  # null: `serve.variant`
     rows_per_file: int = Field(1_000_000, ge=1)  # rows per output Parquet file
     generation: PredictGenerationConfig = Field(default_factory=lambda: PredictGenerationConfig())
 

@@ -101,13 +101,13 @@ def int8_session(
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from app.export.exporter import _Positional
+    from app.export.programs import Positional
 
     names = list(axes)
     fp32, int8_path = Path(folder) / "m.onnx", Path(folder) / "m.int8.onnx"
     buffer = io.BytesIO()
     torch.onnx.export(
-        _Positional(module.eval(), names).eval(),
+        Positional(module.eval(), names).eval(),
         tuple(torch.from_numpy(sample[n]) for n in names),
         buffer,  # type: ignore[arg-type]
         input_names=names,

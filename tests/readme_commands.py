@@ -57,6 +57,8 @@ LATER = {
     "python -m jobs.models undeploy NAME [NAME ...]": [],
     "python -m jobs.models prune --keep N [--model NAME] [--force]": [],
     "python -m jobs.pipeline --config configs/digits.yaml": ["train.epochs=4"],
+    "python -m jobs.pipeline --config configs/tabular.yaml 'export.formats=[onnx,aoti,executorch]'"
+    " serve.variant=auto": [],
     "ray job submit --address http://127.0.0.1:8265 --runtime-env cluster/runtime_env.yaml"
     " --working-dir . -- python -m jobs.pipeline --config configs/text.yaml": ["train.epochs=3"],
 }

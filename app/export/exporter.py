@@ -11,9 +11,7 @@ import io
 import logging
 import os
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,9 +25,12 @@ from app.data.preprocess import Preprocessor
 from app.errors import GateError
 from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
 from app.export import quantize as q
+from app.export.measure import accuracy_drop_allowed, latency_ms, rows_per_s
+from app.export.programs import Positional, build_programs, open_program
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
 from app.runtime import artifact as art
+from app.runtime import programs as prg
 from app.tasks.registry import Part, run_task
 from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
 
@@ -71,9 +72,12 @@ def export_classifier(
         export_onnx(model, pre, sample, fp32_path, e.opset)
         report = quantize_within_gate(config, loaded, fp32_path, int8_path, sample, work)
         gate(report, config)
+        programs = build_programs(config, loaded, sample, work, report)
+        report["serving"] = serving_speeds(config, pre, work, sample)
         write_quantization_plot(work, config, report)  # before the manifest, which hashes it
         task = run_task(loaded.config.train.task, pre.kind).name
-        write_metadata(work, config, loaded, report, checkpoint_uri, schema_for(pre, task))
+        schema = schema_for(pre, task)
+        write_metadata(work, config, loaded, report, checkpoint_uri, schema, programs)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
     from app.train.tracking import tag_artifact
@@ -81,6 +85,30 @@ def export_classifier(
     tag_artifact(loaded.meta.mlflow_run_id, uri, report)
     plots = {"quantization": storage.join(uri, art.QUANTIZATION_PNG)}
     return {"stage": "export", "artifact": uri, "report": report, "plots": plots}
+
+
+def serving_speeds(
+    config: Config, pre: Preprocessor, work: str, sample: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """Each servable variant's in-process rows/s at `serve.batching.max_batch_size` rows, one
+    thread: `serve.variant: auto` serves the fastest one a replica can run."""
+    rows = config.serve.batching.max_batch_size
+    sessions = {
+        v: art.create_session(Path(work, f).read_bytes()) for v, f in art.MODEL_FILES.items()
+    }
+    aoti = Path(work, prg.PROGRAM_FILES["aoti"])
+    if aoti.is_file():
+        sessions["aoti"] = open_program("aoti", aoti.read_bytes(), pre)
+    speeds = {
+        v: rows_per_s(s, sample, rows, config.export.latency_repeats) for v, s in sessions.items()
+    }
+    log.info("export: rows/s at batch %d: %s", rows, {v: round(r) for v, r in speeds.items()})
+    return {
+        "batch_rows": rows,
+        "threads": 1,
+        "rows_per_s": speeds,
+        "auto": max(speeds, key=speeds.__getitem__),
+    }
 
 
 def write_quantization_plot(work: str, config: Config, report: dict[str, Any]) -> None:
@@ -96,17 +124,6 @@ def write_quantization_plot(work: str, config: Config, report: dict[str, Any]) -
 # --- ONNX export ------------------------------------------------------------------------------
 
 
-class _Positional(nn.Module):
-    """Adapts a keyword-argument model to the positional inputs the ONNX exporter traces."""
-
-    def __init__(self, model: nn.Module, names: list[str]):
-        super().__init__()
-        self.model, self.names = model, names
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(**dict(zip(self.names, inputs, strict=True)))
-
-
 def export_onnx(
     model: nn.Module, pre: Preprocessor, sample: dict[str, np.ndarray], path: str, opset: int
 ) -> None:
@@ -118,7 +135,7 @@ def export_onnx(
     # The wrapper must be in eval mode too: the exporter restores the wrapper's mode afterwards,
     # which would otherwise switch the model back to training (dropout, batch-norm updates).
     torch.onnx.export(
-        _Positional(model, names).eval(),
+        Positional(model, names).eval(),
         args,
         buffer,  # type: ignore[arg-type]  # file-like objects are accepted
         input_names=names,
@@ -297,33 +314,6 @@ def verify_variants(
         },
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1},
     }
-
-
-def latency_ms(session, sample: dict[str, np.ndarray], repeats: int) -> dict[str, float]:
-    out = {}
-    for batch in (1, 32):
-        inputs = {k: np.resize(v, (batch, *v.shape[1:])) for k, v in sample.items()}
-        art.run_logits(session, inputs)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            art.run_logits(session, inputs)
-            times.append(1000 * (time.perf_counter() - start))
-        out[f"batch_{batch}"] = statistics.median(times)
-    return out
-
-
-def allowed_drop_points(report: dict[str, Any], max_drop: float) -> float:
-    """`export.max_accuracy_drop`, but never below one validation sample: on a few hundred rows
-    a single flipped prediction is noise, not a quantization loss. A negative setting (tests
-    make the gate fire with it) is taken as is."""
-    if max_drop < 0:
-        return max_drop
-    return max(max_drop, 100.0 / max(report["accuracy_rows"], 1))
-
-
-def accuracy_drop_allowed(report: dict[str, Any], max_drop: float) -> bool:
-    return report["accuracy_drop_points"] <= allowed_drop_points(report, max_drop) + 1e-9
 
 
 def gate(report: dict[str, Any], config: Config) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from app.config import Config
 from app.data.kinds.tokens import tokens_of
 from app.errors import GateError, UserError
+from app.export.programs import not_for_task
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
@@ -41,6 +42,9 @@ from app.runtime.kv import KEY_MASK, POSITIONS, KVDecoder, greedy, past_name, pr
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
+WHY_ONNX_ONLY = (
+    "language models run ONNX Runtime's KV-cache decode graph; programs are built for classifiers"
+)
 TOKENIZER_FILE = "tokenizer.json"  # the artifact's copy, usable by any `tokenizers` client
 LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexity
 
@@ -68,6 +72,7 @@ def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> 
         gate_lm(report, config)
         Path(work, TOKENIZER_FILE).write_text(tokens_of(loaded.preprocessor).tokenizer.to_str())
         schema = schema_for_lm(model, loaded.preprocessor, task)
+        report["programs"] = not_for_task(config, "lm", WHY_ONNX_ONLY)
         write_metadata(work, config, loaded, report, checkpoint_uri, schema)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)

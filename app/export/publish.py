@@ -17,6 +17,7 @@ from app import storage
 from app.config import Config
 from app.errors import GateError, UserError
 from app.runtime import artifact as art
+from app.runtime import programs as prg
 from app.train.checkpoint import LoadedCheckpoint
 
 
@@ -47,6 +48,7 @@ def write_metadata(
     report: dict[str, Any],
     checkpoint_uri: str,
     schema: dict[str, Any],
+    programs: dict[str, prg.ProgramInfo] | None = None,
 ) -> None:
     import onnx
     import onnxruntime
@@ -83,6 +85,7 @@ def write_metadata(
             "onnxruntime": onnxruntime.__version__,
         },
         files=listed,
+        programs=programs or {},
     )
     manifest.write(os.path.join(work, art.MANIFEST))
 

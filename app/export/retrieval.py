@@ -29,11 +29,13 @@ from app.config import Config
 from app.data.kinds.image_text import ImageText, require
 from app.errors import GateError
 from app.export import quantize as q
+from app.export.programs import not_for_task
 from app.export.publish import check_onnx_fits, publish, write_metadata
 from app.runtime import artifact as art
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
+WHY_ONNX_ONLY = "encoders export as ONNX only; programs are built for classifiers"
 GRAPHS = {"image": ["pixels"], "text": ["input_ids", "attention_mask"]}
 OUTPUT = "embedding"
 RECALL_ROWS = 2000  # val rows the int8 recall check embeds at most
@@ -71,6 +73,7 @@ def export_retrieval(
         report = verify(config, model, pre, work, sample)
         report["quantization"] = {"method": methods, "batch_independent": True}
         gate(report, config)
+        report["programs"] = not_for_task(config, "retrieval", WHY_ONNX_ONLY)
         write_metadata(work, config, loaded, report, checkpoint_uri, schema_for(pre, loaded))
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)

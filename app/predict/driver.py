@@ -72,7 +72,7 @@ def predict(
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)
-    variant = cfg.variant or config.serve.variant
+    variant = artifact.choose_variant(cfg.variant or config.serve.variant)
     log.info(
         "predict: %s %s (%s) on %d %s file(s) from %s -> %s",
         artifact.name,

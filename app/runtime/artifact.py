@@ -3,6 +3,8 @@
     <artifact>/manifest.json      name, version, sha256 of every other file, versions, lineage
     <artifact>/model.onnx         fp32, self-contained (no external data)
     <artifact>/model.int8.onnx    int8 (onnxruntime quantization)
+    <artifact>/model.pt2 ...      programs compiled ahead of time, when `export.formats` asks
+                                  (app/runtime/programs.py)
     <artifact>/preprocessor.json  the fitted preprocessor
     <artifact>/schema.json        input/output tensors and label names
     <artifact>/report.json        parity, accuracy, size and latency of each variant
@@ -30,6 +32,7 @@ from app import storage
 from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import ArtifactError
+from app.runtime import programs as prg
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -74,6 +77,7 @@ class ArtifactManifest(storage.Contract):
     quantization: dict[str, Any] = {}  # method, weight type, nodes kept in fp32
     opset: int | None = None
     versions: dict[str, str] = {}  # library -> version that built the artifact
+    programs: dict[str, prg.ProgramInfo] = {}  # file -> what built it, for what machine
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -196,6 +200,7 @@ class Artifact:
     report: dict[str, Any]
     preprocessor: Preprocessor
     graphs: dict[str, dict[str, bytes]]  # graph -> variant -> verified ONNX bytes
+    programs: dict[str, bytes]  # file -> verified bytes of each compiled program
 
     @property
     def name(self) -> str:
@@ -210,8 +215,43 @@ class Artifact:
         """The variants of a single-graph artifact (every graph has the same variants)."""
         return self.graphs.get(MODEL) or next(iter(self.graphs.values()))
 
+    def servable(self) -> list[str]:
+        """The variants a replica or predict actor can run from this artifact."""
+        return [*self.models, *(["aoti"] if prg.PROGRAM_FILES["aoti"] in self.programs else [])]
+
+    def choose_variant(self, requested: str) -> str:
+        """`serve.variant` for this artifact in this process. `auto`: of the servable variants
+        this process can run, the one export measured fastest at the replica's batch (report
+        `serving`); int8 where export measured none (language models, retrieval encoders)."""
+        servable = self.servable()
+        if requested == "auto":
+            measured = self.report.get("serving", {}).get("rows_per_s", {})
+            runnable = [v for v in measured if v in servable and self.refusal(v) is None]
+            return max(runnable, key=measured.__getitem__) if runnable else "int8"
+        if requested not in servable:
+            raise ArtifactError(
+                f"variant: {requested!r} is not one of {servable} in {self.uri} (aoti needs an "
+                "export with export.formats=[onnx,aoti])"
+            )
+        if why := self.refusal(requested):
+            raise ArtifactError(f"variant {requested!r}: {why}; re-export on this machine")
+        return requested
+
+    def refusal(self, variant: str) -> str | None:
+        """Why this process cannot run `variant` (native code built for another machine)."""
+        name = prg.PROGRAM_FILES.get(variant)
+        return prg.refusal(name, self.manifest.programs[name]) if name else None
+
     def session(self, variant: str, threads: int = 1, graph: str = MODEL):
-        return create_session(self.graphs[graph][variant], threads)
+        if variant in VARIANTS:
+            return create_session(self.graphs[graph][variant], threads)
+        self.choose_variant(variant)  # refuses what this process cannot run, in one line
+        return prg.aoti_session(self.programs[prg.PROGRAM_FILES[variant]], self.inputs(), threads)
+
+    def inputs(self) -> list[prg.InputInfo]:
+        """The model's inputs as ONNX Runtime names them (text: a free sequence axis)."""
+        shape = ["batch", "sequence" if self.preprocessor.variable_length else -1]
+        return [prg.InputInfo(name, shape) for name in self.preprocessor.input_names()]
 
 
 def open_verified(uri: str) -> tuple[str, ArtifactManifest, dict[str, bytes]]:
@@ -241,6 +281,9 @@ def open_artifact(uri: str) -> Artifact:
                 raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
             check_no_external_data(name, files[name])
             graphs.setdefault(graph, {})[variant] = files[name]
+    for name in manifest.programs:
+        if name not in files:
+            raise ArtifactError(f"{name}: in the manifest's programs, not in its files ({uri})")
     return Artifact(
         uri=uri,
         manifest=manifest,
@@ -248,6 +291,7 @@ def open_artifact(uri: str) -> Artifact:
         report=json.loads(files["report.json"]),
         preprocessor=kinds.from_json(files["preprocessor.json"].decode()),
         graphs=graphs,
+        programs={name: files[name] for name in manifest.programs},
     )
 
 

@@ -72,6 +72,8 @@ SHORT_RUNS = {
     "text": ["train.epochs=3"],
 }
 
+EVERY_FORMAT = ("tabular",)  # exported with export.formats=[onnx,aoti,executorch]
+
 
 def mlflow_uri(workspace: Path) -> str:
     """The session's MLflow tracking store (MLflow 3 refuses plain file stores by default)."""
@@ -111,7 +113,8 @@ def trained(prepared, workspace):
 @pytest.fixture(scope="session")
 def exported(trained):
     """workload -> (config, jobs.export's result) of the short run, exported once per session
-    (export, batch-independence and predict tests read the same artifact)."""
+    (export, batch-independence and predict tests read the same artifact). Tabular's artifact
+    carries every program format too (tests/integration/test_programs.py)."""
     from app.export.exporter import export
 
     done: dict[str, tuple[Config, dict]] = {}
@@ -119,6 +122,10 @@ def exported(trained):
     def get(workload: str) -> tuple[Config, dict]:
         if workload not in done:
             config, summary = trained(workload)
+            if workload in EVERY_FORMAT:
+                formats = ["onnx", "aoti", "executorch"]
+                export_cfg = config.export.model_copy(update={"formats": formats})
+                config = config.model_copy(update={"export": export_cfg})
             done[workload] = (config, export(config, summary["checkpoint"]))
         return done[workload]
 

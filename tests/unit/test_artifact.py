@@ -257,6 +257,7 @@ def test_manifest_keys_on_disk_and_unknown_keys_survive_publishing(built, tmp_pa
         "quantization",
         "opset",
         "versions",
+        "programs",
         "files",
     }
     manifest["added_by_a_newer_tool"] = {"kept": True}

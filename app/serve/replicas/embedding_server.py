@@ -75,7 +75,7 @@ class EmbeddingServer:
         self.artifact = open_artifact(artifact_uri)
         self.cfg = cfg
         self.threads = max(1, math.floor(cfg.replica_cpus))
-        self.variant = cfg.variant
+        self.variant = self.artifact.choose_variant(cfg.variant)
         self.encoders = Encoders(self.artifact, self.variant, self.threads)
         self.pool = ThreadPoolExecutor(
             cfg.batching.max_concurrent_batches, thread_name_prefix="onnx"
@@ -83,9 +83,7 @@ class EmbeddingServer:
         log.info("retrieval model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = user_config.get("variant", "int8")
-        if variant not in self.artifact.models:
-            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
         if variant != self.variant:
             self.encoders, self.variant = Encoders(self.artifact, variant, self.threads), variant
 

@@ -55,7 +55,7 @@ class LMServer:
         self.artifact: Artifact = open_artifact(artifact_uri)
         self.cfg = cfg
         self.threads = max(1, math.floor(cfg.replica_cpus))
-        self.variant = cfg.variant
+        self.variant = self.artifact.choose_variant(cfg.variant)
         self.generator = self._generator(self.variant)
         self.loop = DecodeLoop(self.generator, model=self.artifact.name)
         # What this replica did, for metadata (and the disconnect test): generations running now,
@@ -86,9 +86,7 @@ class LMServer:
             raise ValueError(f"{self.artifact.uri}: {e}") from None
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = user_config.get("variant", "int8")
-        if variant not in self.artifact.models:
-            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
         if variant != self.variant:
             self.generator, self.variant = self._generator(variant), variant
             self.loop.close()  # its streams finish on the old session

@@ -46,7 +46,7 @@ class ModelServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.max_request_rows = cfg.max_request_rows
         self.max_padding_waste = cfg.batching.max_padding_waste
-        self.variant = cfg.variant
+        self.variant = self.artifact.choose_variant(cfg.variant)
         self.session = self.artifact.session(self.variant, self.threads)
         self.trim = takes_any_length(self.session)
         # ONNX Runtime releases the GIL: its calls run on these threads, side by side.
@@ -108,10 +108,8 @@ class ModelServer:
         return {k: (mask if k == MASK else ids) for k in row}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """`user_config: {variant: fp32|int8}` switches the ONNX model without a redeploy."""
-        variant = user_config.get("variant", "int8")
-        if variant not in self.artifact.models:
-            raise ValueError(f"variant: {variant!r} is not one of {sorted(self.artifact.models)}")
+        """`user_config: {variant: auto|fp32|int8|aoti}` switches the model without a redeploy."""
+        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
         if variant != self.variant or self.session is None:
             self.session = self.artifact.session(variant, self.threads)
             self.trim = takes_any_length(self.session)

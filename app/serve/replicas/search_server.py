@@ -43,7 +43,7 @@ class SearchServer:
         self.artifact = self.vectors  # what the routes name it by
         self.cfg = cfg
         self.encoder = open_artifact(self.vectors.encoder["uri"])  # the version it names
-        self.variant = cfg.variant
+        self.variant = self.encoder.choose_variant(cfg.variant)
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.encoders = Encoders(self.encoder, self.variant, self.threads)
         self.ids = {str(v): i for i, v in enumerate(self.vectors.items["id"].to_pylist())}
@@ -63,7 +63,7 @@ class SearchServer:
         )
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = user_config.get("variant", "int8")
+        variant = self.encoder.choose_variant(user_config.get("variant", "int8"))
         if variant != self.variant:
             self.encoders, self.variant = Encoders(self.encoder, variant, self.threads), variant
 

@@ -1,0 +1,210 @@
+"""Programs beside ONNX: the session's tabular artifact is exported with every format
+(`export.formats=[onnx,aoti,executorch]`, tests/integration/conftest.py). Each program passed
+the gate and is listed with what built it; ExecuTorch's runtime answers the val split as ONNX
+fp32 does; a replica serving `aoti` or `auto` answers over HTTP as the fp32 replica does; and a
+`.pt2` built for another machine is refused in one line (`auto` then serves ONNX). The C++
+client (examples/cpp), built as the README shows, labels the val rows as the endpoint does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+
+from app.config import ServeConfig
+from app.errors import ArtifactError
+from app.evaluate import labeled_batches, predictions
+from app.runtime import programs as prg
+from app.runtime.artifact import open_artifact, run_logits
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def every_format(exported):
+    config, result = exported("tabular")
+    return config, result["artifact"], result["report"]
+
+
+def test_every_program_passed_the_gate_and_is_listed_with_what_built_it(every_format):
+    import torch
+
+    config, uri, report = every_format
+    programs = report["programs"]
+    assert set(programs) == {"aoti", "executorch", "executorch_int8"}
+    for variant, entry in programs.items():
+        assert entry["published"], (variant, entry.get("reason"))
+        assert entry["batch_drift"] <= config.export.parity_tolerance
+        assert entry["latency_ms"]["batch_1"] > 0 and entry["latency_ms"]["batch_32"] > 0
+        if entry["precision"] == "fp32":
+            assert entry["max_abs_diff"] <= config.export.parity_tolerance
+    manifest = open_artifact(uri).manifest
+    assert set(manifest.programs) == {"model.pt2", "model.pte", "model.int8.pte"}
+    assert set(manifest.programs) <= set(manifest.files)  # hashed like every file
+    pt2 = manifest.programs["model.pt2"]
+    assert pt2.torch == torch.__version__
+    assert pt2.cpu_capability == torch.backends.cpu.get_cpu_capability()
+    speeds = report["serving"]["rows_per_s"]
+    assert set(speeds) == {"fp32", "int8", "aoti"}
+    assert report["serving"]["auto"] == max(speeds, key=speeds.__getitem__)
+
+
+def test_executorch_programs_label_the_val_split_as_onnx_fp32(every_format):
+    config, uri, report = every_format
+    artifact = open_artifact(uri)
+    pre = artifact.preprocessor
+    onnx = artifact.session("fp32")
+    inputs = [prg.InputInfo(n, ["batch", -1]) for n in pre.input_names()]
+    fp32 = prg.executorch_session(artifact.programs["model.pte"], inputs)
+    int8 = prg.executorch_session(artifact.programs["model.int8.pte"], inputs)
+
+    def labels(session):
+        return predictions(lambda x: run_logits(session, x), labeled_batches(config, pre, "val"))
+
+    truth, onnx_labels = labels(onnx)
+    assert np.array_equal(labels(fp32)[1], onnx_labels)
+    drop = 100 * ((onnx_labels == truth).mean() - (labels(int8)[1] == truth).mean())
+    assert drop <= max(config.export.max_accuracy_drop, 100 / len(truth)) + 1e-9
+
+
+def served(uri: str, variant: str, body: dict) -> tuple[str, dict]:
+    """(the variant a replica serves, its /v2 answer to `body`), through the in-process app."""
+    from app.serve.http.api import create_api
+    from app.serve.http.clients import LocalModel, Models
+    from app.serve.metrics import IngressMetrics
+    from app.serve.replicas.model_server import ModelServer
+
+    cfg = ServeConfig(variant=variant)
+    server = ModelServer(uri, cfg)
+    name = server.artifact.name
+    api = create_api(cfg, Models.configured({name: LocalModel(server)}, cfg), IngressMetrics())
+
+    async def ask() -> dict:
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            answer = await http.post(f"/v2/models/{name}/infer", json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+    return server.variant, asyncio.run(ask())
+
+
+def val_body(config, artifact) -> dict:
+    from app.data.prepare import read_manifest, split_files
+
+    files = split_files(config.data_output, read_manifest(config.data_output), "val")
+    frame = pd.concat([pd.read_parquet(f) for f in files])
+    rows = frame[artifact.schema["feature_columns"]].to_numpy(np.float32)
+    spec = artifact.schema["inputs"][0]
+    return {
+        "inputs": [
+            {
+                "name": spec["name"],
+                "datatype": "FP32",
+                "shape": list(rows.shape),
+                "data": rows.ravel().tolist(),
+            }
+        ]
+    }
+
+
+def outputs(answer: dict) -> tuple[list, np.ndarray]:
+    by_name = {o["name"]: o for o in answer["outputs"]}
+    return by_name["label"]["data"], np.asarray(by_name["probabilities"]["data"])
+
+
+def test_aoti_and_auto_replicas_answer_as_the_fp32_replica(every_format):
+    config, uri, report = every_format
+    body = val_body(config, open_artifact(uri))
+    _, fp32 = served(uri, "fp32", body)
+    variant, aoti = served(uri, "aoti", body)
+    assert variant == "aoti"
+    assert outputs(aoti)[0] == outputs(fp32)[0]
+    assert np.abs(outputs(aoti)[1] - outputs(fp32)[1]).max() <= 1e-4
+    variant, _ = served(uri, "auto", body)
+    assert variant == report["serving"]["auto"]
+
+
+def test_a_pt2_built_for_another_machine_is_refused_in_one_line(every_format, tmp_path):
+    _, uri, report = every_format
+    copy = tmp_path / "artifact"
+    shutil.copytree(open_artifact(uri).uri, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["programs"]["model.pt2"]["cpu_capability"] = "ZVECTOR"  # an s390x build
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    artifact = open_artifact(str(copy))
+    with pytest.raises(ArtifactError, match=r"model\.pt2: compiled for CPU capability ZVECTOR"):
+        artifact.choose_variant("aoti")
+    speeds = report["serving"]["rows_per_s"]
+    onnx_fastest = max(("fp32", "int8"), key=speeds.__getitem__)
+    assert artifact.choose_variant("auto") == onnx_fastest
+    manifest["programs"]["model.pt2"].update(cpu_capability=None, torch="2.0.1")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"built by torch 2\.0\.1, this process has torch"):
+        open_artifact(str(copy)).session("aoti")
+
+
+CPP = REPO / "examples" / "cpp"
+
+
+def cpp_client() -> Path:
+    """The client built as the README shows, into build/cpp-client/<key>: rebuilt when its
+    sources or the torch version change, reused otherwise."""
+    import hashlib
+
+    import torch
+
+    if not (shutil.which("cmake") and shutil.which("c++")):
+        pytest.skip("cmake and a C++ compiler are needed to build examples/cpp")
+    sources = sorted(p for p in CPP.rglob("*") if p.is_file())
+    key = hashlib.sha256(torch.__version__.encode())
+    for path in sources:
+        key.update(path.read_bytes())
+    build = REPO / "build" / "cpp-client" / key.hexdigest()[:16]
+    binary = build / "raytorch_client"
+    if not binary.exists():
+        prefix = torch.utils.cmake_prefix_path
+        for cmd in (
+            ["cmake", "-S", str(CPP), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+            ["cmake", "--build", str(build), "-j2"],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return binary
+
+
+def test_the_cpp_client_answers_as_the_served_endpoint(every_format, tmp_path):
+    config, uri, _ = every_format
+    artifact = open_artifact(uri)
+    body = val_body(config, artifact)
+    rows = np.asarray(body["inputs"][0]["data"], np.float32).reshape(body["inputs"][0]["shape"])
+    columns = artifact.schema["feature_columns"]
+    csv = tmp_path / "rows.csv"
+    # Columns in another order than the model's, and a column it does not read.
+    frame = pd.DataFrame(rows, columns=columns)[columns[::-1]].assign(note="x")
+    frame.to_csv(csv, index=False)
+    client = cpp_client()
+    done = subprocess.run([str(client), artifact.uri, str(csv)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    labels, probabilities = outputs(served(uri, "fp32", body)[1])
+    assert [a["label"] for a in answers] == labels
+    got = np.asarray([a["probabilities"] for a in answers])
+    assert np.abs(got - probabilities.reshape(got.shape)).max() <= 1e-4
+
+    altered = tmp_path / "altered"
+    shutil.copytree(artifact.uri, altered)
+    with open(altered / "preprocessor.json", "a") as f:
+        f.write(" ")
+    done = subprocess.run([str(client), str(altered), str(csv)], capture_output=True, text=True)
+    assert done.returncode == 3
+    assert done.stderr.startswith("refused: preprocessor.json: size"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
