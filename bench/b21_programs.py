@@ -62,6 +62,41 @@ class _Eager:
         return [self.predict(feeds)]
 
 
+MEMORY_PROBE = """
+import sys, numpy as np
+from app.runtime.artifact import open_artifact, run_logits
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+artifact = open_artifact(sys.argv[1])
+pre = artifact.preprocessor
+inputs = pre.features(pre.sample_rows())
+inputs = {k: np.repeat(v, 16, axis=0) for k, v in inputs.items()}
+before = rss()
+session = artifact.session(sys.argv[2])
+run_logits(session, inputs)
+print(rss() - before)
+"""
+
+
+def replica_memory_mib(uri: str) -> dict[str, float]:
+    """Resident MiB a replica's session of each servable variant adds (loaded and called once,
+    in a fresh process: torch's own libraries count against `aoti`)."""
+    import subprocess
+    import sys
+
+    out = {}
+    for variant in ("fp32", "int8", "aoti"):
+        done = subprocess.run(
+            [sys.executable, "-c", MEMORY_PROBE, uri, variant],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        out[variant] = round(float(done.stdout.strip().splitlines()[-1]), 1)
+    return out
+
+
 def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     import torch
 
@@ -107,6 +142,7 @@ def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
         "auto_over_fastest": ratio(speeds[chosen], speeds[fastest]),
         "compiled_over_eager_batch1": ratio(latency["torch_eager"][b1], compiled),
         "export_s": info["export_s"],
+        "replica_memory_mib": replica_memory_mib(info["artifact"]),
     }
 
 

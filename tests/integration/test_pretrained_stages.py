@@ -131,3 +131,31 @@ def test_tune_searches_a_pretrained_folders_learning_rate(folders, workspace):
     assert len(summary["trials"]) == 2
     assert all(2e-5 <= t["overrides"]["train.lr"] <= 5e-5 for t in summary["trials"])
     assert Path(summary["best"]["checkpoint"], "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_vit_folder_exports_every_program_or_names_what_stops_it(workspace, tmp_path):
+    from tests.integration.test_programs import check_executorch_labels, with_every_format
+    from tests.make_tiny_pretrained import make_vit
+
+    config = workload_config(
+        workspace,
+        "vit-images",
+        f"model.pretrained={make_vit(str(tmp_path / 'vit'))}",
+        "data.num_rows=200",
+        "train.freeze=backbone",
+        "train.lr=0.01",
+        "train.max_steps=4",
+        "train.run_name=vit-programs",
+    )
+    config = with_every_format(config, "vit-programs")
+    prepare(config)
+    ensure_local_ray()
+    summary = train(config)
+    result = export(config, summary["checkpoint"])
+    programs = result["report"]["programs"]
+    assert set(programs) == {"aoti", "executorch", "executorch_int8"}
+    for variant, entry in programs.items():
+        assert entry["published"] or entry["reason"], variant  # a refusal says why
+    if programs["executorch"]["published"]:
+        check_executorch_labels(config, result["artifact"])
