@@ -1,7 +1,7 @@
 """The pipeline through Ray's own entry point: `ray job submit` to a token-protected cluster.
 
-Checks the job ends SUCCEEDED through the Jobs API (exporting every program format and serving
-`serve.variant: auto`), the deployed endpoint answers correctly, the
+Checks the job ends SUCCEEDED through the Jobs API (exporting an AOTInductor program beside ONNX
+and serving `serve.variant: auto`), the deployed endpoint answers correctly, the
 Jobs API refuses a missing (401) and a wrong (403) token, and the project's training and serving
 metrics reach Ray's Prometheus export endpoint.
 """
@@ -60,8 +60,9 @@ def test_pipeline_submitted_with_ray_job_submit(cluster, tmp_path):
         f"export.registry={tmp_path}/registry",
         "export.name=digits-job",
         "train.epochs=4",
-        # The README's programs command, on digits: every format verified, `auto` served.
-        "export.formats=[onnx,aoti,executorch]",
+        # The README's programs command, on digits: a `.pt2` verified beside ONNX, `auto` served
+        # (ExecuTorch's programs are checked on the integration tier's tabular artifact).
+        "export.formats=[onnx,aoti]",
         "serve.variant=auto",
     ]
     submit = subprocess.run(
@@ -113,11 +114,7 @@ def test_pipeline_submitted_with_ray_job_submit(cluster, tmp_path):
     assert sum(summary["stages"]["prepare"]["rows"].values()) == 1797
     assert summary["stages"]["train"]["metrics"]["val_accuracy"] >= 0.95
     report = summary["stages"]["export"]["report"]
-    assert {v: p["published"] for v, p in report["programs"].items()} == {
-        "aoti": True,
-        "executorch": True,
-        "executorch_int8": True,
-    }, report["programs"]
+    assert report["programs"]["aoti"]["published"], report["programs"]
     metadata = requests.get(f"{SERVE}/v2/models/digits-job", timeout=30).json()
     assert metadata["parameters"]["variant"] == report["serving"]["auto"]
 
