@@ -2,7 +2,8 @@
 (`export.formats=[onnx,aoti,executorch]`, tests/integration/conftest.py). Each program passed
 the gate and is listed with what built it; ExecuTorch's runtime answers the val split as ONNX
 fp32 does; a replica serving `aoti` or `auto` answers over HTTP as the fp32 replica does; and a
-`.pt2` built for another machine is refused in one line (`auto` then serves ONNX). The C++
+`.pt2` built for another machine is refused in one line (`auto` then serves ONNX); jobs.predict
+runs the `.pt2` (`predict.variant=aoti`) to the endpoint's answers. The C++
 client (examples/cpp), built as the README shows, labels the val rows as the endpoint does."""
 
 from __future__ import annotations
@@ -238,3 +239,35 @@ def test_the_cpp_client_answers_as_the_served_endpoint(every_format, tmp_path):
     assert done.returncode == 3
     assert done.stderr.startswith("refused: preprocessor.json: size"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_jobs_predict_runs_the_pt2_and_labels_rows_as_the_endpoint(
+    every_format, ray_local, tmp_path
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.predict.driver import predict
+    from app.predict.write import verify_output
+
+    config, uri, _ = every_format
+    body = val_body(config, open_artifact(uri))
+    rows = np.asarray(body["inputs"][0]["data"], np.float32).reshape(body["inputs"][0]["shape"])
+    frame = pd.DataFrame(rows, columns=open_artifact(uri).schema["feature_columns"])
+    (tmp_path / "in").mkdir()
+    pq.write_table(
+        pa.Table.from_pandas(frame.assign(id=np.arange(len(frame)))),
+        tmp_path / "in" / "rows.parquet",
+    )
+    config = config.model_copy(
+        update={"predict": config.predict.model_copy(update={"variant": "aoti"})}
+    )
+    summary = predict(config, uri, str(tmp_path / "in"), str(tmp_path / "out"))
+    assert summary["variant"] == "aoti" and summary["rows"] == len(frame)
+    manifest = verify_output(str(tmp_path / "out"))
+    table = pa.concat_tables([pq.read_table(tmp_path / "out" / s.file) for s in manifest.files])
+    answers = table.to_pandas().sort_values("id")
+    labels, probabilities = outputs(served(uri, "fp32", body)[1])
+    assert answers["label"].tolist() == labels
+    got = np.stack(answers["probabilities"].to_numpy())
+    assert np.abs(got - probabilities.reshape(got.shape)).max() <= 1e-4
