@@ -90,18 +90,25 @@ def export_classifier(
 def serving_speeds(
     config: Config, pre: Preprocessor, work: str, sample: dict[str, np.ndarray]
 ) -> dict[str, Any]:
-    """Each servable variant's in-process rows/s at `serve.batching.max_batch_size` rows, one
-    thread: `serve.variant: auto` serves the fastest one a replica can run."""
+    """Each servable variant's in-process rows/s at `serve.batching.max_batch_size` rows (this
+    export's setting), one thread: `serve.variant: auto` serves the fastest a replica can run."""
+    import torch
+
     rows = config.serve.batching.max_batch_size
     sessions = {
         v: art.create_session(Path(work, f).read_bytes()) for v, f in art.MODEL_FILES.items()
     }
     aoti = Path(work, prg.PROGRAM_FILES["aoti"])
-    if aoti.is_file():
-        sessions["aoti"] = open_program("aoti", aoti.read_bytes(), pre)
-    speeds = {
-        v: rows_per_s(s, sample, rows, config.export.latency_repeats) for v, s in sessions.items()
-    }
+    threads = torch.get_num_threads()  # a program's session sets one; the export keeps its own
+    try:
+        if aoti.is_file():
+            sessions["aoti"] = open_program("aoti", aoti.read_bytes(), pre)
+        speeds = {
+            v: rows_per_s(s, sample, rows, config.export.latency_repeats)
+            for v, s in sessions.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
     log.info("export: rows/s at batch %d: %s", rows, {v: round(r) for v, r in speeds.items()})
     return {
         "batch_rows": rows,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -247,6 +248,7 @@ def program_info(variant: str) -> prg.ProgramInfo:
         precision=PRECISION[variant],  # type: ignore[arg-type]
         torch=torch.__version__,
         cpu_capability=prg.cpu_capability() if fmt == "aoti" else None,
+        machine=platform.machine() if fmt == "aoti" else None,
         device="cpu",
     )
 

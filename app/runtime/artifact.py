@@ -221,8 +221,9 @@ class Artifact:
 
     def choose_variant(self, requested: str) -> str:
         """`serve.variant` for this artifact in this process. `auto`: of the servable variants
-        this process can run, the one export measured fastest at the replica's batch (report
-        `serving`); int8 where export measured none (language models, retrieval encoders)."""
+        this process can run, the one export measured fastest at its `serve.batching.
+        max_batch_size` rows (report `serving`); int8 where export measured none (language
+        models, retrieval encoders)."""
         servable = self.servable()
         if requested == "auto":
             measured = self.report.get("serving", {}).get("rows_per_s", {})
@@ -230,8 +231,8 @@ class Artifact:
             return max(runnable, key=measured.__getitem__) if runnable else "int8"
         if requested not in servable:
             raise ArtifactError(
-                f"variant: {requested!r} is not one of {servable} in {self.uri} (aoti needs an "
-                "export with export.formats=[onnx,aoti])"
+                f"variant {requested!r} (serve.variant / predict.variant): {self.uri} has "
+                f"{servable}; a classifier exported with export.formats=[onnx,aoti] has aoti"
             )
         if why := self.refusal(requested):
             raise ArtifactError(f"variant {requested!r}: {why}; re-export on this machine")
@@ -243,9 +244,9 @@ class Artifact:
         return prg.refusal(name, self.manifest.programs[name]) if name else None
 
     def session(self, variant: str, threads: int = 1, graph: str = MODEL):
+        variant = self.choose_variant(variant)  # refuses what this process cannot run
         if variant in VARIANTS:
             return create_session(self.graphs[graph][variant], threads)
-        self.choose_variant(variant)  # refuses what this process cannot run, in one line
         return prg.aoti_session(self.programs[prg.PROGRAM_FILES[variant]], self.inputs(), threads)
 
     def inputs(self) -> list[prg.InputInfo]:

@@ -1,13 +1,14 @@
 """Programs compiled ahead of time, beside an artifact's ONNX graphs.
 
     model.pt2       AOTInductor package: torch.export'ed, compiled to native code for the export
-                    machine's CPU instruction set (and CUDA when exported on a GPU); served
+                    machine's CPU capability level (x86-64-v4 for AVX512, v3 for AVX2); served
     model.pte       ExecuTorch program, XNNPACK delegate, fp32: for phones and edge devices
     model.int8.pte  the same, int8 with static (calibrated) scales
 
 The manifest lists each under `programs` with the torch version that built it and, for the
-`.pt2`, the CPU capability it was compiled for; a process that cannot run it is refused in one
-line before anything is loaded. `ProgramSession` gives every program ONNX Runtime's
+`.pt2`, the machine and CPU capability it was compiled for; a process that cannot run it is
+refused in one line before anything is loaded. A `.pt2` call holds Python's GIL (torch's
+loader does not release it), unlike an ONNX Runtime call. `ProgramSession` gives every program ONNX Runtime's
 `run(outputs, feeds)`, so replicas, predict actors and the export gate call all variants alike.
 torch's AOTInductor entry points live in the private `torch._inductor`: every use is here.
 """
@@ -15,6 +16,7 @@ torch's AOTInductor entry points live in the private `torch._inductor`: every us
 from __future__ import annotations
 
 import io
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +34,9 @@ PROGRAM_FILES = {
 FORMATS = {"aoti": ("aoti",), "executorch": ("executorch", "executorch_int8")}
 # torch.backends.cpu.get_cpu_capability(), ascending: a CPU runs code built for its own or a lower one.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+# The x86-64 level a `.pt2` is compiled for, by capability (not -march=native: the code must run
+# on every CPU that reports the capability, whatever else the export machine has).
+X86_LEVELS = {"DEFAULT": "x86-64-v2", "AVX2": "x86-64-v3", "AVX512": "x86-64-v4"}
 AOTI_MIN_TORCH = (2, 6)  # aoti_compile_and_package(package_path=) / aoti_load_package
 
 
@@ -43,6 +48,7 @@ class ProgramInfo(storage.Contract):
     precision: Literal["fp32", "int8"]
     torch: str  # the torch version that built it
     cpu_capability: str | None = None  # the instruction set native code was compiled for
+    machine: str | None = None  # platform.machine() of the export machine
     device: Literal["cpu", "cuda"] = "cpu"
 
 
@@ -59,6 +65,8 @@ def refusal(name: str, info: ProgramInfo) -> str | None:
         return f"{name}: built by torch {info.torch}, this process has torch {torch.__version__}"
     if info.device == "cuda" and not torch.cuda.is_available():
         return f"{name}: compiled for CUDA, and this process has no GPU"
+    if info.machine and info.machine != platform.machine():
+        return f"{name}: compiled for {info.machine}, this machine is {platform.machine()}"
     here = torch.backends.cpu.get_cpu_capability()
     built = info.cpu_capability
     if built and built != here and not _covers(here, built):
@@ -111,6 +119,11 @@ class ProgramSession:
 
         args = [torch.from_numpy(np.ascontiguousarray(feeds[i.name])) for i in self.inputs]
         rows = len(args[0])
+        if rows == 0:  # programs take a batch of one at least: run one, answer none
+            with torch.inference_mode():
+                return [
+                    self._call([torch.zeros((1, *a.shape[1:]), dtype=a.dtype) for a in args])[:0]
+                ]
         step = self.max_batch or rows or 1
         with torch.inference_mode():  # a program planned for at most `max_batch` rows a call
             parts = [self._call([a[s : s + step] for a in args]) for s in range(0, rows, step)]
@@ -146,7 +159,13 @@ def aoti_compile(exported: Any) -> bytes:
     import torch._inductor
 
     buffer = io.BytesIO()
-    torch._inductor.aoti_compile_and_package(exported, package_path=buffer)
+    # Threads decided when the program runs (else the export process's count is compiled in).
+    options: dict[str, Any] = {"cpp.dynamic_threads": True}
+    if platform.machine() in ("x86_64", "AMD64"):
+        options["cpp.march"] = X86_LEVELS.get(cpu_capability(), "x86-64-v2")
+    torch._inductor.aoti_compile_and_package(
+        exported, package_path=buffer, inductor_configs=options
+    )
     return buffer.getvalue()
 
 

@@ -3,18 +3,21 @@
 //   raytorch_client <artifact folder or its latest pointer> <rows.csv | rows.json>
 //
 // Checks every file against the manifest's sha256, refuses a model.pt2 built by another torch
-// or for a CPU this one cannot run, preprocesses each row as the served endpoint does (tabular:
-// standardised columns; images: pixels scaled by the fitted mean and std), and prints one JSON
-// line a row: {"label": ..., "probabilities": [...]}. Text models are out of scope (their
+// or for a machine or CPU this one cannot run, preprocesses each row as the served endpoint
+// does (tabular: standardised columns; images: pixels scaled by the fitted mean and std), and
+// prints one JSON line a row: {"label": ..., "probabilities": [...]}. Text models are out of scope (their
 // tokenizer lives in Python). CSV: a header naming the columns (tabular) or pixel values a
-// line (images); JSON: an array of rows, each an array of numbers or an object of columns.
+// line (images), RFC 4180 quoting; JSON: an array of rows, each an array of numbers or an
+// object of columns. Exit 3 and one line on a refusal, 1 on any other error.
 
 #include <ATen/Version.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <sys/utsname.h>
 #include <torch/headeronly/version.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -52,8 +55,11 @@ Value read_json(const std::string& path) {
   }
 }
 
-// Every file the manifest lists, checked before any is parsed.
+// Every file the manifest lists, checked before any is parsed; the ones read here must be listed.
 void verify_files(const std::string& folder, const Value& manifest) {
+  for (const char* needed : {"model.pt2", "schema.json", "preprocessor.json"})
+    if (!manifest["files"].has(needed))
+      throw Refusal(std::string(needed) + ": not listed (hashed) in the manifest's files");
   for (const auto& [name, entry] : manifest["files"].fields) {
     std::string data = read_file(folder + "/" + name);
     if (static_cast<double>(data.size()) != entry["size"].number)
@@ -79,6 +85,11 @@ void check_program(const Value& manifest) {
   if (release(info["torch"].text) != release(TORCH_VERSION))
     throw Refusal("model.pt2: built by torch " + info["torch"].text + ", this client links libtorch " +
                   TORCH_VERSION);
+  struct utsname host;
+  if (info.has("machine") && !info["machine"].is_null() && uname(&host) == 0 &&
+      info["machine"].text != host.machine)
+    throw Refusal("model.pt2: compiled for " + info["machine"].text + ", this machine is " +
+                  host.machine);
   if (info.has("cpu_capability") && !info["cpu_capability"].is_null()) {
     std::string built = info["cpu_capability"].text, here = at::get_cpu_capability();
     int b = capability_rank(built), h = capability_rank(here);
@@ -116,6 +127,9 @@ struct Preprocessing {
     p.mean = state.has("mean") ? numbers(state["mean"]) : std::vector<float>{0.f};
     p.std = state.has("std") ? numbers(state["std"]) : std::vector<float>{1.f};
     for (auto d : p.shape) p.width *= static_cast<size_t>(d);
+    for (const auto* stats : {&p.mean, &p.std})  // one value, one per channel, or one per value
+      if (stats->empty() || stats->size() != p.mean.size() || p.width % stats->size() != 0)
+        throw Refusal("preprocessor.json: mean and std must have one value or one per channel or feature");
     return p;
   }
 
@@ -146,13 +160,25 @@ float number(const std::string& cell, size_t line, const std::string& column) {
   return v;
 }
 
+// One CSV line's cells (RFC 4180: a quoted cell may hold commas and doubled quotes).
 std::vector<std::string> split(const std::string& line) {
-  std::vector<std::string> out;
-  std::stringstream in(line);
-  for (std::string cell; std::getline(in, cell, ',');) {
-    cell.erase(0, cell.find_first_not_of(" \t\r\""));
-    cell.erase(cell.find_last_not_of(" \t\r\"") + 1);
-    out.push_back(cell);
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quoted && c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+      out.back() += '"', ++i;
+    } else if (c == '"') {
+      quoted = !quoted;
+    } else if (c == ',' && !quoted) {
+      out.emplace_back();
+    } else if (c != '\r' || quoted) {
+      out.back() += c;
+    }
+  }
+  for (auto& cell : out) {
+    cell.erase(0, cell.find_first_not_of(" \t"));
+    cell.erase(cell.find_last_not_of(" \t") + 1);
   }
   return out;
 }
@@ -162,11 +188,14 @@ Rows read_csv(const std::string& path, const Preprocessing& p) {
   if (!in) throw Refusal(path + ": cannot be read");
   std::string line;
   std::vector<size_t> order;  // tabular: position of each feature column in a line
+  size_t header = 0;          // tabular: the header's cell count, once read
   Rows rows;
   for (size_t n = 1; std::getline(in, line); ++n) {
+    if (n == 1 && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // a UTF-8 BOM
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto cells = split(line);
-    if (n == 1 && !p.columns.empty()) {
+    if (header == 0 && !p.columns.empty()) {
+      header = cells.size();
       for (const auto& c : p.columns) {
         size_t at = 0;
         while (at < cells.size() && cells[at] != c) ++at;
@@ -175,10 +204,12 @@ Rows read_csv(const std::string& path, const Preprocessing& p) {
       }
       continue;
     }
+    if (header != 0 && cells.size() != header)
+      throw Refusal(path + ": row " + std::to_string(n) + " has " + std::to_string(cells.size()) +
+                    " cells, the header " + std::to_string(header));
     std::vector<float> row;
     if (!order.empty()) {
-      for (size_t j = 0; j < order.size(); ++j)
-        row.push_back(number(order[j] < cells.size() ? cells[order[j]] : "", n, p.columns[j]));
+      for (size_t j = 0; j < order.size(); ++j) row.push_back(number(cells[order[j]], n, p.columns[j]));
     } else {
       for (size_t j = 0; j < cells.size(); ++j) row.push_back(number(cells[j], n, std::to_string(j)));
     }
@@ -196,13 +227,20 @@ Rows read_json_rows(const std::string& path, const Preprocessing& p) {
   for (size_t r = 0; r < doc.items.size(); ++r) {
     const Value& item = doc.items[r];
     std::vector<float> row;
+    auto value = [&](const Value& v, const std::string& field) {
+      if (v.kind != Value::Number || !std::isfinite(v.number))
+        throw Refusal(path + ": row " + std::to_string(r) + ", " + field + ": not a finite number");
+      return static_cast<float>(v.number);
+    };
     if (item.kind == Value::Object) {
       for (const auto& c : p.columns) {
         if (!item.has(c)) throw Refusal(path + ": row " + std::to_string(r) + " has no " + c);
-        row.push_back(static_cast<float>(item[c].number));
+        row.push_back(value(item[c], c));
       }
+    } else if (item.kind == Value::Array) {
+      for (size_t j = 0; j < item.items.size(); ++j) row.push_back(value(item.items[j], std::to_string(j)));
     } else {
-      for (const auto& x : item.items) row.push_back(static_cast<float>(x.number));
+      throw Refusal(path + ": row " + std::to_string(r) + " is neither an array nor an object");
     }
     if (row.size() != p.width)
       throw Refusal(path + ": row " + std::to_string(r) + " has " + std::to_string(row.size()) +
@@ -222,6 +260,23 @@ std::string artifact_folder(const std::string& path) {
   return path.substr(0, path.find_last_of('/') + 1) + version;
 }
 
+// A JSON string literal of `text` (UTF-8 passes through; quotes and controls escaped).
+std::string quoted(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\', out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
 void print(const at::Tensor& logits, const Value& labels) {
   at::Tensor out = logits.contiguous();
   const float* z = out.data_ptr<float>();
@@ -235,7 +290,7 @@ void print(const at::Tensor& logits, const Value& labels) {
     double total = 0;
     std::vector<double> e(k);
     for (int64_t j = 0; j < k; ++j) total += e[j] = std::exp(static_cast<double>(z[j] - top));
-    std::cout << "{\"label\": \"" << labels[best].text << "\", \"probabilities\": [";
+    std::cout << "{\"label\": " << quoted(labels[best].text) << ", \"probabilities\": [";
     for (int64_t j = 0; j < k; ++j) std::cout << (j ? ", " : "") << e[j] / total;
     std::cout << "]}\n";
   }

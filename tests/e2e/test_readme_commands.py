@@ -50,6 +50,11 @@ def test_the_other_readme_commands_run_as_shown(command, readme_chain):
         assert summary["stage"] == "models"
     elif "pipeline" in command:
         assert summary["url"] == SERVE and summary["stages"]["export"]["artifact"]
+    if "export.formats" in command:  # every program verified, and `auto` served
+        report = summary["stages"]["export"]["report"]
+        assert all(p["published"] for p in report["programs"].values()), report["programs"]
+        served = get_json("/v2/models/tabular")["parameters"]["variant"]
+        assert served == report["serving"]["auto"]
 
 
 @pytest.mark.slow

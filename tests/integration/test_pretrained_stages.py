@@ -154,8 +154,8 @@ def test_a_vit_folder_exports_every_program_or_names_what_stops_it(workspace, tm
     summary = train(config)
     result = export(config, summary["checkpoint"])
     programs = result["report"]["programs"]
+    # All three build from a ViT folder with torch 2.13 and executorch 1.5.1 (a program that
+    # would not would be left out, naming the operator: `reason`).
+    assert {v: p.get("reason") for v, p in programs.items()} == dict.fromkeys(programs), programs
     assert set(programs) == {"aoti", "executorch", "executorch_int8"}
-    for variant, entry in programs.items():
-        assert entry["published"] or entry["reason"], variant  # a refusal says why
-    if programs["executorch"]["published"]:
-        check_executorch_labels(config, result["artifact"])
+    check_executorch_labels(config, result["artifact"])

@@ -54,8 +54,7 @@ def test_every_program_passed_the_gate_and_is_listed_with_what_built_it(every_fo
     assert pt2.torch == torch.__version__
     assert pt2.cpu_capability == torch.backends.cpu.get_cpu_capability()
     speeds = report["serving"]["rows_per_s"]
-    assert set(speeds) == {"fp32", "int8", "aoti"}
-    assert report["serving"]["auto"] == max(speeds, key=speeds.__getitem__)
+    assert set(speeds) == {"fp32", "int8", "aoti"} and min(speeds.values()) > 0
 
 
 def test_executorch_programs_label_the_val_split_as_onnx_fp32(every_format):
@@ -165,7 +164,7 @@ def test_aoti_and_auto_replicas_answer_as_the_fp32_replica(every_format):
 
 
 def test_a_pt2_built_for_another_machine_is_refused_in_one_line(every_format, tmp_path):
-    _, uri, report = every_format
+    _, uri, _ = every_format
     copy = tmp_path / "artifact"
     shutil.copytree(open_artifact(uri).uri, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -174,9 +173,9 @@ def test_a_pt2_built_for_another_machine_is_refused_in_one_line(every_format, tm
     artifact = open_artifact(str(copy))
     with pytest.raises(ArtifactError, match=r"model\.pt2: compiled for CPU capability ZVECTOR"):
         artifact.choose_variant("aoti")
-    speeds = report["serving"]["rows_per_s"]
-    onnx_fastest = max(("fp32", "int8"), key=speeds.__getitem__)
-    assert artifact.choose_variant("auto") == onnx_fastest
+    speeds = artifact.report["serving"]["rows_per_s"]
+    speeds["aoti"] = 10 * max(speeds.values())  # the fastest, but this CPU cannot run it
+    assert artifact.choose_variant("auto") == max(("fp32", "int8"), key=speeds.__getitem__)
     manifest["programs"]["model.pt2"].update(cpu_capability=None, torch="2.0.1")
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"built by torch 2\.0\.1, this process has torch"):
@@ -219,9 +218,10 @@ def test_the_cpp_client_answers_as_the_served_endpoint(every_format, tmp_path):
     rows = np.asarray(body["inputs"][0]["data"], np.float32).reshape(body["inputs"][0]["shape"])
     columns = artifact.schema["feature_columns"]
     csv = tmp_path / "rows.csv"
-    # Columns in another order than the model's, and a column it does not read.
-    frame = pd.DataFrame(rows, columns=columns)[columns[::-1]].assign(note="x")
-    frame.to_csv(csv, index=False)
+    # Columns in another order than the model's, a column it does not read (quoted, holding a
+    # comma and a quote), and the byte-order mark spreadsheets write.
+    frame = pd.DataFrame(rows, columns=columns)[columns[::-1]].assign(note='a, "b"')
+    frame.to_csv(csv, index=False, encoding="utf-8-sig")
     client = cpp_client()
     done = subprocess.run([str(client), artifact.uri, str(csv)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -271,3 +271,17 @@ def test_jobs_predict_runs_the_pt2_and_labels_rows_as_the_endpoint(
     assert answers["label"].tolist() == labels
     got = np.stack(answers["probabilities"].to_numpy())
     assert np.abs(got - probabilities.reshape(got.shape)).max() <= 1e-4
+
+
+def test_a_replica_switches_to_and_from_the_pt2_without_a_redeploy(every_format):
+    from app.serve.replicas.model_server import ModelServer
+
+    _, uri, _ = every_format
+    server = ModelServer(uri, ServeConfig(variant="int8"))
+    for variant in ("aoti", "int8", "aoti"):
+        server.reconfigure({"variant": variant})
+        assert server.variant == variant
+        asyncio.run(server.check_health())  # a call through the session it now holds
+    with pytest.raises(ArtifactError, match="variant 'bogus'"):
+        server.reconfigure({"variant": "bogus"})
+    assert server.variant == "aoti"  # a refused switch keeps what it served

@@ -454,3 +454,16 @@ def test_external_data_is_refused_in_every_graph(where):
     message = str(info.value)
     assert message.startswith("model.onnx:") and "external data" in message
     assert "\n" not in message
+
+
+def test_serve_variant_auto_takes_the_fastest_measured_and_aoti_needs_a_program(built):
+    artifact = open_artifact(built["summary"]["artifact"])
+    assert artifact.servable() == ["fp32", "int8"]  # exported with ONNX only
+    artifact.report.pop("serving", None)
+    assert artifact.choose_variant("auto") == "int8"  # nothing measured: the default
+    artifact.report["serving"] = {"rows_per_s": {"fp32": 900.0, "int8": 500.0, "aoti": 10**9}}
+    assert artifact.choose_variant("auto") == "fp32"  # aoti measured, but not in this artifact
+    assert artifact.choose_variant("int8") == "int8"
+    with pytest.raises(ArtifactError, match=r"variant 'aoti' \(serve\.variant / predict") as info:
+        artifact.session("aoti")
+    assert "\n" not in str(info.value)

@@ -1,4 +1,4 @@
-// A small JSON reader (RFC 8259 values; \u escapes beyond ASCII are kept as '?'): enough for
+// A small JSON reader (RFC 8259 values; \u escapes decoded to UTF-8): enough for
 // an artifact's manifest.json, schema.json and preprocessor.json and for rows given as JSON.
 // Header-only and dependency-free so the client builds anywhere libtorch does.
 #pragma once
@@ -97,6 +97,37 @@ class Parser {
     }
     return v;
   }
+  // The four hex digits after `\u` (i_ on the `u`; left on the last digit).
+  unsigned long hex4() {
+    if (i_ + 4 >= s_.size()) fail("bad \\u escape");
+    unsigned long code = 0;
+    for (int k = 1; k <= 4; ++k) {
+      char c = s_[i_ + k];
+      int digit = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10
+                : (c >= 'A' && c <= 'F') ? c - 'A' + 10 : -1;
+      if (digit < 0) fail("bad \\u escape");
+      code = code * 16 + static_cast<unsigned long>(digit);
+    }
+    i_ += 4;
+    return code;
+  }
+  static void utf8(unsigned long code, std::string& out) {
+    if (code < 0x80) {
+      out += static_cast<char>(code);
+    } else if (code < 0x800) {
+      out += static_cast<char>(0xC0 | (code >> 6));
+      out += static_cast<char>(0x80 | (code & 0x3F));
+    } else if (code < 0x10000) {
+      out += static_cast<char>(0xE0 | (code >> 12));
+      out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (code & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (code >> 18));
+      out += static_cast<char>(0x80 | ((code >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (code & 0x3F));
+    }
+  }
   std::string string() {
     if (i_ >= s_.size() || s_[i_] != '"') fail("expected a string");
     std::string out;
@@ -110,10 +141,15 @@ class Parser {
         case 'b': out += '\b'; break;
         case 'f': out += '\f'; break;
         case 'u': {
-          if (i_ + 4 >= s_.size()) fail("bad \\u escape");
-          long code = std::strtol(s_.substr(i_ + 1, 4).c_str(), nullptr, 16);
-          out += code < 128 ? static_cast<char>(code) : '?';
-          i_ += 4;
+          unsigned long code = hex4();
+          if (code >= 0xD800 && code < 0xDC00) {  // a surrogate pair: one code point
+            if (i_ + 2 >= s_.size() || s_[i_ + 1] != '\\' || s_[i_ + 2] != 'u') fail("lone surrogate");
+            i_ += 2;
+            unsigned long low = hex4();
+            if (low < 0xDC00 || low >= 0xE000) fail("bad surrogate pair");
+            code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
+          }
+          utf8(code, out);
           break;
         }
         default: out += s_[i_];
