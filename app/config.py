@@ -322,9 +322,10 @@ class ExportConfig(_Section):
     )  # largest |ONNX fp32 - torch| logit difference allowed
     parity_rows: int = Field(256, ge=1)  # val rows the parity check and calibration sample use
     latency_repeats: int = Field(30, ge=3)  # timed calls per batch size in the report
-    # What classifiers are exported as: ONNX always (fp32 and int8, what every path can serve),
-    # plus `aoti` (model.pt2: AOTInductor, native code for this machine's CPU, servable) and
-    # `executorch` (model.pte, model.int8.pte: XNNPACK programs for phones and edge devices).
+    # What classifiers and retrieval encoders are exported as: ONNX always (fp32 and int8, what
+    # every path can serve), plus `aoti` (model.pt2: AOTInductor, native code for this machine's
+    # CPU, servable) and `executorch` (model.pte, model.int8.pte: XNNPACK programs for phones
+    # and edge devices; a retrieval model's per encoder, image.pt2, text.pte, ...).
     # A program that cannot be built or fails the gate is left out and the report says why.
     formats: list[Literal["onnx", "aoti", "executorch"]] = ["onnx"]  # pydantic copies defaults
     # Language models (task lm, app/export/lm.py): int8 perplexity may exceed fp32's by this

@@ -43,7 +43,7 @@ from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
 WHY_ONNX_ONLY = (
-    "language models run ONNX Runtime's KV-cache decode graph; programs are built for classifiers"
+    "language models run ONNX Runtime's KV-cache decode graph, which the decode loop batches"
 )
 TOKENIZER_FILE = "tokenizer.json"  # the artifact's copy, usable by any `tokenizers` client
 LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexity

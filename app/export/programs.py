@@ -48,29 +48,29 @@ class Positional(nn.Module):
 
 @dataclass
 class Subject:
-    """What every program is built from and checked against."""
+    """One graph as every program of it is built: a module taking positional inputs (their
+    names in order; `sequences`, those with a free sequence axis), val rows (the export example,
+    parity, batch drift, latency) and the rows int8's static scales are calibrated on."""
 
-    config: Config
-    pre: Preprocessor
-    module: nn.Module  # Positional, in eval mode
-    sample: dict[str, np.ndarray]  # val rows (parity, batch drift, latency)
-    torch_logits: np.ndarray
-    fp32_accuracy: float  # ONNX fp32's, on the whole val split
-    accuracy_rows: int
+    module: nn.Module
+    names: list[str]
+    sequences: list[str]
+    sample: dict[str, np.ndarray]
+    calibration: Callable[[], list[dict[str, np.ndarray]]]
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.from_numpy(self.sample[n][:2]) for n in self.pre.input_names())
+        return tuple(torch.from_numpy(self.sample[n][:2]) for n in self.names)
 
     def dynamic_shapes(
         self, max_batch: int | None, free_sequence: bool
     ) -> tuple[dict[int, Any], ...]:
-        """Batch free (up to `max_batch`); text's sequence too when `free_sequence`, up to its
-        padded length (XNNPACK takes one free axis: its programs get rows of full length)."""
+        """Batch free (up to `max_batch`); a sequence too when `free_sequence`, up to its padded
+        length (XNNPACK takes one free axis: its programs get rows of full length)."""
         batch = torch.export.Dim("batch", min=1, **({"max": max_batch} if max_batch else {}))
         shapes = []
-        for name in self.pre.input_names():
+        for name in self.names:
             axes: dict[int, Any] = {0: batch}
-            if self.pre.variable_length and free_sequence:
+            if name in self.sequences and free_sequence:
                 axes[1] = torch.export.Dim("sequence", min=1, max=self.sample[name].shape[1])
             shapes.append(axes)
         return tuple(shapes)
@@ -79,9 +79,32 @@ class Subject:
         self, module: nn.Module, max_batch: int | None = None, free_sequence: bool = True
     ) -> Any:
         shapes: Any = self.dynamic_shapes(max_batch, free_sequence)
-        if isinstance(module, Positional):  # `*inputs`: the shapes of its one variadic argument
+        if not isinstance(module, torch.fx.GraphModule):  # `*inputs`: one variadic argument
             shapes = (shapes,)
         return torch.export.export(module, self.args(), dynamic_shapes=shapes)
+
+    def open(self, variant: str, data: bytes, threads: int = 1) -> prg.ProgramSession:
+        return open_session(variant, data, self.names, self.sequences, threads)
+
+
+def open_session(
+    variant: str, data: bytes, names: list[str], sequences: list[str], threads: int = 1
+) -> prg.ProgramSession:
+    free = variant == "aoti"  # XNNPACK programs take full-length rows
+    inputs = [
+        prg.InputInfo(n, ["batch", "sequence" if free and n in sequences else -1]) for n in names
+    ]
+    if variant == "aoti":
+        return prg.aoti_session(data, inputs, threads)
+    return prg.executorch_session(data, inputs)
+
+
+def open_program(
+    variant: str, data: bytes, pre: Preprocessor, threads: int = 1
+) -> prg.ProgramSession:
+    """A classifier's program as a session (export's speed check, B21)."""
+    names = pre.input_names()
+    return open_session(variant, data, names, names if pre.variable_length else [], threads)
 
 
 def build_aoti(subject: Subject) -> bytes:
@@ -93,7 +116,7 @@ def build_executorch(subject: Subject) -> bytes:
 
 
 def build_executorch_int8(subject: Subject) -> bytes:
-    """PT2E: observers inserted, calibrated on train rows, folded into static int8 scales."""
+    """PT2E: observers inserted, calibrated, folded into static int8 scales."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -105,10 +128,9 @@ def build_executorch_int8(subject: Subject) -> bytes:
     )
     module = subject.export(subject.module, MAX_PTE_BATCH, free_sequence=False).module()
     prepared = prepare_pt2e(module, quantizer)
-    names = subject.pre.input_names()
     with torch.no_grad():
-        for batch in q.calibration_inputs(subject.config, subject.pre):
-            prepared(*(torch.from_numpy(batch[n]) for n in names))
+        for batch in subject.calibration():
+            prepared(*(torch.from_numpy(batch[n]) for n in subject.names))
     return _lower(subject.export(convert_pt2e(prepared), MAX_PTE_BATCH, free_sequence=False))
 
 
@@ -126,15 +148,59 @@ BUILDERS: dict[str, Callable[[Subject], bytes]] = {
     "executorch_int8": build_executorch_int8,
 }
 PRECISION = {"aoti": "fp32", "executorch": "fp32", "executorch_int8": "int8"}
+# (variant, its sessions by graph) -> (its measurements, why it may not be published or None)
+Check = Callable[[str, dict[str, Any]], tuple[dict[str, Any], str | None]]
 
 
-def open_program(variant: str, data: bytes, pre: Preprocessor, threads: int = 1) -> Any:
-    free = pre.variable_length and variant == "aoti"  # XNNPACK programs take full-length rows
-    shape = ["batch", "sequence" if free else -1]
-    inputs = [prg.InputInfo(name, shape) for name in pre.input_names()]
-    if variant == "aoti":
-        return prg.aoti_session(data, inputs, threads)
-    return prg.executorch_session(data, inputs)
+def build_all(
+    config: Config, subjects: dict[str, Subject], check: Check, work: str, report: dict[str, Any]
+) -> dict[str, prg.ProgramInfo]:
+    """Writes into `work` each requested program (every graph of it) that builds and passes
+    `check`; report["programs"] gets each one's measurements, or why it is absent. Returns the
+    manifest's entries."""
+    report["programs"] = {}
+    infos: dict[str, prg.ProgramInfo] = {}
+    threads = torch.get_num_threads()  # measuring sets one thread; the export process keeps its own
+    try:
+        for variant in wanted(config):
+            report["programs"][variant], data = build_variant(subjects, variant, check)
+            for graph, program in data.items():
+                name = prg.program_file(graph, variant)
+                with open(os.path.join(work, name), "wb") as f:
+                    f.write(program)
+                infos[name] = program_info(variant)
+    finally:
+        torch.set_num_threads(threads)
+    return infos
+
+
+def build_variant(
+    subjects: dict[str, Subject], variant: str, check: Check
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(what the report says of `variant`, its programs by graph when they passed)."""
+    start = time.perf_counter()
+    try:
+        data = {graph: BUILDERS[variant](s) for graph, s in subjects.items()}
+    except Exception as e:  # noqa: BLE001 - an operator the toolchain does not take: reported
+        log.warning("export: %s not built (%s)", variant, first_line(e))
+        return {"published": False, "reason": f"not built: {first_line(e)}"}, {}
+    build_s = time.perf_counter() - start
+    try:
+        sessions = {graph: subjects[graph].open(variant, d) for graph, d in data.items()}
+        measured, why = check(variant, sessions)
+    except Exception as e:  # noqa: BLE001 - built but does not run here: reported
+        log.warning("export: %s does not run (%s)", variant, first_line(e))
+        return {"published": False, "reason": f"does not run: {first_line(e)}"}, {}
+    measured.update(
+        precision=PRECISION[variant],
+        build_s=round(build_s, 2),
+        size_bytes=sum(len(d) for d in data.values()),
+        max_batch=min((s.max_batch for s in sessions.values() if s.max_batch), default=None),
+    )
+    log.info("export: %s built in %.1f s: %s", variant, build_s, why or "passed the gate")
+    if why:
+        return {"published": False, "reason": why, **measured}, {}
+    return {"published": True, **measured}, data
 
 
 def build_programs(
@@ -144,99 +210,72 @@ def build_programs(
     work: str,
     report: dict[str, Any],
 ) -> dict[str, prg.ProgramInfo]:
-    """Writes into `work` each requested program that builds and passes; report["programs"]
-    gets each one's measurements, or why it is absent. Returns the manifest's entries."""
-    wanted = [v for f in config.export.formats if f != "onnx" for v in prg.FORMATS[f]]
+    """A classifier's programs (one graph, `model`), checked as its ONNX variants are."""
     report["programs"] = {}
-    if not wanted:
+    if not wanted(config):
         return {}
     pre = loaded.preprocessor
+    names = pre.input_names()
+    subject = Subject(
+        Positional(loaded.model, names).eval(),
+        names,
+        names if pre.variable_length else [],
+        sample,
+        lambda: q.calibration_inputs(config, pre),
+    )
     with torch.no_grad():
         torch_logits = torch_predict(loaded.model)(sample)
-    subject = Subject(
-        config,
-        pre,
-        Positional(loaded.model, pre.input_names()).eval(),
-        sample,
-        torch_logits,
-        report["accuracy"]["onnx_fp32"],
-        report["accuracy_rows"],
-    )
-    threads = torch.get_num_threads()  # measuring sets one thread; the export process keeps its own
-    entries: dict[str, Any] = {}
-    infos: dict[str, prg.ProgramInfo] = {}
-    try:
-        for variant in wanted:
-            entries[variant], data = build_one(subject, variant)
-            if data is not None:
-                name = prg.PROGRAM_FILES[variant]
-                with open(os.path.join(work, name), "wb") as f:
-                    f.write(data)
-                infos[name] = program_info(variant)
-    finally:
-        torch.set_num_threads(threads)
-    report["programs"] = entries
-    return infos
+    check = ClassifierCheck(config, pre, sample, torch_logits, report)
+    return build_all(config, {"model": subject}, check, work, report)
 
 
-def build_one(subject: Subject, variant: str) -> tuple[dict[str, Any], bytes | None]:
-    """(what the report says of `variant`, its bytes when it passed)."""
-    start = time.perf_counter()
-    try:
-        data = BUILDERS[variant](subject)
-    except Exception as e:  # noqa: BLE001 - an operator the toolchain does not take: reported
-        log.warning("export: %s not built (%s)", variant, first_line(e))
-        return {"published": False, "reason": f"not built: {first_line(e)}"}, None
-    build_s = time.perf_counter() - start
-    try:
-        measured = measure(subject, variant, data)
-    except Exception as e:  # noqa: BLE001 - built but does not run here: reported
-        log.warning("export: %s does not run (%s)", variant, first_line(e))
-        return {"published": False, "reason": f"does not run: {first_line(e)}"}, None
-    measured.update(build_s=round(build_s, 2), size_bytes=len(data))
-    why = gate_program(subject, variant, measured)
-    log.info("export: %s built in %.1f s: %s", variant, build_s, why or "passed the gate")
-    if why:
-        return {"published": False, "reason": why, **measured}, None
-    return {"published": True, **measured}, data
+class ClassifierCheck:
+    """A classifier program against torch (parity), ONNX fp32 (val accuracy) and itself
+    (batch drift), by the export gate's rules."""
 
+    def __init__(self, config: Config, pre: Preprocessor, sample, torch_logits, report):
+        self.config, self.pre, self.sample, self.torch_logits = config, pre, sample, torch_logits
+        self.fp32_accuracy = report["accuracy"]["onnx_fp32"]
+        self.accuracy_rows = report["accuracy_rows"]
 
-def measure(subject: Subject, variant: str, data: bytes) -> dict[str, Any]:
-    e = subject.config.export
-    session = open_program(variant, data, subject.pre)
-    logits = art.run_logits(session, subject.sample)
-    y_true, y_pred = predictions(
-        lambda x: art.run_logits(session, x), labeled_batches(subject.config, subject.pre, "val")
-    )
-    return {
-        "precision": PRECISION[variant],
-        "max_abs_diff": float(np.abs(logits - subject.torch_logits).max()),
-        "accuracy": float((y_true == y_pred).mean()),
-        "batch_drift": batch_drift(session, subject.sample),
-        "latency_ms": latency_ms(session, subject.sample, e.latency_repeats),
-        "max_batch": session.max_batch,  # rows a call takes at most (null: any)
-    }
-
-
-def gate_program(subject: Subject, variant: str, m: dict[str, Any]) -> str | None:
-    """Why the program may not be published (one line), or None."""
-    e = subject.config.export
-    if m["precision"] == "fp32" and m["max_abs_diff"] > e.parity_tolerance:
-        return (
-            f"differs from torch by {m['max_abs_diff']:.3g} (max abs logit diff), above "
-            f"export.parity_tolerance={e.parity_tolerance}"
+    def __call__(self, variant: str, sessions: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        session, e = sessions["model"], self.config.export
+        logits = art.run_logits(session, self.sample)
+        y_true, y_pred = predictions(
+            lambda x: art.run_logits(session, x), labeled_batches(self.config, self.pre, "val")
         )
-    if m["batch_drift"] > e.parity_tolerance:
+        m = {
+            "max_abs_diff": float(np.abs(logits - self.torch_logits).max()),
+            "accuracy": float((y_true == y_pred).mean()),
+            "batch_drift": batch_drift(session, self.sample),
+            "latency_ms": latency_ms(session, self.sample, e.latency_repeats),
+        }
+        return m, self.refusal(PRECISION[variant], m)
+
+    def refusal(self, precision: str, m: dict[str, Any]) -> str | None:
+        e = self.config.export
+        if precision == "fp32" and m["max_abs_diff"] > e.parity_tolerance:
+            return (
+                f"differs from torch by {m['max_abs_diff']:.3g} (max abs logit diff), above "
+                f"export.parity_tolerance={e.parity_tolerance}"
+            )
+        if why := drift_refusal(m["batch_drift"], e.parity_tolerance):
+            return why
+        drop = 100 * (self.fp32_accuracy - m["accuracy"])
+        rows = {"accuracy_rows": self.accuracy_rows}
+        if drop > allowed_drop_points(rows, e.max_accuracy_drop) + 1e-9:
+            return (
+                f"accuracy {100 * m['accuracy']:.2f}% is {drop:.2f} points below ONNX fp32, more "
+                f"than export.max_accuracy_drop={e.max_accuracy_drop}"
+            )
+        return None
+
+
+def drift_refusal(drift: float, tolerance: float) -> str | None:
+    if drift > tolerance:
         return (
-            f"a row's logits move by {m['batch_drift']:.3g} with its batch mates, above "
-            f"export.parity_tolerance={e.parity_tolerance}"
-        )
-    drop = 100 * (subject.fp32_accuracy - m["accuracy"])
-    allowed = allowed_drop_points({"accuracy_rows": subject.accuracy_rows}, e.max_accuracy_drop)
-    if drop > allowed + 1e-9:
-        return (
-            f"accuracy {100 * m['accuracy']:.2f}% is {drop:.2f} points below ONNX fp32, more "
-            f"than export.max_accuracy_drop={e.max_accuracy_drop}"
+            f"a row's output moves by {drift:.3g} with its batch mates, above "
+            f"export.parity_tolerance={tolerance}"
         )
     return None
 
@@ -253,12 +292,17 @@ def program_info(variant: str) -> prg.ProgramInfo:
     )
 
 
+def wanted(config: Config) -> list[str]:
+    """The program variants `export.formats` asks for (beside ONNX)."""
+    return [v for f in config.export.formats if f != "onnx" for v in prg.FORMATS[f]]
+
+
 def not_for_task(config: Config, task: str, why: str) -> dict[str, Any]:
     """report["programs"] of a task that exports ONNX only: each requested program, and why."""
-    wanted = [v for f in config.export.formats if f != "onnx" for v in prg.FORMATS[f]]
-    if wanted:
-        log.warning("export: task %s builds no %s (%s)", task, ", ".join(wanted), why)
-    return {v: {"published": False, "reason": f"task {task}: {why}"} for v in wanted}
+    variants = wanted(config)
+    if variants:
+        log.warning("export: task %s builds no %s (%s)", task, ", ".join(variants), why)
+    return {v: {"published": False, "reason": f"task {task}: {why}"} for v in variants}
 
 
 def first_line(error: BaseException) -> str:

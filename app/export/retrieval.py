@@ -11,6 +11,7 @@ row's embedding never depends on its batch mates.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -29,13 +30,13 @@ from app.config import Config
 from app.data.kinds.image_text import ImageText, require
 from app.errors import GateError
 from app.export import quantize as q
-from app.export.programs import not_for_task
+from app.export.measure import batch_drift
+from app.export.programs import Subject, build_all, wanted
 from app.export.publish import check_onnx_fits, publish, write_metadata
 from app.runtime import artifact as art
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
-WHY_ONNX_ONLY = "encoders export as ONNX only; programs are built for classifiers"
 GRAPHS = {"image": ["pixels"], "text": ["input_ids", "attention_mask"]}
 OUTPUT = "embedding"
 RECALL_ROWS = 2000  # val rows the int8 recall check embeds at most
@@ -73,8 +74,9 @@ def export_retrieval(
         report = verify(config, model, pre, work, sample)
         report["quantization"] = {"method": methods, "batch_independent": True}
         gate(report, config)
-        report["programs"] = not_for_task(config, "retrieval", WHY_ONNX_ONLY)
-        write_metadata(work, config, loaded, report, checkpoint_uri, schema_for(pre, loaded))
+        programs = encoder_programs(config, model, pre, sample, work, report)
+        schema = schema_for(pre, loaded)
+        write_metadata(work, config, loaded, report, checkpoint_uri, schema, programs)
         uri = publish(work, config.registry, config.artifact_name)
     log.info("export: published %s", uri)
     return {"stage": "export", "artifact": uri, "report": report}
@@ -188,6 +190,100 @@ def verify(
             for v in art.VARIANTS
         },
     }
+
+
+def encoder_programs(
+    config: Config,
+    model: Any,
+    pre: ImageText,
+    sample: dict[str, np.ndarray],
+    work: str,
+    report: dict[str, Any],
+) -> dict[str, Any]:
+    """Both encoders as programs (`export.formats`: `image.pt2` and `text.pt2`, `image.pte`,
+    ...), each variant checked as the ONNX ones are: fp32 embeddings' cosine with torch's,
+    int8's val recall against ONNX fp32's, every row's embedding alone as in a batch. A variant
+    is published with both its graphs or not at all."""
+    report["programs"] = {}
+    if not wanted(config):
+        return {}
+    subjects = {}
+    for graph, names in GRAPHS.items():
+        rows = pick(sample, graph)
+        batches = [
+            {k: v[s : s + 32] for k, v in rows.items()} for s in range(0, len(rows[names[0]]), 32)
+        ]
+        subjects[graph] = Subject(
+            Graph(model, graph).eval(),
+            names,
+            [n for n in names if n != "pixels"],
+            rows,
+            functools.partial(list, batches),  # int8's static scales: the val sample
+        )
+    return build_all(config, subjects, EncoderCheck(config, model, pre, sample, work), work, report)
+
+
+class EncoderCheck:
+    """A variant's two encoder programs by the retrieval gate's rules."""
+
+    def __init__(self, config: Config, model: Any, pre: ImageText, sample, work: str):
+        from app.evaluate import torch_encoders
+
+        self.config, self.pre, self.sample = config, pre, sample
+        encode = dict(zip(GRAPHS, torch_encoders(model), strict=True))
+        self.torch = {g: encode[g](pick(sample, g)) for g in GRAPHS}
+        onnx = {
+            g: art.create_session(Path(work, art.graph_file(g, "fp32")).read_bytes())
+            for g in GRAPHS
+        }
+        self.fp32_recall, self.fp32_hits = self.recall(onnx)
+
+    def recall(self, sessions: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        from app.evaluate import embed_split
+        from app.tasks.retrieval import ranks, recall
+
+        encoders = (
+            lambda x: run(sessions["image"], x),
+            lambda x: run(sessions["text"], x),
+        )
+        rows = embed_split(self.config, self.pre, "val", encoders, max_rows=RECALL_ROWS)
+        hits = {d: r == 0 for d, r in ranks(rows.images, rows.texts, rows.groups).items()}
+        return recall(rows.images, rows.texts, rows.groups), hits
+
+    def __call__(self, variant: str, sessions: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        e = self.config.export
+        recalls, hits = self.recall(sessions)
+        m = {
+            "min_cosine": {
+                g: min_cosine(self.torch[g], run(sessions[g], pick(self.sample, g))) for g in GRAPHS
+            },
+            "recall": recalls,
+            "batch_drift": max(batch_drift(sessions[g], pick(self.sample, g)) for g in GRAPHS),
+            "latency_ms": {
+                g: latency(sessions[g], pick(self.sample, g), e.latency_repeats) for g in GRAPHS
+            },
+        }
+        return m, self.refusal(variant, m, hits)
+
+    def refusal(self, variant: str, m: dict[str, Any], hits: dict[str, np.ndarray]) -> str | None:
+        from app.export.programs import PRECISION, drift_refusal
+
+        e = self.config.export
+        for graph, cosine in m["min_cosine"].items():
+            if PRECISION[variant] == "fp32" and cosine < e.min_cosine:
+                return f"the {graph} encoder reaches cosine {cosine:.5f} with torch, below export.min_cosine={e.min_cosine}"
+        if why := drift_refusal(m["batch_drift"], e.parity_tolerance):
+            return why
+        for d in ("i2t", "t2i"):
+            drop = self.fp32_recall[f"{d}_r1"] - m["recall"][f"{d}_r1"]
+            lost = int((self.fp32_hits[d] & ~hits[d]).sum())
+            gained = int((~self.fp32_hits[d] & hits[d]).sum())
+            if drop > e.max_recall_drop and significant(lost, gained):
+                return (
+                    f"loses {drop:.2f} points of val {d} R@1 against ONNX fp32 ({lost} queries "
+                    f"lost, {gained} gained), more than export.max_recall_drop={e.max_recall_drop:g}"
+                )
+        return None
 
 
 def pick(sample: dict[str, np.ndarray], graph: str) -> dict[str, np.ndarray]:

@@ -217,7 +217,8 @@ class Artifact:
 
     def servable(self) -> list[str]:
         """The variants a replica or predict actor can run from this artifact."""
-        return [*self.models, *(["aoti"] if prg.PROGRAM_FILES["aoti"] in self.programs else [])]
+        compiled = all(prg.program_file(g, "aoti") in self.programs for g in self.graphs)
+        return [*self.models, *(["aoti"] if compiled else [])]
 
     def choose_variant(self, requested: str) -> str:
         """`serve.variant` for this artifact in this process. `auto`: of the servable variants
@@ -232,7 +233,8 @@ class Artifact:
         if requested not in servable:
             raise ArtifactError(
                 f"variant {requested!r} (serve.variant / predict.variant): {self.uri} has "
-                f"{servable}; a classifier exported with export.formats=[onnx,aoti] has aoti"
+                f"{servable}; a classifier or retrieval model exported with "
+                "export.formats=[onnx,aoti] has aoti"
             )
         if why := self.refusal(requested):
             raise ArtifactError(f"variant {requested!r}: {why}; re-export on this machine")
@@ -240,17 +242,22 @@ class Artifact:
 
     def refusal(self, variant: str) -> str | None:
         """Why this process cannot run `variant` (native code built for another machine)."""
-        name = prg.PROGRAM_FILES.get(variant)
-        return prg.refusal(name, self.manifest.programs[name]) if name else None
+        if variant in VARIANTS:
+            return None
+        names = [prg.program_file(g, variant) for g in self.graphs]
+        return next((w for n in names if (w := prg.refusal(n, self.manifest.programs[n]))), None)
 
     def session(self, variant: str, threads: int = 1, graph: str = MODEL):
         variant = self.choose_variant(variant)  # refuses what this process cannot run
         if variant in VARIANTS:
             return create_session(self.graphs[graph][variant], threads)
-        return prg.aoti_session(self.programs[prg.PROGRAM_FILES[variant]], self.inputs(), threads)
+        program = self.programs[prg.program_file(graph, variant)]
+        return prg.aoti_session(program, self.inputs(graph), threads)
 
-    def inputs(self) -> list[prg.InputInfo]:
-        """The model's inputs as ONNX Runtime names them (text: a free sequence axis)."""
+    def inputs(self, graph: str = MODEL) -> list[prg.InputInfo]:
+        """A graph's inputs as ONNX Runtime names them (text: a free sequence axis)."""
+        if graph != MODEL:  # an encoder: its inputs in schema.json
+            return [prg.InputInfo(n, ["batch", -1]) for n in self.schema["graphs"][graph]["inputs"]]
         shape = ["batch", "sequence" if self.preprocessor.variable_length else -1]
         return [prg.InputInfo(name, shape) for name in self.preprocessor.input_names()]
 

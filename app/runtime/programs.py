@@ -26,11 +26,15 @@ import numpy as np
 from app import storage
 from app.errors import ArtifactError
 
-PROGRAM_FILES = {
-    "aoti": "model.pt2",
-    "executorch": "model.pte",
-    "executorch_int8": "model.int8.pte",
-}
+SUFFIXES = {"aoti": ".pt2", "executorch": ".pte", "executorch_int8": ".int8.pte"}
+
+
+def program_file(graph: str, variant: str) -> str:
+    """A graph's program file: `model.pt2`, or per encoder `image.pt2`, `text.int8.pte`, ..."""
+    return f"{graph}{SUFFIXES[variant]}"
+
+
+PROGRAM_FILES = {v: program_file("model", v) for v in SUFFIXES}  # a single-graph artifact's
 FORMATS = {"aoti": ("aoti",), "executorch": ("executorch", "executorch_int8")}
 # torch.backends.cpu.get_cpu_capability(), ascending: a CPU runs code built for its own or a lower one.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")

@@ -158,3 +158,36 @@ def test_a_corpus_row_whose_picture_does_not_decode_is_rejected_and_named(run, e
     assert summary["rows"] == 3 and summary["rejected"] == 1
     [example] = summary["bad_rows"]["examples"]
     assert example["id"] == good["id"][1].as_py() and "column 'image'" in example["reason"]
+
+
+@pytest.mark.slow
+def test_both_encoders_export_every_program_and_a_replica_serves_the_pt2(run):
+    from PIL import Image
+
+    from app.export.exporter import export
+    from app.runtime.artifact import open_artifact
+    from app.serve.replicas.embedding_server import Encoders
+    from tests.integration.test_programs import with_every_format
+
+    config = with_every_format(run["config"], "retrieval-programs")
+    result = export(config, run["train"]["checkpoint"])
+    programs = result["report"]["programs"]
+    # Every program builds, and each passes the gate (cosine, recall, batch drift) here.
+    assert {v: p.get("reason") for v, p in programs.items()} == dict.fromkeys(
+        ("aoti", "executorch", "executorch_int8")
+    ), programs
+    artifact = open_artifact(result["artifact"])
+    files = {f"{g}{s}" for g in ("image", "text") for s in (".pt2", ".pte", ".int8.pte")}
+    assert set(artifact.manifest.programs) == files
+    assert "aoti" in artifact.servable()
+    rng = np.random.default_rng(0)
+    pictures = []
+    for _ in range(3):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(buffer, "PNG")
+        pictures.append(buffer.getvalue())
+    items = ("a red circle", "two blue squares", *pictures)
+    fp32, _ = Encoders(artifact, "fp32", 1).embed(items, "input", 10**7)
+    aoti, _ = Encoders(artifact, "aoti", 1).embed(items, "input", 10**7)
+    cosine = (fp32 * aoti).sum(1) / (np.linalg.norm(fp32, axis=1) * np.linalg.norm(aoti, axis=1))
+    assert cosine.min() >= config.export.min_cosine
