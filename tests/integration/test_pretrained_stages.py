@@ -134,7 +134,7 @@ def test_tune_searches_a_pretrained_folders_learning_rate(folders, workspace):
 
 
 @pytest.mark.slow
-def test_a_vit_folder_exports_every_program_or_names_what_stops_it(workspace, tmp_path):
+def test_a_vit_folder_exports_every_program_that_executorch_runs_as_onnx(workspace, tmp_path):
     from tests.integration.test_programs import check_executorch_labels, with_every_format
     from tests.make_tiny_pretrained import make_vit
 
