@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from app import hooks
 from app.data.corpus import train_tokenizer
 from app.export.lm import (
     decode_parity,
@@ -411,14 +412,23 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
     answers = [alone(generator, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
     assert len(answers[2][3]) == answers[2][2]  # a logprob per token
 
+    # The loop's first model call waits until all three are submitted: on a busy machine the
+    # first stream could otherwise finish before the third one arrives.
+    submitted = threading.Event()
+    hooks.install("decode.call", lambda streams: submitted.wait(10))
+
     async def together():
         loop = DecodeLoop(generator)
         streams = [loop.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        submitted.set()
         results = await asyncio.gather(*(read(s) for s in streams))
         loop.close()
         return results, loop.stats
 
-    results, stats = asyncio.run(together())
+    try:
+        results, stats = asyncio.run(together())
+    finally:
+        hooks.clear()
     assert [r[:3] for r in results] == [a[:3] for a in answers]
     for together_, alone_ in zip(results, answers, strict=True):
         assert [t.token for t in together_[3]] == [t.token for t in alone_[3]]
@@ -654,7 +664,6 @@ def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, to
 
 @pytest.fixture
 def faults():
-    from app import hooks
     from tests import fault_hooks
 
     fault_hooks.install_hooks()
