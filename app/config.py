@@ -425,6 +425,10 @@ class GenerationConfig(_Section):
     # (rows are padded to it) x 2 (a step's outputs); a stream beyond it waits, then is a 503
     # (None: max_streams alone bounds it).
     max_kv_cache_mib: float | None = Field(None, gt=0)
+    # A stream's text that comes within this many ms of its last event goes out with the next
+    # one (the first at once): each event crosses from the replica to the routing app and out
+    # as an SSE write, work that takes the replica's GIL from the decode loop (0: every token).
+    stream_interval_ms: float = Field(40.0, ge=0)
 
     @model_validator(mode="after")
     def _default_fits(self) -> GenerationConfig:

@@ -17,12 +17,13 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
 from app import hooks
-from app.runtime.decoding import Decoding, Generator
+from app.runtime.decoding import Decoding, Generator, take_all
 from app.runtime.kv import KVBatch, KVDecoder, prefill
 from app.runtime.sampling import SamplingParams
 from app.runtime.types import Piece, RequestError
@@ -39,8 +40,15 @@ class LoopGeneration:
     `finish_reason` and the token counts; `close()` takes it out of the batch. A stream the
     loop could not continue raises its `RequestError` at the end of the pieces it got."""
 
-    def __init__(self, generator: Generator, prompt: Sequence[int], params: SamplingParams):
+    def __init__(
+        self,
+        generator: Generator,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        interval_s: float = 0.0,
+    ):
         self.prompt = list(prompt)
+        self.interval_s = interval_s
         self.decoding = Decoding(generator, prompt, params)
         self.prompt_tokens = len(self.prompt)
         self.cancelled = False
@@ -81,19 +89,18 @@ class LoopGeneration:
         self.error = error
         deliver([(self, [_END])])
 
-    def put(self, items: list[object]) -> None:
-        for item in items:
-            self._events.put_nowait(item)
-
     def __aiter__(self) -> AsyncIterator[Piece]:
         return self._pieces()
 
     async def _pieces(self) -> AsyncIterator[Piece]:
-        """The pieces as they come; pieces that came while the consumer was busy go out
-        together (one event, not one per token), the first as soon as it exists."""
-        ended = False
+        """The pieces as they come; pieces that came while the consumer was busy, or within
+        `interval_s` of the last event, go out together (one event, not one per token), the
+        first as soon as it exists."""
+        ended, due = False, 0.0
         while not ended and (item := await self._events.get()) is not _END:
             assert isinstance(item, Piece)
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)  # what comes meanwhile joins this event
             text, logprobs = item.text, item.logprobs
             while not self._events.empty():
                 more = self._events.get_nowait()
@@ -102,6 +109,7 @@ class LoopGeneration:
                     break
                 assert isinstance(more, Piece)
                 text, logprobs = text + more.text, logprobs + more.logprobs
+            due = time.monotonic() + self.interval_s
             yield Piece(text, logprobs)
         if self.error is not None:
             raise self.error
@@ -120,7 +128,8 @@ def deliver(handoffs: list[tuple[LoopGeneration, list[object]]]) -> None:
 
 def _put_all(batch: list[tuple[LoopGeneration, list[object]]]) -> None:
     for generation, items in batch:
-        generation.put(items)
+        for item in items:
+            generation._events.put_nowait(item)
 
 
 class DecodeLoop:
@@ -132,8 +141,15 @@ class DecodeLoop:
     their alone results. So one bad stream never ends its batch mates, and no stream is left
     waiting or holding its slot."""
 
-    def __init__(self, generator: Generator, prefill_chunk: int = 64, model: str = "model"):
+    def __init__(
+        self,
+        generator: Generator,
+        prefill_chunk: int = 64,
+        model: str = "model",
+        stream_interval_s: float = 0.0,
+    ):
         self.generator, self.prefill_chunk, self.model = generator, prefill_chunk, model
+        self.stream_interval_s = stream_interval_s
         self.decoder = generator.decoder
         self.batch = KVBatch(self.decoder)
         self.rows: list[LoopGeneration] = []  # in batch row order
@@ -147,7 +163,7 @@ class DecodeLoop:
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> LoopGeneration:
         """A new stream (call from the event loop that will read it)."""
-        generation = LoopGeneration(self.generator, prompt, params)
+        generation = LoopGeneration(self.generator, prompt, params, self.stream_interval_s)
         self.waiting.put(generation)
         self._wake.set()
         return generation
@@ -178,7 +194,8 @@ class DecodeLoop:
             try:
                 if self.prefilling or not self.waiting.empty():
                     self._admit()
-                self._drop_cancelled()
+                if any(generation.cancelled for generation in self.rows):
+                    self._drop_cancelled()
                 if self.rows:
                     self._step()
             except Exception as e:  # noqa: BLE001 - a fault outside any one stream's call
@@ -211,7 +228,7 @@ class DecodeLoop:
             self.prefilling.remove(p)
         streams = [p.generation for p in group]
         try:
-            self._call("decode.call", streams)
+            hooks.fire("decode.call", streams=streams)
             logits, caches = prefill(self.decoder, [g.prompt for g in streams])
             filled = [(g, logits[i], caches[i]) for i, g in enumerate(streams)]
         except Exception as e:  # noqa: BLE001 - find the prompt it belongs to
@@ -224,7 +241,7 @@ class DecodeLoop:
 
     def _advance(self, long: _Prefill) -> None:
         try:
-            self._call("decode.call", [long.generation])
+            hooks.fire("decode.call", streams=[long.generation])
             logits = long.advance(self.prefill_chunk)
         except Exception as e:  # noqa: BLE001 - its call alone: the failure is its own
             self.prefilling.remove(long)
@@ -252,7 +269,7 @@ class DecodeLoop:
 
     def _join_many(self, going: list[tuple[LoopGeneration, list[np.ndarray]]]) -> None:
         if going:
-            self._call("decode.join", [g for g, _ in going])
+            hooks.fire("decode.join", streams=[g for g, _ in going])
             self.batch.join_many([cache for _, cache in going])
             self.rows += [g for g, _ in going]
 
@@ -278,23 +295,23 @@ class DecodeLoop:
     def _step(self) -> None:
         tokens = [generation.decoding.token for generation in self.rows]
         try:
-            self._call("decode.call", self.rows)
+            hooks.fire("decode.call", streams=self.rows)
             logits = self.batch.step(tokens)  # type: ignore[arg-type]  # every row has sampled
-            stepped = list(zip(self.rows, logits, strict=True))
         except Exception as e:  # noqa: BLE001 - find the stream it belongs to
-            stepped = self._step_alone(tokens, e)
+            logits = self._step_alone(tokens, e)
+        streams = self.rows
         self.stats["steps"] += 1
-        self.stats["batch_peak"] = max(self.stats["batch_peak"], len(stepped))
+        self.stats["batch_peak"] = max(self.stats["batch_peak"], len(streams))
         handoffs, gone = [], []
-        for row, (generation, row_logits) in enumerate(stepped):
-            try:
-                pieces = generation.decoding.take(row_logits)
-            except Exception as e:  # noqa: BLE001 - its own sampling: only it ends
-                self._fail(generation, e)
+        for row, (generation, taken) in enumerate(
+            zip(streams, take_all([g.decoding for g in streams], logits), strict=True)
+        ):
+            if isinstance(taken, Exception):  # its own sampling: only it ends
+                self._fail(generation, taken)
                 gone.append(row)
                 continue
             ended = generation.decoding.finish_reason is not None
-            handoffs.append((generation, generation.handoff(pieces, ended)))
+            handoffs.append((generation, generation.handoff(taken, ended)))
             if ended:
                 gone.append(row)
         deliver(handoffs)
@@ -302,18 +319,16 @@ class DecodeLoop:
             self.batch.leave(*gone)
             self.rows = [g for row, g in enumerate(self.rows) if row not in set(gone)]
 
-    def _step_alone(
-        self, tokens: list[int | None], error: Exception
-    ) -> list[tuple[LoopGeneration, np.ndarray]]:
+    def _step_alone(self, tokens: list[int | None], error: Exception) -> np.ndarray:
         """The failed step again, each row on its own cache; the batch is rebuilt from the
-        rows that stepped."""
+        rows that stepped, and their logits returned."""
         rows = self.rows
         log.warning("decode step of %d streams failed (%r); stepping each alone", len(rows), error)
         stepped, caches = [], []
         for row, generation in enumerate(rows):
             cache = self.batch.row_cache(row)
             try:
-                self._call("decode.call", [generation])
+                hooks.fire("decode.call", streams=[generation])
                 logits, cache = self.decoder.step(np.asarray([[tokens[row]]]), cache)
             except Exception as e:  # noqa: BLE001 - its own call: the failure is its own
                 self._fail(generation, e)
@@ -322,7 +337,7 @@ class DecodeLoop:
             caches.append(cache)
         self.rows, self.batch = [g for g, _ in stepped], KVBatch(self.decoder)
         self.batch.join_many(caches)
-        return stepped
+        return np.stack([logits for _, logits in stepped]) if stepped else np.zeros((0, 1))
 
     def _each_alone(
         self,
@@ -337,18 +352,13 @@ class DecodeLoop:
         out = []
         for generation in streams:
             try:
-                self._call("decode.call", [generation])
+                hooks.fire("decode.call", streams=[generation])
                 out.append((generation, *alone(generation)))
             except Exception as e:  # noqa: BLE001 - its own call: the failure is its own
                 self._fail(generation, e)
         return out
 
     # --- failures -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _call(point: str, streams: list[LoopGeneration]) -> None:
-        """A model call is about to be made for `streams` (where tests inject faults)."""
-        hooks.fire(point, streams=streams)
 
     def _fail(self, generation: LoopGeneration, error: BaseException) -> None:
         self.stats["failed"] += 1

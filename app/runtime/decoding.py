@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from app.runtime.kv import KVDecoder
-from app.runtime.sampling import SamplingParams, TokenLogprob, TokenTexts, sample
+from app.runtime.sampling import SamplingParams, TokenLogprob, TokenTexts, sample, sample_rows
 from app.runtime.text import EOS, IncrementalDecoder, StopFilter
 
 
@@ -93,11 +93,20 @@ class Decoding:
 
     def take(self, logits: np.ndarray) -> list[str]:
         """The text that the token sampled from `logits` (one position's) adds."""
+        result = take_all([self], logits[None])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def scores(self, logits: np.ndarray) -> np.ndarray:
+        """What this stream samples from: `logits` less its penalties."""
+        return self.params.penalized(logits, self.counts) if self.penalized else logits
+
+    def accept(self, token: int, logits: np.ndarray) -> list[str]:
+        """The text that `token`, sampled from the model's `logits` (less this stream's
+        penalties), adds; its logprobs are the model's, before the penalties."""
         if self.budget <= 0:
             return self._finish("length")
-        if self.penalized:
-            logits = self.params.penalized(logits, self.counts)
-        token = sample(logits, self.params, self.rng)
         if token == self.eos_id:
             return self._finish("stop")
         if self.params.logprobs is not None:
@@ -122,3 +131,31 @@ class Decoding:
         tail += "" if self.stops.done else self.stops.flush()
         self.finish_reason = "stop" if self.stops.done else reason
         return [tail] if tail else []
+
+
+def take_all(decodings: Sequence[Decoding], logits: np.ndarray) -> list[list[str] | Exception]:
+    """Each stream's text from its row of a step's `logits` [rows, vocab], the tokens sampled
+    together; a stream whose own sampling fails gets its error, the others their text."""
+    try:
+        if any(d.penalized for d in decodings):
+            rows = np.stack([d.scores(row) for d, row in zip(decodings, logits, strict=True)])
+        else:
+            rows = logits
+        tokens = sample_rows(rows, [d.params for d in decodings], [d.rng for d in decodings])
+    except Exception:  # noqa: BLE001 - find the stream it belongs to
+        return [_take_alone(d, row) for d, row in zip(decodings, logits, strict=True)]
+    out: list[list[str] | Exception] = []
+    for decoding, token, row in zip(decodings, tokens, logits, strict=True):
+        try:
+            out.append(decoding.accept(token, row))
+        except Exception as e:  # noqa: BLE001 - its own text or logprobs: only it ends
+            out.append(e)
+    return out
+
+
+def _take_alone(decoding: Decoding, logits: np.ndarray) -> list[str] | Exception:
+    try:
+        token = sample(decoding.scores(logits), decoding.params, decoding.rng)
+        return decoding.accept(token, logits)
+    except Exception as e:  # noqa: BLE001 - its own sampling failed
+        return e

@@ -4,10 +4,13 @@ penalties) and token log-probabilities as OpenAI reports them. numpy only."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+DRAW_BLOCK = 64  # tokens per block of the sampler's two-level running sum
 
 
 @dataclass(frozen=True)
@@ -40,25 +43,72 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a position's logits: greedy at temperature 0, else softmax sampling
-    restricted to the `top_k` most likely tokens and to the smallest set whose probability
-    reaches `top_p` (nucleus)."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    z = logits.astype(np.float64) / params.temperature
+    """One token id from a position's logits: `sample_rows` with one row."""
+    return sample_rows(logits[None], [params], [rng])[0]
+
+
+def sample_rows(
+    logits: np.ndarray, params: Sequence[SamplingParams], rngs: Sequence[np.random.Generator]
+) -> list[int]:
+    """A token id for each row of `logits` [rows, vocab], row i by `params[i]` with its own
+    generator `rngs[i]` (one draw each, so a row's token never depends on its batch mates):
+    greedy at temperature 0, else softmax sampling restricted to the `top_k` most likely
+    tokens and to the smallest set whose probability reaches `top_p` (nucleus). The rows
+    sampling the plain softmax share one vectorised pass; greedy rows one argmax."""
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    vocab = logits.shape[1]
+    plain = [
+        i
+        for i, p in enumerate(params)
+        if p.temperature != 0 and not 0 < p.top_k < vocab and p.top_p >= 1.0
+    ]
+    if greedy:
+        for i, token in zip(greedy, logits[greedy].argmax(axis=1).tolist(), strict=True):
+            tokens[i] = token
+    if plain:
+        temperatures = np.asarray([params[i].temperature for i in plain], np.float32)[:, None]
+        z = logits[plain].astype(np.float32) / temperatures  # float32: exp costs a third
+        weights = np.exp(z - z.max(axis=1, keepdims=True))
+        for i, token in zip(plain, _draw(weights, [rngs[i] for i in plain]), strict=True):
+            tokens[i] = token
+    for i in sorted(set(range(len(params))) - set(greedy) - set(plain)):
+        weights = _restricted(logits[i].astype(np.float64) / params[i].temperature, params[i])
+        tokens[i] = _draw(weights[None], [rngs[i]])[0]
+    return tokens
+
+
+def _draw(weights: np.ndarray, rngs: Sequence[np.random.Generator]) -> list[int]:
+    """A token for each row of unnormalised probabilities `weights` [rows, vocab], by inverse
+    transform: the first token whose cumulative weight passes a uniform draw of the row's
+    total. The running sum is taken over blocks of DRAW_BLOCK tokens, then within the one
+    block the draw falls in (a full-vocabulary running sum is a serial pass per row)."""
+    rows, vocab = weights.shape
+    if pad := -vocab % DRAW_BLOCK:
+        weights = np.pad(weights, ((0, 0), (0, pad)))
+    upto = np.cumsum(weights.reshape(rows, -1, DRAW_BLOCK).sum(axis=2, dtype=np.float64), axis=1)
+    tokens = []
+    for row, rng in enumerate(rngs):
+        target = rng.random() * upto[row, -1]
+        block = min(int(np.searchsorted(upto[row], target, side="right")), upto.shape[1] - 1)
+        start = block * DRAW_BLOCK
+        within = np.cumsum(weights[row, start : start + DRAW_BLOCK], dtype=np.float64)
+        rest = target - (upto[row, block - 1] if block else 0.0)
+        at = int(np.searchsorted(within, rest, side="right"))
+        if at == DRAW_BLOCK:  # rounding put the draw past the block's end: its last token
+            at = int(np.flatnonzero(within < within[-1]).max(initial=-1)) + 1
+        tokens.append(start + at)
+    return tokens
+
+
+def _restricted(z: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """One row's softmax of scaled logits `z`, kept on its top-k tokens and its nucleus."""
     if 0 < params.top_k < len(z):
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
     probs = np.exp(z - z.max())
     probs /= probs.sum()
-    if params.top_p < 1.0:
-        probs = nucleus(probs, params.top_p)
-    cumulative = np.cumsum(probs)
-    return int(
-        min(
-            np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1
-        )
-    )
+    return nucleus(probs, params.top_p) if params.top_p < 1.0 else probs
 
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:

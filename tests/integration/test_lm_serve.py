@@ -618,3 +618,79 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
     refused = asyncio.run(scenario())
     assert refused.status == 503 and refused.retry_after_s == 1
     assert "max_kv_cache_mib" in refused.message
+
+
+def test_a_generated_token_enters_few_project_functions(lm_artifact):
+    """The steady path of one token, traced through the in-process app (a streamed chat
+    request, the replica's decode loop and its HTTP stack) with a profiler on every thread:
+    the project functions entered once per generated token or more. With the stream interval
+    the route and its encoders run once per event, not per token; what is left is the decode
+    step: the loop, its test hook, the KV step, sampling, the stream's text and its hand-off."""
+    import asyncio
+    import sys
+    import threading
+    from collections import Counter
+
+    import httpx
+
+    from app.config import ServeConfig
+    from app.serve.http.api import create_api
+    from app.serve.http.clients import LocalModel, Models
+    from app.serve.metrics import IngressMetrics
+    from app.serve.replicas.lm_server import LMServer
+    from tests.integration.test_request_depth import counted
+
+    config, summary = lm_artifact
+    entered: Counter[tuple[str, str]] = Counter()
+    recording = threading.Event()
+
+    def profile(frame, event, arg):
+        if event == "call" and recording.is_set() and (where := counted(frame)) is not None:
+            entered[where] += 1
+
+    threading.setprofile(profile)  # before the decode loop's thread starts
+    sys.setprofile(profile)
+    try:
+        cfg = ServeConfig()
+        server = LMServer(summary["artifact"], cfg)
+        api = create_api(
+            cfg, Models.configured({"tinylm": LocalModel(server)}, cfg), IngressMetrics()
+        )
+        body = {
+            "model": "tinylm",
+            "messages": [{"role": "user", "content": "def "}],
+            "max_tokens": 40,
+            "temperature": 1.0,
+            "seed": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+        async def requests_() -> dict:
+            transport = httpx.ASGITransport(app=api)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+                recording.set()
+                answer = await http.post("/v1/chat/completions", json=body)
+                recording.clear()
+                assert answer.status_code == 200, answer.text
+            events = [e for e in answer.text.split("\n\n") if e.startswith("data: {")]
+            return json.loads(events[-1].removeprefix("data: "))["usage"]
+
+        usage = asyncio.run(requests_())
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    tokens = usage["completion_tokens"]
+    assert tokens >= 10, usage
+    per_token = sorted(where for where, calls in entered.items() if calls >= tokens - 1)
+    modules = {module for module, _ in per_token}
+    listing = "\n".join(f"{m}:{f}" for m, f in per_token)
+    assert len(per_token) <= MAX_FUNCTIONS_PER_TOKEN, f"{len(per_token)} functions:\n{listing}"
+    assert len(modules) <= MAX_MODULES_PER_TOKEN, f"{len(modules)} modules: {sorted(modules)}"
+
+
+# The decode step's functions; its modules are the runtime's parts (loop, hooks, KV cache,
+# decoding, sampler, text), each a seam the structure keeps apart.
+MAX_FUNCTIONS_PER_TOKEN = 13
+MAX_MODULES_PER_TOKEN = 6

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,14 @@ from app.models.gpt import GPT
 from app.runtime import artifact as art
 from app.runtime.decoding import Decoding, Generator, PromptError
 from app.runtime.kv import KVDecoder, greedy, prefill
-from app.runtime.sampling import SamplingParams, nucleus, sample, top_tokens
+from app.runtime.sampling import (
+    DRAW_BLOCK,
+    SamplingParams,
+    nucleus,
+    sample,
+    sample_rows,
+    top_tokens,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -155,6 +163,16 @@ def test_logprobs_name_each_token_its_bytes_and_the_likeliest_alternatives(token
         assert t.logprob == pytest.approx(expected)
         assert len(t.top) == 2 and (t.top[0][0], t.top[0][2]) == (t.token, t.logprob)
         assert t.top[1][2] < t.logprob
+    # Penalties change what is sampled, not what the model said: repeated tokens keep theirs.
+    generator, _, script = scripted(tokenizer, "ab ab ab ab ab ab")
+    assert len(set(script)) < len(script)
+    penalized = SamplingParams(
+        max_tokens=len(script), temperature=0, logprobs=0, frequency_penalty=1, presence_penalty=1
+    )
+    generation = Stepped(generator, [1], penalized)
+    assert [t.logprob for p in generation.logprobs for t in p] == pytest.approx(
+        [expected] * len(script)
+    )
 
 
 def test_stop_string_cuts_the_text_and_never_streams_part_of_it(tokenizer):
@@ -215,6 +233,37 @@ def test_sampling_filters_and_is_reproducible():
     cold = draw(SamplingParams(temperature=0.2)) / 4000
     assert cold[0] > 0.9  # a low temperature sharpens towards the argmax
     np.testing.assert_array_equal(draw(SamplingParams(), seed=7), draw(SamplingParams(), seed=7))
+
+
+def test_rows_sampled_together_are_each_what_it_draws_alone():
+    """A step's rows share one sampling pass (plain softmax, greedy, top-k, top-p and mixed
+    temperatures together); each row's token is the one it draws alone with its own seed, and
+    the two-level draw follows the softmax over a vocabulary of several blocks (and a last,
+    short one)."""
+    vocab = 3 * DRAW_BLOCK + 5
+    logits = np.random.default_rng(0).normal(0, 2, (6, vocab)).astype(np.float32)
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=vocab),  # no restriction: the shared pass
+    ]
+    together = [np.random.default_rng(i) for i in range(6)]
+    alone = [np.random.default_rng(i) for i in range(6)]
+    for _ in range(200):
+        tokens = sample_rows(logits, params, together)
+        assert tokens == [sample(logits[i], params[i], alone[i]) for i in range(6)]
+    rng = np.random.default_rng(1)
+    drawn = np.bincount(
+        sample_rows(np.repeat(logits[:1], 20000, axis=0), [params[0]] * 20000, [rng] * 20000),
+        minlength=vocab,
+    )
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    np.testing.assert_allclose(drawn / 20000, probs, atol=0.01)
+    assert drawn[probs < 1e-6].sum() == 0
 
 
 def _nucleus_by_full_sort(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -464,6 +513,43 @@ class GatedSession:
         self.called.set()
         self.permits.acquire()
         return self.session.run(*args)
+
+
+class SlowSession(GatedSession):
+    """An ORT session whose every run takes at least `seconds`."""
+
+    def __init__(self, session, seconds: float):
+        super().__init__(session)
+        self.seconds = seconds
+
+    def run(self, *args):
+        time.sleep(self.seconds)
+        return self.session.run(*args)
+
+
+def test_a_stream_interval_sends_the_tokens_of_each_interval_as_one_event(tokenizer):
+    """With `stream_interval_s`, the tokens a stream makes within the interval after an event
+    go out as the next one: fewer events than tokens, the same text, each token's logprob
+    reported once."""
+    from app.runtime.decode_loop import DecodeLoop
+
+    text = "def add(a, b):\n    return a + b\n"
+    generator, session, script = scripted(tokenizer, text)
+    generator.decoder.session = SlowSession(session, 0.01)  # a token every 10 ms at least
+    params = SamplingParams(max_tokens=len(script), temperature=0, logprobs=0)
+
+    async def events(interval_s: float):
+        loop = DecodeLoop(generator, stream_interval_s=interval_s)
+        stream = loop.submit([1], params)
+        pieces = [piece async for piece in stream]
+        loop.close()
+        return pieces
+
+    session.runs = 0
+    paced = asyncio.run(events(0.2))
+    assert "".join(p.text for p in paced) == text
+    assert sum(len(p.logprobs) for p in paced) == len(script) >= 8
+    assert len(paced) <= len(script) // 2, [p.text for p in paced]
 
 
 def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step(

@@ -57,7 +57,7 @@ class LMServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.variant = self.artifact.choose_variant(cfg.variant)
         self.generator = self._generator(self.variant)
-        self.loop = DecodeLoop(self.generator, model=self.artifact.name)
+        self.loop = self._loop()
         # What this replica did, for metadata (and the disconnect test): generations running now,
         # finished by reason, and tokens generated in all.
         self.stats: dict[str, int] = {
@@ -85,12 +85,16 @@ class LMServer:
         except ValueError as e:  # a graph this version cannot run: one line naming the artifact
             raise ValueError(f"{self.artifact.uri}: {e}") from None
 
+    def _loop(self) -> DecodeLoop:
+        interval_s = self.cfg.generation.stream_interval_ms / 1000
+        return DecodeLoop(self.generator, model=self.artifact.name, stream_interval_s=interval_s)
+
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
         if variant != self.variant:
             self.generator, self.variant = self._generator(variant), variant
             self.loop.close()  # its streams finish on the old session
-            self.loop = DecodeLoop(self.generator, model=self.artifact.name)
+            self.loop = self._loop()
 
     async def check_health(self) -> None:
         """One greedy token through the decode loop: a loop thread that died or hangs fails
