@@ -172,6 +172,39 @@ def busy_cores(interval_s: float = 1.0) -> float:
     return round((os.cpu_count() or 1) * (1 - (idle1 - idle0) / total), 2)
 
 
+def process_seconds() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) each process on the machine has used so far, by pid, with
+    the start of its command line (Linux /proc; empty elsewhere)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in (
+        (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ()
+    ):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile
+            continue
+        out[pid] = (command[:80], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def process_cores(
+    before: dict[int, tuple[str, float]], seconds: float, floor: float = 0.02
+) -> dict[str, float]:
+    """Cores each process used since `before` (a `process_seconds()`), those above `floor`,
+    busiest first, keyed by its command line."""
+    after = process_seconds()
+    used = {
+        f"{after[pid][0]} [{pid}]": (after[pid][1] - spent) / seconds
+        for pid, (_, spent) in before.items()
+        if pid in after
+    }
+    return {k: round(v, 3) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= floor}
+
+
 def quiet_window(max_wait_s: float = 240.0) -> dict[str, float]:
     """Wait (up to `max_wait_s`) until the machine is quiet; returns what it was at the start:
     {"busy_cores": cores busy over the last second, "load_average_1m": ...}.

@@ -21,7 +21,7 @@ from bench.common import median, percentile
 @dataclass
 class StreamResult:
     tokens: int
-    ttft_ms: float
+    ttft_ms: float  # NaN when the answer has no text (its first token ended it)
     tpot_ms: float  # per output token after the first; NaN with one token
 
 
@@ -79,7 +79,7 @@ class Connection:
         try:
             status, headers = await _read_head(self.reader)
             first = last = None
-            tokens, buffer = 0, b""
+            tokens, finished, buffer = 0, False, b""
             async for data in _body_chunks(self.reader, headers):
                 buffer += data
                 *events, buffer = buffer.split(b"\n\n")
@@ -89,6 +89,7 @@ class Connection:
                     if b'"usage"' in event:
                         usage = json.loads(event[6:]).get("usage") or {}
                         tokens = usage.get("completion_tokens", tokens)
+                        finished = True
                     if first is None and _has_text(event):
                         first = time.perf_counter()
                     last = time.perf_counter()
@@ -97,8 +98,10 @@ class Connection:
         except (ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
             self.close()
             return None
-        if status != 200 or first is None or last is None:
+        if status != 200 or not (first or finished):
             return None
+        if first is None or last is None:  # a sampled end of text as the first token
+            return StreamResult(tokens, float("nan"), float("nan"))
         tpot = 1000 * (last - first) / (tokens - 1) if tokens > 1 else float("nan")
         return StreamResult(tokens, 1000 * (first - start), tpot)
 
@@ -145,13 +148,14 @@ def load(
     """`clients` closed-loop streams for `seconds` (each request's `seed` its own): output
     tokens/s over all of them (from each answer's usage), TTFT p50/p99, TPOT p50."""
     done, failed, elapsed = asyncio.run(_load(host, port, path, body, clients, seconds))
+    ttfts = [d.ttft_ms for d in done if d.ttft_ms == d.ttft_ms]
     tpots = [d.tpot_ms for d in done if d.tpot_ms == d.tpot_ms]
     return {
         "clients": clients,
         "completions": len(done),
         "failed": failed,
         "tokens_per_s": sum(d.tokens for d in done) / elapsed,
-        "ttft_p50_ms": median([d.ttft_ms for d in done]) if done else float("nan"),
-        "ttft_p99_ms": percentile([d.ttft_ms for d in done], 99) if done else float("nan"),
+        "ttft_p50_ms": median(ttfts) if ttfts else float("nan"),
+        "ttft_p99_ms": percentile(ttfts, 99) if ttfts else float("nan"),
         "tpot_p50_ms": median(tpots) if tpots else float("nan"),
     }
