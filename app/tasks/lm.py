@@ -39,8 +39,12 @@ def next_token_loss(
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token cross entropy of a batch of rows, and its rows."""
     ids = batch[TOKENS_KEY].to(device)
-    logits = model(ids[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()), len(ids)
+    return token_loss(model(ids[:, :-1]), ids[:, 1:]), len(ids)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of [batch, time, vocab] logits against [batch, time] token ids."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @torch.no_grad()

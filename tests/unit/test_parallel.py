@@ -206,3 +206,51 @@ def test_consolidated_copy_keeps_tied_weights_tied(one_rank_group, tmp_path):
     loaded = TiedLM()
     load_model(loaded, str(tmp_path / "model.safetensors"))
     torch.testing.assert_close(loaded.head.weight, plain.tokens.weight)
+
+
+# --- pipeline stages (app/train/pipeline.py; the schedules run in tests/integration) ----------
+
+
+def test_pipeline_blocks_split_evenly_or_at_the_given_points():
+    from app.train.pipeline import block_ranges
+
+    assert block_ranges(4, 2) == [range(0, 2), range(2, 4)]
+    assert block_ranges(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert block_ranges(12, 2, [3]) == [range(0, 3), range(3, 12)]
+    assert [len(r) for r in block_ranges(12, 4, [1, 2, 11])] == [1, 1, 9, 1]
+
+
+@pytest.mark.parametrize(
+    "blocks, stages, points, words",
+    [
+        (4, 1, (), "1 stages for a model of 4 blocks"),
+        (2, 3, (), "3 stages for a model of 2 blocks"),
+        (4, 2, (0,), "split_points=[0]"),
+        (4, 2, (4,), "split_points=[4]"),
+        (4, 3, (2, 2), "2 increasing block indices between 1 and 3"),
+        (4, 3, (2,), "split_points=[2]"),
+    ],
+)
+def test_a_bad_pipeline_split_is_one_line_naming_the_key(blocks, stages, points, words):
+    from app.train.pipeline import block_ranges
+
+    with pytest.raises(ValueError, match="train.pipeline") as err:
+        block_ranges(blocks, stages, points)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pipeline_mesh_rows_and_columns():
+    from app.train.pipeline import Mesh
+
+    mesh = Mesh(stages=2, world=6, rank=3)
+    assert (mesh.row, mesh.stage_rank, mesh.rows) == (1, 1, 3)
+    assert mesh.pipeline_ranks(1) == [2, 3] and mesh.data_ranks(1) == [1, 3, 5]
+    with pytest.raises(ValueError, match="the 3 workers must be a multiple of the stages"):
+        Mesh(stages=2, world=3, rank=0)
+
+
+def test_a_model_without_a_split_is_refused_naming_it():
+    from app.train.pipeline import split_of
+
+    with pytest.raises(ValueError, match="MLP has no split"):
+        split_of(MLP(4, 2, [8]))

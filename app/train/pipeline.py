@@ -1,0 +1,296 @@
+"""Pipeline parallelism: a transformer's blocks split into stages across ranks, each rank
+holding only its stages' parameters, on `torch.distributed.pipelining` (gloo on CPU, NCCL on
+GPU). No Ray here: Ray Train workers and plain `torch.distributed` processes call the same
+functions, as with app/train/parallel.py.
+
+- A model family divides into a `Split`: what the first stage holds and runs before the blocks
+  (embeddings), how one block runs, what the last stage holds and runs after them (final norm,
+  head). A new family is an entry in `SPLITS`.
+- `block_ranges` places the blocks: evenly, or at the given split points.
+- With more ranks than stages the ranks form a 2-D mesh (`Mesh`): `stages` ranks in a row run one
+  pipeline, the ranks holding the same stage in every row average their gradients (data
+  parallelism).
+- A parameter two stages share (GPT-2's token embedding, which is also its output head) lives on
+  both; each computes its own part of the gradient and the two are summed after each step, so
+  the copies stay equal.
+- Schedules: GPipe, 1F1B and interleaved 1F1B (`VIRTUAL_STAGES` stages a rank). Gradients are
+  scaled by the microbatch count, so with equal microbatches a step's loss and gradients are
+  those of the whole batch through the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.models.gpt import GPT
+from app.train.parallel import BLOCK_CONTAINERS
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Interleaved 1F1B holds this many stages a rank (stage r, r + ranks, ...): its bubble shrinks
+# with each, and each adds a send per microbatch.
+VIRTUAL_STAGES = 2
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Split:
+    first: tuple[str, ...]  # attributes the first stage holds (run by `embed`)
+    last: tuple[str, ...]  # attributes the last stage holds (run by `finish`)
+    embed: Callable[[Any, torch.Tensor], torch.Tensor]  # (stage, model input) -> hidden
+    block: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (block, hidden) -> hidden
+    finish: Callable[[Any, torch.Tensor], torch.Tensor]  # (stage, hidden) -> model output
+
+
+def _gpt_embed(stage: Any, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    return stage.dropout(stage.tokens(ids) + stage.positions(positions))
+
+
+SPLITS: dict[type[nn.Module], Split] = {
+    GPT: Split(
+        first=("tokens", "positions", "dropout"),
+        last=("norm", "head"),
+        embed=_gpt_embed,
+        block=lambda block, x: block(x)[0],  # a GPT block also returns its keys and values
+        finish=lambda stage, x: stage.head(stage.norm(x)),
+    ),
+}
+
+
+def split_of(model: nn.Module) -> Split:
+    split = SPLITS.get(type(model))
+    if split is None:
+        known = ", ".join(sorted(t.__name__ for t in SPLITS))
+        raise ValueError(f"train.strategy=pipeline: {type(model).__name__} has no split ({known})")
+    return split
+
+
+def block_ranges(blocks: int, stages: int, split_points: Sequence[int] = ()) -> list[range]:
+    """The blocks each stage runs: `stages` contiguous ranges, even (the first stages take
+    one more when they do not divide), or starting at each of `split_points`."""
+    if not 2 <= stages <= blocks:
+        raise ValueError(f"train.pipeline: {stages} stages for a model of {blocks} blocks")
+    if split_points:
+        points = list(split_points)
+        inside = points and points[0] > 0 and points[-1] < blocks
+        if len(points) != stages - 1 or points != sorted(set(points)) or not inside:
+            raise ValueError(
+                f"train.pipeline.split_points={points}: {stages - 1} increasing block indices "
+                f"between 1 and {blocks - 1} (the first block of each stage after the first)"
+            )
+        bounds = [0, *points, blocks]
+    else:
+        size, extra = divmod(blocks, stages)
+        bounds = [0]
+        for i in range(stages):
+            bounds.append(bounds[-1] + size + (i < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class Stage(nn.Module):
+    """The part of a model one stage runs. Its parameters keep the model's names (the blocks
+    under their own indices), so the stages' state dicts together are the model's."""
+
+    def __init__(self, model: nn.Module, split: Split, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.split, self.first, self.last = split, first, last
+        for name in (split.first if first else ()) + (split.last if last else ()):
+            setattr(self, name, getattr(model, name))
+        container = _block_container(model)
+        every = getattr(model, container)
+        setattr(self, container, nn.ModuleDict({str(i): every[i] for i in blocks}))
+        self._blocks = list(getattr(self, container).values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.split.embed(self, x)
+        for block in self._blocks:
+            x = self.split.block(block, x)
+        return self.split.finish(self, x) if self.last else x
+
+
+def _block_container(model: nn.Module) -> str:
+    for name in BLOCK_CONTAINERS:
+        if isinstance(getattr(model, name, None), nn.ModuleList | nn.Sequential):
+            return name
+    raise ValueError(f"train.strategy=pipeline: {type(model).__name__} has no blocks to split")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Ranks as rows of `stages`: row k runs pipeline k (ranks k*stages .. k*stages+stages-1);
+    the ranks holding one stage in every row are its data-parallel group."""
+
+    stages: int
+    world: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.world % self.stages:
+            raise ValueError(
+                f"train.pipeline.stages={self.stages}: the {self.world} workers must be a "
+                "multiple of the stages"
+            )
+
+    @property
+    def stage_rank(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def rows(self) -> int:
+        return self.world // self.stages
+
+    @property
+    def row(self) -> int:
+        return self.rank // self.stages
+
+    def pipeline_ranks(self, row: int) -> list[int]:
+        return [row * self.stages + s for s in range(self.stages)]
+
+    def data_ranks(self, stage_rank: int) -> list[int]:
+        return [r * self.stages + stage_rank for r in range(self.rows)]
+
+
+class Pipeline:
+    """This rank's stages of a model, the schedule that runs them, and the gradient sums a step
+    needs. Every rank builds the whole model from the same seed and keeps its stages' parts
+    (the rest is freed once the caller drops the model)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        schedule: str,
+        microbatches: int,
+        loss_fn: LossFn,
+        device: torch.device,
+        split_points: Sequence[int] = (),
+    ):
+        from torch.distributed.pipelining import PipelineStage
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"train.pipeline.schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
+        split, self.mesh = split_of(model), mesh
+        virtual = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
+        count = mesh.stages * virtual
+        ranges = block_ranges(len(getattr(model, _block_container(model))), count, split_points)
+        self.groups = _groups(mesh)
+        indices = [mesh.stage_rank + v * mesh.stages for v in range(virtual)]
+        self.stages = [
+            Stage(model, split, ranges[i], i == 0, i == count - 1).to(device) for i in indices
+        ]
+        self.tied = _tied_names(model, split)
+        pipes = [
+            PipelineStage(stage, i, count, device, group=self.groups.pipeline)
+            for stage, i in zip(self.stages, indices, strict=True)
+        ]
+        self.schedule = _schedule(schedule, pipes, microbatches, loss_fn)
+
+    @property
+    def holds_input(self) -> bool:
+        return self.mesh.stage_rank == 0
+
+    @property
+    def holds_output(self) -> bool:
+        return self.mesh.stage_rank == self.mesh.stages - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for stage in self.stages for p in stage.parameters()]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch over every stage (gradients accumulate in this
+        rank's parameters, summed over tied copies and averaged over the data-parallel rows).
+        Returns the batch's mean loss on the rank holding the last stage, None elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_input else ()
+        target = targets if self.holds_output else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self._sum_tied()
+        self._average_rows()
+        return torch.stack(losses).mean() if losses else None
+
+    def _sum_tied(self) -> None:
+        if self.groups.tied is None:
+            return
+        held = dict(self.named_parameters())
+        for names in self.tied:
+            param = next(held[n] for n in names if n in held)
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.groups.tied)
+
+    def _average_rows(self) -> None:
+        if self.groups.data is None:
+            return
+        for param in self.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.groups.data)
+                param.grad /= self.mesh.rows
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for stage in self.stages for n, p in stage.named_parameters()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's part of the model's state dict, under the model's names."""
+        return {k: v for stage in self.stages for k, v in stage.state_dict().items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU in the first rank of row 0 (empty elsewhere):
+        every stage's part gathered over the row's pipeline. A collective of row 0."""
+        if self.mesh.row != 0:
+            return {}
+        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        parts: list[Any] = [None] * self.mesh.stages if self.mesh.stage_rank == 0 else []
+        dist.gather_object(mine, parts or None, dst=0, group=self.groups.pipeline)
+        return {k: v for part in parts for k, v in part.items()}
+
+
+@dataclass(frozen=True)
+class _Groups:
+    pipeline: Any  # this rank's row
+    data: Any  # this rank's stage in every row (None with one row)
+    tied: Any  # this row's first and last rank (None when nothing is tied)
+
+
+def _groups(mesh: Mesh) -> _Groups:
+    """Every process group of the mesh, created on every rank in the same order (a collective)."""
+    pipeline = data = tied = None
+    for row in range(mesh.rows):
+        ranks = mesh.pipeline_ranks(row)
+        group = dist.new_group(ranks)
+        ends = dist.new_group([ranks[0], ranks[-1]])
+        if row == mesh.row:
+            pipeline = group
+            tied = ends if mesh.stage_rank in (0, mesh.stages - 1) else None
+    for stage_rank in range(mesh.stages):
+        group = dist.new_group(mesh.data_ranks(stage_rank))
+        if stage_rank == mesh.stage_rank and mesh.rows > 1:
+            data = group
+    return _Groups(pipeline, data, tied)
+
+
+def _tied_names(model: nn.Module, split: Split) -> list[tuple[str, ...]]:
+    """Names of each parameter the first and the last stage both hold (all its names)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+
+    def held(attrs: tuple[str, ...]) -> set[int]:
+        return {id(p) for a in attrs for p in getattr(model, a).parameters()}
+
+    shared = held(split.first) & held(split.last)
+    return [tuple(names[i]) for i in shared]
+
+
+def _schedule(name: str, stages: list[Any], microbatches: int, loss_fn: LossFn) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return single(stages[0], microbatches, loss_fn=loss_fn)
