@@ -473,6 +473,10 @@ class ServeConfig(_Section):
     health_check_period_s: float = Field(10.0, gt=0)  # Serve's replica health check period
     # A check that has not answered by then fails it (a replica failing 3 in a row is replaced).
     health_check_timeout_s: float = Field(30.0, gt=0)
+    # A replica being stopped (downscaled, replaced, unhealthy) waits this long for its running
+    # requests, then is killed: raise it for long generations, lower it to replace a wedged
+    # replica sooner. Serve's default.
+    graceful_shutdown_timeout_s: float = Field(20.0, gt=0)
     # Serve's per-request access log line in each model replica's log. Off by default: every
     # request is already counted in raytorch_requests_total (model, status) and Serve's own
     # request metrics, and the line costs a measurable share of a small model's request.

@@ -45,9 +45,10 @@ TINY = [
     "serve.generation.max_streams=2",
     "serve.autoscaling.min_replicas=1",
     "serve.autoscaling.max_replicas=1",
-    # A wedged decode loop is found within seconds (its test).
+    # A wedged decode loop is found and its replica stopped within seconds (its test).
     "serve.health_check_period_s=1",
     "serve.health_check_timeout_s=2",
+    "serve.graceful_shutdown_timeout_s=1",
 ]
 
 

@@ -115,6 +115,7 @@ def model_deployment(spec: ModelSpec, cfg: ServeConfig):
             user_config={"variant": cfg.variant},
             health_check_period_s=cfg.health_check_period_s,
             health_check_timeout_s=cfg.health_check_timeout_s,
+            graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
             logging_config={"enable_access_log": cfg.access_log},
         )
         .bind(artifact, cfg.model_dump(mode="json"))
