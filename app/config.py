@@ -307,7 +307,9 @@ class ExportConfig(_Section):
     registry: str = "outputs/registry"  # where artifacts are published (a path or URI)
     name: str | None = Field(None, pattern=NAME_PATTERN)  # default: the workload name
     opset: int = Field(17, ge=13)  # ONNX opset of the exported graphs
-    quantization: Literal["auto", "dynamic", "static"] = "auto"  # auto: static (batch-independent)
+    # auto: static everywhere, else static on the Linear layers alone, else weight-only (each
+    # batch-independent: app/export/quantize.py); dynamic scales activations per call.
+    quantization: Literal["auto", "dynamic", "static", "static_linear"] = "auto"
     calibration_batches: int = Field(32, ge=1)  # of 32 train rows, spread over the split
     # Percentage points int8 may lose against fp32 (never less than one validation sample);
     # negative demands that int8 beat fp32.

@@ -173,7 +173,8 @@ def dynamic_axes(pre: Preprocessor, names: list[str]) -> dict[str, dict[int, str
 def quantize_within_gate(
     config: Config, loaded: LoadedCheckpoint, fp32: str, int8: str, sample, work: str
 ) -> dict[str, Any]:
-    """Each quantization method in turn (by default static, then weight-only) until one's int8
+    """Each quantization method in turn (by default static, static on the Linear layers, then
+    weight-only) until one's int8
     passes the gate. When none does, the first method's report comes back (the gate then
     refuses with what the default method lost)."""
     prepared = os.path.join(work, "prepared.onnx")
@@ -215,7 +216,7 @@ def quantize_method(
     `export.max_size_ratio` still holds)."""
     e, pre = config.export, loaded.preprocessor
     per_channel = is_conv_net(loaded.model)
-    calibration = q.calibration_inputs(config, pre) if method == "static" else []
+    calibration = q.calibration_inputs(config, pre) if q.calibrated(method) else []
     excluded: list[str] = []
     ranking: list[str] | None = None
     previous: dict[str, Any] | None = None
@@ -227,7 +228,7 @@ def quantize_method(
         report["quantization"] = {
             "method": method,
             "weight_type": "QInt8",
-            "per_channel": per_channel and method == "static",
+            "per_channel": per_channel and q.calibrated(method),
             # Static scales are constants of the artifact, and weight-only leaves activations
             # in fp32: either way a row's answer is its own, whatever it is batched with.
             "batch_independent": method != "dynamic",

@@ -5,8 +5,11 @@
   the artifact and a row's answer never depends on the rows batched with it. Weights get a
   scale per channel in conv nets and one per tensor in Linear-heavy nets (per-channel scales
   cost bytes that kilobyte-sized layers cannot afford under a 0.3x size bound).
-- When static scales cost more accuracy than the gate allows (a Transformer's attention),
-  weight-only: int8 weights, fp32 activations (`MatMulNBits`), batch-independent too.
+- When static scales everywhere cost more accuracy than the gate allows (a Transformer's
+  attention, softmax and residual sums), `static_linear`: the same static scales on the Linear
+  layers alone (MatMul/Gemm with a weight; attention's activation x activation MatMuls and every
+  other op stay fp32), embedding tables as int8 rows. Integer GEMMs where the FLOPs are.
+- Else weight-only: int8 weights, fp32 activations (`MatMulNBits`), batch-independent too.
 - `dynamic` (opt-in) quantizes activations on the fly with a scale per call: smaller graphs,
   but a row's probabilities then move with its batch mates.
 `layer_sensitivity` measures, for each quantizable node, the accuracy regained by keeping that one
@@ -37,10 +40,16 @@ Inputs = dict[str, np.ndarray]
 
 
 def methods_for(config: Config) -> list[str]:
-    """The methods export tries in turn until one passes the gate: by default static, then
-    weight-only (a Transformer's attention loses accuracy to static activation scales)."""
+    """The methods export tries in turn until one passes the gate: by default static
+    everywhere, then static on the Linear layers alone (a Transformer's attention loses
+    accuracy to static activation scales), then weight-only."""
     method = config.export.quantization
-    return ["static", "weight_only"] if method == "auto" else [method]
+    return ["static", "static_linear", "weight_only"] if method == "auto" else [method]
+
+
+def calibrated(method: str) -> bool:
+    """Whether the method's activation scales come from calibration rows."""
+    return method in ("static", "static_linear")
 
 
 def prepare_for_quantization(fp32: str, prepared: str) -> None:
@@ -82,6 +91,7 @@ def quantize(
         return
     from onnxruntime.quantization import CalibrationMethod, QuantFormat
 
+    linear = method == "static_linear"
     quantize_static(
         prepared,
         int8,
@@ -91,8 +101,28 @@ def quantize(
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
-        nodes_to_exclude=exclude or None,
+        nodes_to_exclude=[*exclude, *activation_matmuls(prepared)] if linear else exclude or None,
+        op_types_to_quantize=["MatMul", "Gemm"] if linear else None,
     )
+    if linear:
+        import onnx
+
+        model = onnx.load(int8)
+        quantize_embeddings(model)
+        onnx.save_model(model, int8)
+
+
+def activation_matmuls(path: str) -> list[str]:
+    """MatMul nodes with no weight among their inputs (attention's scores and mix)."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    weights = {i.name for i in graph.initializer}
+    return [
+        n.name
+        for n in graph.node
+        if n.op_type == "MatMul" and n.name and not any(i in weights for i in n.input)
+    ]
 
 
 def quantize_weight_only(
