@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Bench, bench_main, free_port, ratio, wait_for_quiet
+from bench.common import Bench, bench_main, free_port, rank_bytes, ratio, wait_for_quiet
 
 ID = "B11"
 GOAL = "FSDP parameter + gradient + optimizer bytes per rank <= 0.55x DDP's (2 ranks)"
@@ -70,16 +70,7 @@ def _worker(rank: int, port: int, strategy: str, size: dict[str, int], out: str)
 
 
 def measure(strategy: str, size: dict[str, int], work: Path) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(free_port(), strategy, size, str(work)), nprocs=WORLD, join=True)
-    ranks = [json.loads((work / f"{strategy}-rank{r}.json").read_text()) for r in range(WORLD)]
-    largest = max(ranks, key=lambda r: r["total"])
-    return {
-        "bytes_per_rank": {k: largest[k] for k in ("params", "grads", "optimizer", "total")},
-        "ranks": ranks,
-        "steady_step_s": max(r["steady_step_s"] for r in ranks),
-    }
+    return rank_bytes(_worker, (free_port(), strategy, size, str(work)), WORLD, work, strategy)
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:

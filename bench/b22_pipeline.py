@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Bench, bench_main, free_port, ratio, wait_for_quiet
+from bench.common import Bench, bench_main, free_port, rank_bytes, ratio, wait_for_quiet
 
 ID = "B22"
 GOAL = "pipeline (2 stages) parameter + gradient + optimizer bytes per rank <= 0.6x DDP's"
@@ -139,17 +139,8 @@ def _bytes(parameters, optimizer) -> dict[str, int]:
 
 
 def measure(strategy: str, size: dict, batch: tuple, work: Path) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     args = (free_port(), strategy, size, batch, str(work))
-    mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
-    ranks = [json.loads((work / f"{strategy}-rank{r}.json").read_text()) for r in range(WORLD)]
-    largest = max(ranks, key=lambda r: r["total"])
-    return {
-        "bytes_per_rank": {k: largest[k] for k in ("params", "grads", "optimizer", "total")},
-        "ranks": ranks,
-        "steady_step_s": max(r["steady_step_s"] for r in ranks),
-    }
+    return rank_bytes(_worker, args, WORLD, work, strategy)
 
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:

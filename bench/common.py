@@ -205,6 +205,22 @@ def process_cores(
     return {k: round(v, 3) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v >= floor}
 
 
+def rank_bytes(worker, args: tuple, world: int, work: Path, strategy: str) -> dict[str, Any]:
+    """Spawn `world` plain torch.distributed ranks of `worker(rank, *args)`, each writing
+    `<work>/<strategy>-rank<r>.json` (its parameter / gradient / optimizer / total bytes and
+    steady step time); the largest rank's bytes, every rank's record, the slowest step."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=args, nprocs=world, join=True)
+    ranks = [json.loads((work / f"{strategy}-rank{r}.json").read_text()) for r in range(world)]
+    largest = max(ranks, key=lambda r: r["total"])
+    return {
+        "bytes_per_rank": {k: largest[k] for k in ("params", "grads", "optimizer", "total")},
+        "ranks": ranks,
+        "steady_step_s": max(r["steady_step_s"] for r in ranks),
+    }
+
+
 def quiet_window(max_wait_s: float = 240.0) -> dict[str, float]:
     """Wait (up to `max_wait_s`) until the machine is quiet; returns what it was at the start:
     {"busy_cores": cores busy over the last second, "load_average_1m": ...}.

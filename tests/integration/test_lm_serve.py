@@ -628,9 +628,6 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
     the route and its encoders run once per event, not per token; what is left is the decode
     step: the loop, its test hook, the KV step, sampling, the stream's text and its hand-off."""
     import asyncio
-    import sys
-    import threading
-    from collections import Counter
 
     import httpx
 
@@ -639,19 +636,10 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
     from app.serve.http.clients import LocalModel, Models
     from app.serve.metrics import IngressMetrics
     from app.serve.replicas.lm_server import LMServer
-    from tests.integration.test_request_depth import counted
+    from tests.integration.test_request_depth import tracing
 
     config, summary = lm_artifact
-    entered: Counter[tuple[str, str]] = Counter()
-    recording = threading.Event()
-
-    def profile(frame, event, arg):
-        if event == "call" and recording.is_set() and (where := counted(frame)) is not None:
-            entered[where] += 1
-
-    threading.setprofile(profile)  # before the decode loop's thread starts
-    sys.setprofile(profile)
-    try:
+    with tracing() as (entered, recording):  # before the decode loop's thread starts
         cfg = ServeConfig()
         server = LMServer(summary["artifact"], cfg)
         api = create_api(
@@ -679,9 +667,6 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
             return json.loads(events[-1].removeprefix("data: "))["usage"]
 
         usage = asyncio.run(requests_())
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
     tokens = usage["completion_tokens"]
     assert tokens >= 10, usage
     per_token = sorted(where for where, calls in entered.items() if calls >= tokens - 1)

@@ -7,9 +7,11 @@ neither is the metrics flush thread, which runs once a second beside every reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -33,6 +35,27 @@ def counted(frame) -> tuple[str, str] | None:
     return module, code.co_qualname
 
 
+@contextlib.contextmanager
+def tracing() -> Iterator[tuple[Counter[tuple[str, str]], threading.Event]]:
+    """A profiler on this thread and every thread started inside the block (enter it before
+    the app's pools and loops start): (module, function) -> calls, counted while the event is
+    set."""
+    entered: Counter[tuple[str, str]] = Counter()
+    recording = threading.Event()
+
+    def profile(frame, event, arg):
+        if event == "call" and recording.is_set() and (where := counted(frame)) is not None:
+            entered[where] += 1
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        yield entered, recording
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
 def test_a_v2_request_enters_few_project_functions_over_few_modules(exported):
     from app.config import ServeConfig
     from app.serve.http.api import create_api
@@ -41,16 +64,7 @@ def test_a_v2_request_enters_few_project_functions_over_few_modules(exported):
     from app.serve.replicas.model_server import ModelServer
 
     config, result = exported("digits")
-    entered: Counter[tuple[str, str]] = Counter()
-    recording = threading.Event()
-
-    def profile(frame, event, arg):
-        if event == "call" and recording.is_set() and (where := counted(frame)) is not None:
-            entered[where] += 1
-
-    threading.setprofile(profile)  # before the replica's pools start their threads
-    sys.setprofile(profile)
-    try:
+    with tracing() as (entered, recording):  # before the replica's pools start their threads
         cfg = ServeConfig()
         server = ModelServer(result["artifact"], cfg)
         api = create_api(
@@ -80,9 +94,6 @@ def test_a_v2_request_enters_few_project_functions_over_few_modules(exported):
                 assert answer.status_code == 200, answer.text
 
         asyncio.run(requests())
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
     modules = sorted({module for module, _ in entered})
     listing = "\n".join(f"{m}:{f}" for m, f in sorted(entered))
     assert len(entered) <= MAX_FUNCTIONS, f"{len(entered)} functions:\n{listing}"
