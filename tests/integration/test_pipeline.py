@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from app.models.gpt import GPT
 from app.tasks.lm import token_loss
 from app.train.pipeline import SCHEDULES, Mesh, Pipeline
+from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration
 ROWS, MICROBATCHES = 8, 4
@@ -77,8 +78,7 @@ def rank_main(rank: int, world: int, stages: int, schedules: list[str], init: st
                 diff = (state[name] - value).abs().max().item()
                 assert diff < 1e-5, f"{kind}: {name} after a step off by {diff}"
         dist.barrier()
-    dist.barrier()  # all ranks leave together (gloo aborts a rank whose peer left first)
-    dist.destroy_process_group()
+    leave_together()
 
 
 def run_ranks(tmp_path, world: int, stages: int, schedules: list[str]) -> None:

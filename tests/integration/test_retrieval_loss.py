@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.tasks.retrieval import pair_loss
+from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration
 
@@ -65,9 +66,7 @@ def rank_main(rank: int, init: str, out: str) -> None:
         g /= 2
     if rank == 0:
         torch.save({"loss": float(total) / 2, "grads": grads}, out)
-    # Both ranks leave together: gloo aborts a rank whose peer tore the group down first.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_together()
 
 
 def test_two_ranks_give_the_loss_and_gradients_of_one_process_on_the_whole_batch(tmp_path):

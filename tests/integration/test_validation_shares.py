@@ -20,6 +20,7 @@ from app.data.feed import MemoryFeed, padded
 from app.data.ingest import padding_batches, rank_range
 from app.tasks.classify import validate_classifier
 from app.tasks.retrieval import validate_retrieval
+from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration
 ROWS, BATCH = 9, 4  # over 2 ranks: 4 rows (1 batch) and 5 rows (2 batches)
@@ -84,8 +85,7 @@ def rank_main(rank: int, task: str, init: str, out: str) -> None:
         model = Towers()
     metrics = validate(task, model, rank, 2)
     torch.save(metrics, f"{out}.{rank}")
-    dist.barrier()  # both ranks leave together (gloo aborts a rank whose peer left first)
-    dist.destroy_process_group()
+    leave_together()
 
 
 @pytest.mark.parametrize("task", ["classify", "retrieval"])
