@@ -317,7 +317,8 @@ class DecodeLoop:
         deliver(handoffs)
         if gone:
             self.batch.leave(*gone)
-            self.rows = [g for row, g in enumerate(self.rows) if row not in set(gone)]
+            left = set(gone)
+            self.rows = [g for row, g in enumerate(self.rows) if row not in left]
 
     def _step_alone(self, tokens: list[int | None], error: Exception) -> np.ndarray:
         """The failed step again, each row on its own cache; the batch is rebuilt from the

@@ -97,13 +97,14 @@ class Stage(nn.Module):
     """The part of a model one stage runs. Its parameters keep the model's names (the blocks
     under their own indices), so the stages' state dicts together are the model's."""
 
-    def __init__(self, model: nn.Module, split: Split, blocks: range, first: bool, last: bool):
+    def __init__(
+        self, model: nn.Module, split: Split, container: str, blocks: range, first: bool, last: bool
+    ):
         super().__init__()
         self.split, self.first, self.last = split, first, last
         for name in (split.first if first else ()) + (split.last if last else ()):
             setattr(self, name, getattr(model, name))
-        container = _block_container(model)
-        every = getattr(model, container)
+        every = getattr(model, container)  # the model's blocks, under the model's name
         setattr(self, container, nn.ModuleDict({str(i): every[i] for i in blocks}))
         self._blocks = list(getattr(self, container).values())
 
@@ -179,11 +180,13 @@ class Pipeline:
         split, self.mesh = split_of(model), mesh
         virtual = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
         count = mesh.stages * virtual
-        ranges = block_ranges(len(getattr(model, _block_container(model))), count, split_points)
+        container = _block_container(model)
+        ranges = block_ranges(len(getattr(model, container)), count, split_points)
         self.groups = _groups(mesh)
         indices = [mesh.stage_rank + v * mesh.stages for v in range(virtual)]
         self.stages = [
-            Stage(model, split, ranges[i], i == 0, i == count - 1).to(device) for i in indices
+            Stage(model, split, container, ranges[i], i == 0, i == count - 1).to(device)
+            for i in indices
         ]
         self.tied = _tied_names(model, split)
         pipes = [
