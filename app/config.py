@@ -187,6 +187,19 @@ class ModelConfig(_Section):
         return self
 
 
+class PipelineSection(_Section):
+    """`train.pipeline`: how `train.strategy: pipeline` splits the model (app/train/pipeline.py)."""
+
+    stages: int = Field(2, ge=2)  # ranks one pipeline spans; workers are a multiple of it
+    microbatches: int = Field(4, ge=1)  # a batch's slices in flight; divides train.batch_size
+    # gpipe: all forwards, then all backwards (activations of every microbatch held); 1f1b:
+    # one forward, one backward (at most `stages` held); interleaved_1f1b: 2 stages a rank,
+    # a smaller idle share for one more send per microbatch.
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    # The first block of each stage after the first (null: the blocks split evenly).
+    split_points: list[int] = Field(default_factory=list)
+
+
 class TrainConfig(_Section):
     # What the run learns: a registered task (app/tasks/registry.py) or "pkg.module:TASK";
     # by default the one the dataset's kind calls for (classify labelled rows, lm token rows).
@@ -238,8 +251,11 @@ class TrainConfig(_Section):
     max_steps_per_epoch: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # How ranks share the model (app/train/parallel.py): `ddp` replicates it; `fsdp` shards parameters,
-    # gradients and optimizer state per block (FSDP2), with sharded checkpoints.
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # gradients and optimizer state per block (FSDP2), with sharded checkpoints; `pipeline`
+    # splits a transformer's blocks into `train.pipeline.stages` stages, one a rank (rows of
+    # stages when there are more workers: data parallel across rows), sharded checkpoints too.
+    strategy: Literal["ddp", "fsdp", "pipeline"] = "ddp"
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block (or the whole model if it has no blocks)
     # torch.profiler trace of this many optimizer steps (after one warm-up step) per rank, to
@@ -284,6 +300,33 @@ class TrainConfig(_Section):
         if low < 1 or high < low:
             raise ValueError("a count >= 1, or [min, max] with 1 <= min <= max")
         return value
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> TrainConfig:
+        if self.strategy != "pipeline":
+            return self
+        p = self.pipeline
+        if self.batch_size % p.microbatches:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} must be a multiple of "
+                f"train.pipeline.microbatches={p.microbatches}"
+            )
+        if any(n % p.stages for n in self.worker_range):
+            raise ValueError(
+                f"train.num_workers={self.num_workers}: with train.strategy=pipeline each count "
+                f"must be a multiple of train.pipeline.stages={p.stages}"
+            )
+        if self.precision == "fp16" or self.compile:
+            raise ValueError(
+                "train.strategy=pipeline runs fp32 or bf16 without train.compile "
+                "(fp16's loss scaling and compiled stages are not supported)"
+            )
+        return self
+
+    @property
+    def stages(self) -> int:
+        """Ranks that see the same batch: a pipeline's stages (1 under ddp and fsdp)."""
+        return self.pipeline.stages if self.strategy == "pipeline" else 1
 
     @property
     def worker_range(self) -> tuple[int, int]:

@@ -14,9 +14,23 @@ from app.predict.actor import PREDICTOR
 from app.predict.generate import CompletionPredictor
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import LMApp
-from app.tasks.lm import headline, next_token_loss, reference_metrics, validate_lm
+from app.tasks.lm import (
+    headline,
+    next_token_loss,
+    reference_metrics,
+    shifted,
+    token_loss,
+    validate_lm,
+)
 from app.tasks.registry import Task
-from app.train.parts import HEADLINE, LOSS, REFERENCE, VALIDATE
+from app.train.parts import (
+    HEADLINE,
+    LOSS,
+    PIPELINE_BATCH,
+    PIPELINE_LOSS,
+    REFERENCE,
+    VALIDATE,
+)
 
 
 def spec() -> Task:
@@ -32,6 +46,8 @@ def spec() -> Task:
                 PREPARE.of(tokenize_corpus),
                 DATASET_PREPROCESSOR.of(dataset_preprocessor),
                 LOSS.of(next_token_loss),
+                PIPELINE_BATCH.of(shifted),
+                PIPELINE_LOSS.of(token_loss),
                 VALIDATE.of(validate_lm),
                 HEADLINE.of(headline),
                 REFERENCE.of(reference_metrics),

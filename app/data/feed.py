@@ -164,6 +164,14 @@ def padded(batches: Iterable[Batch], extra: int) -> Iterator[Batch]:
         yield first | {PADDING_KEY: torch.ones(1, dtype=torch.bool)}
 
 
+def padding_only(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """`batches`, each marked as padding: forward passes this rank runs but does not count (a
+    pipeline stage before the last)."""
+    mark = torch.ones(1, dtype=torch.bool)
+    for batch in batches:
+        yield batch | {PADDING_KEY: mark}
+
+
 def unpadded(batch: Batch) -> tuple[Batch, bool]:
     """A validation batch without its padding mark, and whether it was padding (its forward
     pass is run, its rows are not counted)."""

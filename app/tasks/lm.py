@@ -38,8 +38,14 @@ def next_token_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token cross entropy of a batch of rows, and its rows."""
-    ids = batch[TOKENS_KEY].to(device)
-    return token_loss(model(ids[:, :-1]), ids[:, 1:]), len(ids)
+    inputs, targets = shifted(batch)
+    return token_loss(model(inputs.to(device)), targets.to(device)), len(inputs)
+
+
+def shifted(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's model input (each row's first `block_size` ids) and targets (the next ids)."""
+    ids = batch[TOKENS_KEY]
+    return ids[:, :-1], ids[:, 1:]
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

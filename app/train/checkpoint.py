@@ -151,13 +151,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # into `sharded/` of its local checkpoint folder (Ray Train merges the ranks' folders into one), and
 # its RNG state as `sharded/rng-rank<k>.pt`. Rank 0 also writes the usual consolidated
 # `model.safetensors`, `train_state.pt` (without the optimizer) and `meta.json`, so evaluate and
-# export read an FSDP checkpoint exactly like a DDP one. Loading reshards: a run may resume on a
-# different number of ranks.
+# export read a sharded checkpoint exactly like a DDP one. Every tensor is keyed by the
+# parameter's name in the unsplit model (the optimizer's state too, flattened), so loading
+# reshards: a run may resume on another number of ranks, or a pipeline at another stage count.
 SHARDED = "sharded"
 
 
 def is_sharded(folder: str) -> bool:
     return os.path.isdir(os.path.join(folder, SHARDED))
+
+
+def _by_name() -> Any:
+    """Optimizer state keyed by parameter name (`state.<name>.exp_avg`), not by position."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save_sharded(
@@ -168,7 +176,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = os.path.join(folder, SHARDED)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_by_name())
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
 
@@ -182,13 +190,20 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = os.path.join(folder, SHARDED)
-    model_state, optim_state = get_state_dict(model, optimizer)  # the shapes to read into
+    options = _by_name()
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)  # to read into
     try:  # in place, into the tensors of the two state dicts
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except Exception as e:  # noqa: BLE001 - DCP wraps each rank's failure in its own kind
         lines = str(e).strip().splitlines() or [type(e).__name__]
         raise CheckpointError(f"{path}: unreadable sharded checkpoint ({lines[0]})") from e
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
     rng = os.path.join(path, f"rng-rank{rank}.pt")
     return torch.load(rng, weights_only=True) if os.path.isfile(rng) else None
 

@@ -22,13 +22,15 @@ from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
-from app.train import checkpoint, elastic, finetune, tracking
+from app.train import checkpoint, elastic, finetune, pipeline, tracking
 from app.train.loop import best_index, short_budget, steady_median
-from app.train.parts import REFERENCE
+from app.train.parts import PIPELINE_BATCH, PIPELINE_LOSS, REFERENCE
 from app.train.profiling import PROFILE_DIR
 from app.train.worker import train_loop
 
 if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the driver only
+    from torch import nn
+
     from app.data.ingest import DataPlan
     from app.data.prepare import DatasetManifest
 
@@ -103,6 +105,7 @@ def plan_run(config: Config) -> RunPlan:
     # A model that cannot take this data, or cannot fit a worker, fails here (built on the meta
     # device: structure without memory).
     model = finetune.meta_model(lambda: finetune.trainable_model(config, preprocessor))
+    check_pipeline(config, task, model)
     mlflow_run = open_mlflow_run(config, name)  # an unreachable backend fails before training
     connect_ray()
     finetune.check_fits(
@@ -115,6 +118,23 @@ def plan_run(config: Config) -> RunPlan:
     # Each worker reads its own share of each split: held in memory, or streamed by Ray Data.
     shards = {split: split_shards(config, manifest, split) for split in ("train", "val")}
     return RunPlan(name, run_dir, task, manifest, preprocessor, data, shards, mlflow_run)
+
+
+def check_pipeline(config: Config, task: Task, model: nn.Module) -> None:
+    """Under train.strategy=pipeline: a task whose last stage can score an output alone, and a
+    model the stages can split."""
+    t = config.train
+    if t.strategy != "pipeline":
+        return
+    if not (task.has(PIPELINE_BATCH) and task.has(PIPELINE_LOSS)):
+        raise ConfigError(
+            f"config error: train.strategy=pipeline: task {task.name!r} does not train in "
+            "pipeline stages (tasks that do: lm); use train.strategy=ddp or fsdp"
+        )
+    try:
+        pipeline.check_split(model, t)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
 
 
 def check_val_rows(rows: int, workers: int) -> None:

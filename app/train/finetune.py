@@ -77,7 +77,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def memory_per_worker(model: nn.Module, t: TrainConfig) -> dict[str, int]:
     """Bytes a worker holds for fp32 weights, gradients and AdamW's two moments (FSDP: its
     shard of each). Activations come on top and depend on batch and sequence length."""
-    share = t.min_workers if t.strategy == "fsdp" else 1  # elastic: the fewest ranks hold most
+    # Elastic: the fewest ranks hold most; a pipeline's stages hold about equal parts.
+    share = t.min_workers if t.strategy == "fsdp" else t.stages
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
@@ -95,7 +96,7 @@ def check_fits(estimate: dict[str, int], t: TrainConfig, available: float | None
     parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.items())
     raise ConfigError(
         f"config error: train: each worker needs about {need / GIB:.1f} GiB ({parts}) but has "
-        f"about {available / GIB:.1f} GiB; use train.strategy=fsdp, train.freeze, "
+        f"about {available / GIB:.1f} GiB; use train.strategy=fsdp or pipeline, train.freeze, "
         "train.lora_rank or fewer train.num_workers"
     )
 

@@ -13,7 +13,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -25,6 +25,7 @@ from app.errors import CheckpointError
 from app.tasks.classify import classification_loss
 from app.tasks.steps import LossFn, all_reduce, autocast
 from app.train import checkpoint, parallel
+from app.train.pipeline import PipelinedModel
 
 log = logging.getLogger(__name__)
 # (model, batch, device) -> (mean loss, rows in the batch)
@@ -101,11 +102,11 @@ class TrainState:
     def restore(self, folder: str, rank: int = 0) -> None:
         saved = checkpoint.load_train_state(folder)
         rng = None
-        if parallel.is_sharded(self.model):  # FSDP: each rank reads its shards and its own RNG
+        if parallel.is_sharded(self.model):  # FSDP, pipeline: each rank reads its shards, its RNG
             rng = checkpoint.load_sharded(folder, self.model, self.optimizer, rank)
         elif checkpoint.is_sharded(folder):
             raise CheckpointError(
-                f"{folder}: written by train.strategy=fsdp; resume it with the same strategy"
+                f"{folder}: written by train.strategy=fsdp or pipeline; resume it with either"
             )
         else:
             checkpoint.load_weights(folder, self.model)
@@ -129,7 +130,7 @@ class TrainState:
             "step": self.step,
             "rng": checkpoint.rng_state(),
         }
-        if not parallel.is_sharded(self.model):  # FSDP's optimizer shards go to `sharded/`
+        if not parallel.is_sharded(self.model):  # sharded optimizer state goes to `sharded/`
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
@@ -162,13 +163,31 @@ def epoch_batches(
 ) -> Iterable[Any]:
     """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth,
     and no more than `train.max_steps` leaves (a seeded in-memory pass permutes the whole shard,
-    so every epoch draws from all of it)."""
+    so every epoch draws from all of it). A pipeline takes whole batches only (its stages'
+    buffers have the first batch's shape): the rows a pass leaves over wait for the next
+    epoch's order."""
     t = config.train
+    batches = feed.batches(batch_size, seed=seed)
+    if t.strategy == "pipeline":
+        batches = (b for b in batches if len(next(iter(b.values()))) == batch_size)
     limits = [t.max_steps_per_epoch, t.max_steps and max(t.max_steps - steps_done, 0)]
     limit = min((x for x in limits if x is not None), default=None)
     if limit is None:
-        return feed.batches(batch_size, seed=seed)
-    return itertools.islice(feed.batches(batch_size, seed=seed), limit * t.grad_accum_steps)
+        return batches
+    return itertools.islice(batches, limit * t.grad_accum_steps)
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item and whether it is the last (one item read ahead)."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 def budget_spent(state: TrainState) -> bool:
@@ -232,18 +251,13 @@ def train_epoch(
     t = state.config.train
     model = state.model
     model.train()
-    loss_sum, rows, wait, micro = 0.0, 0, 0.0, 0
+    loss_sum, rows, wait = 0.0, 0, 0.0
     start = tick = time.perf_counter()
-    for batch in batches:
+    for micro, (batch, last) in enumerate(with_last(batches), start=1):
         wait += time.perf_counter() - tick
-        micro += 1
-        last_micro = micro % t.grad_accum_steps == 0
-        # Skip the gradient all-reduce on all but the last micro-batch of an accumulation.
-        sync = nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with autocast(device, t.precision):
-                loss, batch_rows = loss_fn(model, batch, device)
-            state.scaler.scale(loss / t.grad_accum_steps).backward()
+        # An epoch's last batch ends a step even when it ends an accumulation early.
+        last_micro = last or micro % t.grad_accum_steps == 0
+        loss, batch_rows = backward(state, batch, device, loss_fn, last_micro)
         if last_micro:
             optimizer_step(state)
         loss_sum += loss.item() * batch_rows
@@ -251,10 +265,9 @@ def train_epoch(
         if log_every and micro % log_every == 0:
             log_progress(state, loss.item(), rows, micro, time.perf_counter() - start)
         tick = time.perf_counter()
-    if micro % t.grad_accum_steps:
-        optimizer_step(state)
     elapsed = max(time.perf_counter() - start, 1e-9)
-    total_loss, total_rows = all_reduce([loss_sum, float(rows)], device)
+    # Every stage of a pipeline sees its row's batches: each counts a 1/stages share.
+    total_loss, total_rows = (v / t.stages for v in all_reduce([loss_sum, float(rows)], device))
     # The slowest rank sets the pace: report its wait and its loop time.
     wait_fraction, epoch_seconds = all_reduce([wait / elapsed, elapsed], device, op="max")
     return {
@@ -264,6 +277,28 @@ def train_epoch(
         "data_wait_fraction": wait_fraction,
         "learning_rate": state.optimizer.param_groups[0]["lr"],
     }
+
+
+def backward(
+    state: TrainState,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    loss_fn: LossFn,
+    last_micro: bool,
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward of one batch, its gradients added to the step's (synchronised
+    across ranks on the step's last batch); its mean loss and rows."""
+    t, model = state.config.train, state.model
+    if isinstance(model, PipelinedModel):  # the schedule runs forward and backward together
+        with autocast(device, t.precision):
+            return model.train_step(batch, sync=last_micro)
+    # Skip the gradient all-reduce on all but the last micro-batch of an accumulation.
+    sync = nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
+    with sync:
+        with autocast(device, t.precision):
+            loss, rows = loss_fn(model, batch, device)
+        state.scaler.scale(loss / t.grad_accum_steps).backward()
+    return loss, rows
 
 
 def log_progress(state: TrainState, loss: float, rows: int, micro: int, seconds: float) -> None:
@@ -285,7 +320,7 @@ def optimizer_step(state: TrainState) -> None:
     t = state.config.train
     if t.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)
-        nn.utils.clip_grad_norm_(state.model.parameters(), t.grad_clip)
+        parallel.clip_grad_norm_(state.model, t.grad_clip)
     state.advance()
     state.scaler.step(state.optimizer)
     state.scaler.update()

@@ -11,8 +11,10 @@ is spread over devices". No Ray here: Ray Train workers (app/train/driver.py) an
 - `train.strategy: fsdp`: `fully_shard` (FSDP2) on each block, then on the root; parameters,
   gradients and optimizer state are sharded (DTensors), a block's full parameters exist only
   while it runs. Mixed precision from `train.precision` (`MixedPrecisionPolicy`).
-- Blocks: the children of a `blocks` or `layers` container (`nn.ModuleList` / `nn.Sequential`)
-  on the root; a model without one is one unit (its root alone).
+- `train.strategy: pipeline`: the blocks split into stages, one a rank (app/train/pipeline.py);
+  each rank trains a `PipelinedModel`, its stages under the model's names.
+- Blocks: the children of a `blocks` or `layers` container (app/train/blocks.py); a model
+  without one is one unit (its root alone).
 """
 
 from __future__ import annotations
@@ -27,21 +29,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from app.config import TrainConfig
-
-BLOCK_CONTAINERS = ("blocks", "layers")
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (the units FSDP shards and checkpointing recomputes)."""
-    for name in BLOCK_CONTAINERS:
-        container = getattr(model, name, None)
-        if isinstance(container, nn.ModuleList | nn.Sequential) and len(container):
-            return list(container)
-    return []
+from app.train.blocks import find_blocks
+from app.train.pipeline import PipelinedModel, Scoring, pipelined
 
 
-def parallelize(model: nn.Module, t: TrainConfig, device: torch.device) -> nn.Module:
-    """Move `model` to `device` and wrap it for `t.strategy`; returns the module to train.
+def parallelize(
+    model: nn.Module,
+    t: TrainConfig,
+    device: torch.device,
+    scoring: Scoring | None = None,
+) -> nn.Module:
+    """Move `model` to `device` and wrap it for `t.strategy`; returns the module to train
+    (a pipeline's stages score batches with the task's `scoring`).
 
     Order as PyTorch recommends for FSDP2: activation checkpointing inside each block first,
     then sharding, then compilation (FSDP2's hooks are excluded from Dynamo's graphs, so the
@@ -54,6 +53,9 @@ def parallelize(model: nn.Module, t: TrainConfig, device: torch.device) -> nn.Mo
             checkpoint_activations(unit)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and the device mesh use the current device
+    if t.strategy == "pipeline":
+        assert scoring is not None, "a pipeline needs the task's scoring"
+        return pipelined(model, t, device, scoring)
     model.to(device)
     if t.strategy == "fsdp":
         shard(model, blocks, device, t.precision)
@@ -109,9 +111,20 @@ def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, preci
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether this rank holds only part of the model (FSDP or a pipeline): its checkpoints
+    are sharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule | PipelinedModel)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> None:
+    """Scale the gradients so that their global norm is at most `max_norm` (a pipeline's
+    norm spans its stages)."""
+    if isinstance(model, PipelinedModel):
+        model.clip_grad_norm_(max_norm)
+    else:
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def world_size() -> int:
@@ -124,8 +137,11 @@ def world_size() -> int:
 def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """The whole model's state dict on CPU in rank 0 (empty on the other ranks).
 
-    A collective under FSDP: every rank must call it. Works for DDP and plain modules too.
+    A collective under FSDP and pipelines: every rank must call it. Works for DDP and plain
+    modules too.
     """
+    if isinstance(model, PipelinedModel):
+        return model.full_state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

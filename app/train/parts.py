@@ -1,6 +1,6 @@
 """The parts of a task that training calls (app/tasks/registry.py), each typed by its Protocol:
-the loss of a batch, the validation of a model, the epoch's log line, and metrics the driver
-computes once for the run. A task's functions are checked against these where it is composed
+the loss of a batch, the validation of a model, the epoch's log line, metrics the driver
+computes once for the run, and the batch split and loss a pipeline's stages need. A task's functions are checked against these where it is composed
 (app/compose/)."""
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ class Validate(Protocol):
     ) -> dict[str, float]: ...
 
 
+class PipelineBatch(Protocol):
+    """Under `train.strategy: pipeline`: a batch's input to the first stage and the target the
+    last stage's output is scored against."""
+
+    def __call__(self, batch: dict[str, torch.Tensor], /) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class OutputLoss(Protocol):
+    """The mean loss of a model's output against its target (a pipeline's last stage)."""
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, /) -> torch.Tensor: ...
+
+
 class Headline(Protocol):
     """The task's part of an epoch's log line."""
 
@@ -60,3 +73,6 @@ LOSS = Part[Loss]("loss")
 VALIDATE = Part[Validate]("validate")
 HEADLINE = Part[Headline]("headline")
 REFERENCE = Part[Reference]("reference")  # optional
+# Optional: what a task a pipeline can train adds (app/train/pipeline.py).
+PIPELINE_BATCH = Part[PipelineBatch]("pipeline_batch")
+PIPELINE_LOSS = Part[OutputLoss]("pipeline_loss")

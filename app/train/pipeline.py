@@ -16,6 +16,10 @@ functions, as with app/train/parallel.py.
 - Schedules: GPipe, 1F1B and interleaved 1F1B (`VIRTUAL_STAGES` stages a rank). Gradients are
   scaled by the microbatch count, so with equal microbatches a step's loss and gradients are
   those of the whole batch through the unsplit model.
+- `PipelinedModel` is what a Ray Train rank trains (`train.strategy: pipeline`): its stages'
+  modules under the model's names, so optimizer groups, state dicts and sharded checkpoints
+  name parameters as the unsplit model does (a run resumes at another stage count), plus the
+  training step, a microbatch-free forward pass for validation and the global gradient norm.
 """
 
 from __future__ import annotations
@@ -28,14 +32,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.config import TrainConfig
 from app.models.gpt import GPT
-from app.train.parallel import BLOCK_CONTAINERS
+from app.train.blocks import block_container
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Interleaved 1F1B holds this many stages a rank (stage r, r + ranks, ...): its bubble shrinks
 # with each, and each adds a send per microbatch.
 VIRTUAL_STAGES = 2
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> mean loss
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a task gives a pipeline: a batch's input to the first stage and target for the last
+    (`inputs`), and the loss between the last stage's output and the target."""
+
+    inputs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+    loss: LossFn
 
 
 @dataclass(frozen=True)
@@ -117,10 +132,19 @@ class Stage(nn.Module):
 
 
 def _block_container(model: nn.Module) -> str:
-    for name in BLOCK_CONTAINERS:
-        if isinstance(getattr(model, name, None), nn.ModuleList | nn.Sequential):
-            return name
-    raise ValueError(f"train.strategy=pipeline: {type(model).__name__} has no blocks to split")
+    name = block_container(model)
+    if name is None:
+        raise ValueError(f"train.strategy=pipeline: {type(model).__name__} has no blocks to split")
+    return name
+
+
+def check_split(model: nn.Module, t: TrainConfig) -> None:
+    """Raise ValueError (one line) unless `t.pipeline` can split `model` (the meta model the
+    driver builds, before any worker starts)."""
+    split_of(model)
+    virtual = VIRTUAL_STAGES if t.pipeline.schedule == "interleaved_1f1b" else 1
+    blocks = len(getattr(model, _block_container(model)))
+    block_ranges(blocks, t.pipeline.stages * virtual, t.pipeline.split_points)
 
 
 @dataclass(frozen=True)
@@ -177,13 +201,13 @@ class Pipeline:
 
         if schedule not in SCHEDULES:
             raise ValueError(f"train.pipeline.schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
-        split, self.mesh = split_of(model), mesh
+        split, self.mesh, self.device = split_of(model), mesh, device
         virtual = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
-        count = mesh.stages * virtual
+        self.count = count = mesh.stages * virtual
         container = _block_container(model)
         ranges = block_ranges(len(getattr(model, container)), count, split_points)
         self.groups = _groups(mesh)
-        indices = [mesh.stage_rank + v * mesh.stages for v in range(virtual)]
+        self.indices = indices = [mesh.stage_rank + v * mesh.stages for v in range(virtual)]
         self.stages = [
             Stage(model, split, container, ranges[i], i == 0, i == count - 1).to(device)
             for i in indices
@@ -206,17 +230,63 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool = True
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch over every stage (gradients accumulate in this
-        rank's parameters, summed over tied copies and averaged over the data-parallel rows).
-        Returns the batch's mean loss on the rank holding the last stage, None elsewhere."""
+        rank's parameters; with `sync`, the last batch of an optimizer step, they are summed
+        over tied copies and averaged over the data-parallel rows). Returns the batch's mean
+        loss on the rank holding the last stage, None elsewhere."""
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.holds_input else ()
-        target = targets if self.holds_output else None
+        args = (inputs.to(self.device),) if self.holds_input else ()
+        target = targets.to(self.device) if self.holds_output else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        self._sum_tied()
-        self._average_rows()
-        return torch.stack(losses).mean() if losses else None
+        if sync:
+            self._sum_tied()
+            self._average_rows()
+        return torch.stack(losses).mean().detach() if losses else None
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """One batch through every stage in order, without microbatches (validation: any
+        batch size). Every rank of a row calls it with the same batch; the output is on the
+        rank holding the last stage, None elsewhere."""
+        ranks = self.mesh.pipeline_ranks(self.mesh.row)
+        x = inputs.to(self.device)
+        for index, stage in zip(self.indices, self.stages, strict=True):
+            if index > 0:
+                x = _receive(ranks[(index - 1) % self.mesh.stages], self.device)
+            x = stage(x)
+            if index < self.count - 1:
+                _send(x, ranks[(index + 1) % self.mesh.stages])
+        return x if self.holds_output else None
+
+    def row_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss, on every rank of its row (for progress lines and totals)."""
+        value = torch.zeros((), device=self.device) if loss is None else loss.float()
+        last = self.mesh.pipeline_ranks(self.mesh.row)[-1]
+        dist.broadcast(value, src=last, group=self.groups.pipeline)
+        return value
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every stage's gradients so that the model's global gradient norm is at most
+        `max_norm` (a tied parameter counted once); returns the norm before clipping."""
+        twins = {n for names in self.tied for n in names} if not self.holds_input else set()
+        grads = [
+            p.grad
+            for n, p in self.named_parameters().items()
+            if p.grad is not None and n not in twins
+        ]
+        square = torch.zeros((), device=self.device)
+        for grad in grads:
+            square += grad.detach().float().pow(2).sum()
+        dist.all_reduce(square, group=self.groups.pipeline)
+        norm = square.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale.to(param.grad.dtype))
+        return norm
 
     def _sum_tied(self) -> None:
         if self.groups.tied is None:
@@ -251,6 +321,87 @@ class Pipeline:
         parts: list[Any] = [None] * self.mesh.stages if self.mesh.stage_rank == 0 else []
         dist.gather_object(mine, parts or None, dst=0, group=self.groups.pipeline)
         return {k: v for part in parts for k, v in part.items()}
+
+
+class PipelinedModel(nn.Module):
+    """What one rank trains under `train.strategy: pipeline`: its stages' modules registered
+    under the model's own names, the schedule's training step, and validation's forward pass
+    (the output on the rank holding the last stage, None elsewhere)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        inputs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]],
+        accumulation: int = 1,
+    ):
+        super().__init__()
+        for stage in pipeline.stages:
+            for name, child in stage.named_children():
+                held = self._modules.get(name)
+                if isinstance(child, nn.ModuleDict):  # blocks: a fresh dict over every stage's
+                    before = dict(held.items()) if isinstance(held, nn.ModuleDict) else {}
+                    child = nn.ModuleDict({**before, **child})
+                setattr(self, name, child)
+        self.pipeline, self.inputs, self.accumulation = pipeline, inputs, accumulation
+
+    @property
+    def holds_output(self) -> bool:
+        return self.pipeline.holds_output
+
+    def train_step(self, batch: Batch, sync: bool) -> tuple[torch.Tensor, int]:
+        """Forward and backward of a batch; its mean loss (on every rank of the row) and rows."""
+        inputs, targets = self.inputs(batch)
+        loss = self.pipeline.step(inputs, targets, sync)
+        # The schedule's loss is divided by the accumulation (gradients add up over batches).
+        return self.pipeline.row_loss(loss) * self.accumulation, len(inputs)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        return self.pipeline.forward(inputs)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.pipeline.clip_grad_norm_(max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.pipeline.full_state_dict()
+
+
+def pipelined(
+    model: nn.Module, t: TrainConfig, device: torch.device, scoring: Scoring
+) -> PipelinedModel:
+    """This rank's `PipelinedModel` of `model` under `t.pipeline` (a collective: every rank of
+    the default process group calls it). The loss is divided by `t.grad_accum_steps` so that
+    gradients accumulated over an optimizer step's batches are their mean's."""
+    p, accumulation = t.pipeline, t.grad_accum_steps
+    mesh = Mesh(p.stages, dist.get_world_size(), dist.get_rank())
+
+    def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return scoring.loss(output, target) / accumulation
+
+    pipeline = Pipeline(model, mesh, p.schedule, p.microbatches, scaled, device, p.split_points)
+    return PipelinedModel(pipeline, scoring.inputs, accumulation)
+
+
+# Activations cross stages in validation's forward pass as a header (dtype, rank, shape), then
+# the tensor; the receiver knows neither beforehand.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER = 8
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=x.device)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+    dist.send(header, dst)
+    dist.send(x.contiguous(), dst)
+
+
+def _receive(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, dims = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src)
+    return x
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from torch import nn
 from app import hooks
 from app.config import Config, dump, validate
 from app.data import kinds
-from app.data.feed import padded
+from app.data.feed import padded, padding_only
 from app.data.ingest import padding_batches
 from app.data.preprocess import Preprocessor
 from app.ray_private import quiet_train_logs
@@ -39,7 +39,8 @@ from app.train.loop import (
     should_stop_early,
     train_epoch,
 )
-from app.train.parts import HEADLINE, LOSS, VALIDATE
+from app.train.parts import HEADLINE, LOSS, PIPELINE_BATCH, PIPELINE_LOSS, VALIDATE
+from app.train.pipeline import PipelinedModel, Scoring
 from app.train.profiling import RunProbes
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class Worker:
     config: Config
     rank: int
     world: int
+    data_rank: int  # this rank's share of the data (ranks of one pipeline share theirs)
+    data_world: int
     device: torch.device
     task: Task
     validate: Callable[..., dict[str, float]]
@@ -100,23 +103,29 @@ class Worker:
         if t.precision == "fp16" and device.type != "cuda":
             raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
         shards, stream = loop_config["shards"], loop_config["stream"]
+        data_rank, data_world = rank // t.stages, world // t.stages
         train_feed, val_feed = (
-            feed(config, shards[s], stream[s], preprocessor, rank, world, s == "val")
+            feed(config, shards[s], stream[s], preprocessor, data_rank, data_world, s == "val")
             for s in ("train", "val")
         )
         val_rows = sum(rows for _, rows in shards["val"])
-        val_padding = padding_batches(val_rows, rank, world, t.batch_size * VAL_BATCH_FACTOR)
+        val_batch = t.batch_size * VAL_BATCH_FACTOR
+        val_padding = padding_batches(val_rows, data_rank, data_world, val_batch)
         resumed = ray.train.get_checkpoint()
         if not resumed:  # streamed: Ray Data starts its first pass while the model is built
-            train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, rank))
+            train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, data_rank))
         build = functools.partial(finetune.trainable_model, config, preprocessor)
-        state = start_state(config, build, loop_config["train_rows"], resumed, rank, world, device)
+        state = start_state(
+            config, build, loop_config["train_rows"], resumed, rank, world, device, task
+        )
         mlflow = loop_config.get("mlflow")
         reference = loop_config.get("reference_metrics")
         return cls(
             config=config,
             rank=rank,
             world=world,
+            data_rank=data_rank,
+            data_world=data_world,
             device=device,
             task=task,
             validate=functools.partial(task.part(VALIDATE), reference=reference),
@@ -140,15 +149,18 @@ class Worker:
         hooks.fire(
             "train.epoch", run_dir=self.run_dir, rank=self.rank, world=self.world, epoch=epoch
         )
-        seed = order_seed(t.seed, epoch, self.rank)
+        seed = order_seed(t.seed, epoch, self.data_rank)
         batches = epoch_batches(self.train_feed, t.batch_size, seed, self.config, state.step)
         self.probes.before_epoch()
         log_every = t.log_every_steps if self.rank == 0 else 0
         stats = train_epoch(state, batches, self.device, log_every, self.task.part(LOSS))
         if epoch < t.epochs and not budget_spent(state):  # the next pass overlaps validation
-            self.train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, epoch + 1, self.rank))
+            next_seed = order_seed(t.seed, epoch + 1, self.data_rank)
+            self.train_feed.prefetch(t.batch_size, seed=next_seed)
         val_size = t.batch_size * VAL_BATCH_FACTOR
         val_batches = padded(self.val_feed.batches(val_size), self.val_padding)
+        if isinstance(state.model, PipelinedModel) and not state.model.holds_output:
+            val_batches = padding_only(val_batches)  # the row's last stage counts them
         stats |= self.validate(state.model, val_batches, self.device, t.precision)
         state.end_epoch(epoch)
         state.data_wait_history.append(stats["data_wait_fraction"])
@@ -178,7 +190,7 @@ class Worker:
         self, metrics: dict[str, Any], stopped_early: bool, run_stats: dict[str, Any]
     ) -> None:
         """Every rank reports (a barrier); rank 0 alone attaches the checkpoint, except under
-        FSDP, where every rank attaches its shards and Ray Train merges the folders."""
+        FSDP and pipelines, where every rank attaches its shards and Ray Train merges them."""
         report(
             self.state,
             metrics,
@@ -205,13 +217,17 @@ def start_state(
     rank: int,
     world: int,
     device: torch.device,
+    task: Task,
 ) -> TrainState:
-    """DDP or FSDP, activation checkpointing, torch.compile (app/train/parallel.py); the optimizer
-    over what that leaves (under FSDP, this rank's shards). A fresh run starts from the
-    pretrained folder's weights; a resumed one from its checkpoint."""
+    """DDP, FSDP or a pipeline, activation checkpointing, torch.compile (app/train/parallel.py);
+    the optimizer over what that leaves (under FSDP and pipelines, this rank's part). A fresh
+    run starts from the pretrained folder's weights; a resumed one from its checkpoint."""
     t = config.train
-    model = parallel.parallelize(build(base_weights=not resumed), t, device)
-    state = TrainState.create(model, config, train_rows, world)
+    scoring = None
+    if t.strategy == "pipeline":
+        scoring = Scoring(task.part(PIPELINE_BATCH), task.part(PIPELINE_LOSS))
+    model = parallel.parallelize(build(base_weights=not resumed), t, device, scoring)
+    state = TrainState.create(model, config, train_rows, world // t.stages)
     if resumed:
         with resumed.as_directory() as folder:
             state.restore(folder, rank)
@@ -285,7 +301,8 @@ def report(
     run_stats: dict[str, Any] | None = None,
 ) -> None:
     """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint, except
-    under FSDP, where every rank attaches its shards and Ray Train merges the folders.
+    under FSDP and pipelines, where every rank attaches its shards and Ray Train merges the
+    folders.
 
     The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
     the checkpoint is persisted under `train.storage_path`. `build` makes a plain copy of the
@@ -295,7 +312,7 @@ def report(
 
     folder, weights = None, state.model
     if parallel.is_sharded(state.model):
-        assert build is not None, "an FSDP checkpoint needs the model builder"
+        assert build is not None, "a sharded checkpoint needs the model builder"
         folder, weights = sharded_checkpoint(state, build, rank)
     upload = {
         "checkpoint_upload_mode": ray.train.CheckpointUploadMode[
@@ -337,8 +354,8 @@ def report(
 def sharded_checkpoint(
     state: TrainState, build: Callable[[], nn.Module], rank: int
 ) -> tuple[str, nn.Module | None]:
-    """Collective (FSDP): every rank writes its shards into a local folder of its own; rank 0
-    also gets a plain, consolidated copy of the model for `model.safetensors`."""
+    """Collective (FSDP, pipeline): every rank writes its shards into a local folder of its
+    own; rank 0 also gets a plain, consolidated copy of the model for `model.safetensors`."""
     folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
     checkpoint.save_sharded(folder, state.model, state.optimizer, rank)
     full = parallel.full_state_dict(state.model)  # gathered to rank 0, on CPU

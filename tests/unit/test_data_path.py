@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -130,6 +131,41 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
     assert losses[-1] < 0.5 * losses[0]
     assert 0 <= stats["data_wait_fraction"] < 1 and stats["epoch_seconds"] > 0
     assert validate_classifier(model, feed.batches(128), device, "fp32")["val_accuracy"] > 0.9
+
+
+class SyncRecorder(MLP):
+    """Records, per forward pass, whether DDP would all-reduce its gradients (outside
+    `no_sync`), as DistributedDataParallel's `no_sync` decides it."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 2, hidden=[8], dropout=0.0)
+        self.synced: list[bool] = []
+        self.quiet = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.quiet = True
+        yield
+        self.quiet = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.synced.append(not self.quiet)
+        return super().forward(x)
+
+
+def test_an_epoch_that_ends_an_accumulation_early_still_synchronises_its_last_step(
+    config_factory,
+):
+    config = config_factory("train.grad_accum_steps=2")
+    feed = MemoryFeed.from_arrays(
+        {"x": np.ones((96, 4), np.float32), "label": np.zeros(96, np.int64)}
+    )
+    state = TrainState.create(SyncRecorder(), config, len(feed), world=1)
+    train_epoch(state, feed.batches(32, seed=0), torch.device("cpu"))
+    # Three batches, two steps: the second step is the last batch alone, and its gradients are
+    # all-reduced like any step's (a rank stepping on its own gradients would drift apart).
+    assert state.model.synced == [False, True, True]
+    assert state.step == 2
 
 
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):

@@ -254,3 +254,45 @@ def test_a_model_without_a_split_is_refused_naming_it():
 
     with pytest.raises(ValueError, match="MLP has no split"):
         split_of(MLP(4, 2, [8]))
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["train.batch_size=10"], "train.batch_size=10 must be a multiple of"),
+        (["train.num_workers=3"], "train.num_workers=3: with train.strategy=pipeline each"),
+        (["train.num_workers=[2, 5]"], "each count must be a multiple of train.pipeline.stages"),
+        (["train.precision=fp16"], "runs fp32 or bf16 without train.compile"),
+        (["train.compile=true"], "runs fp32 or bf16 without train.compile"),
+        (["train.pipeline.schedule=zigzag"], "train.pipeline.schedule"),
+        (["train.pipeline.stages=1"], "train.pipeline.stages"),
+    ],
+)
+def test_pipeline_keys_that_cannot_run_are_one_line_naming_them(overrides, words):
+    base = ["train.strategy=pipeline", "train.batch_size=8", "train.num_workers=2"]
+    with pytest.raises(ConfigError) as err:
+        train_config(*base, *overrides)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pipeline_stages_count_as_one_data_rank():
+    t = train_config("train.strategy=pipeline", "train.num_workers=[2, 4]").train
+    assert (t.stages, t.pipeline.microbatches, t.pipeline.schedule) == (2, 4, "1f1b")
+    assert train_config("train.pipeline.stages=4").train.stages == 1  # only under pipeline
+
+
+def test_the_driver_refuses_a_task_or_model_a_pipeline_cannot_split():
+    from app.models.gpt import GPT
+    from app.tasks.registry import task_named
+    from app.train.driver import check_pipeline
+
+    config = train_config("train.strategy=pipeline")
+    with pytest.raises(ConfigError, match="task 'classify' does not train in pipeline stages"):
+        check_pipeline(config, task_named("classify"), tiny_transformer())
+    two_blocks = GPT(vocab_size=64, block_size=8, dim=16, layers=2, heads=2)
+    check_pipeline(config, task_named("lm"), two_blocks)
+    interleaved = train_config(
+        "train.strategy=pipeline", "train.pipeline.schedule=interleaved_1f1b"
+    )
+    with pytest.raises(ConfigError, match="4 stages for a model of 2 blocks"):
+        check_pipeline(interleaved, task_named("lm"), two_blocks)
