@@ -8,9 +8,15 @@ from app.pipeline import SMOKE, sample_infer
 from app.predict.actor import PREDICTOR, Predictor
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import ModelApp
-from app.tasks.classify import classification_loss, headline, validate_classifier
+from app.tasks.classify import (
+    classification_loss,
+    cross_entropy,
+    headline,
+    labelled,
+    validate_classifier,
+)
 from app.tasks.registry import Task
-from app.train.parts import HEADLINE, LOSS, VALIDATE
+from app.train.parts import HEADLINE, LOSS, PIPELINE_BATCH, PIPELINE_LOSS, VALIDATE
 
 
 def spec() -> Task:
@@ -21,6 +27,8 @@ def spec() -> Task:
         parts=dict(
             [
                 LOSS.of(classification_loss),
+                PIPELINE_BATCH.of(labelled),
+                PIPELINE_LOSS.of(cross_entropy),
                 VALIDATE.of(validate_classifier),
                 HEADLINE.of(headline),
                 EVALUATE.of(evaluate_classifier),

@@ -19,9 +19,9 @@ from app.models.encoder import (
     check_activation,
     encoder_sizes,
     layer_rules,
-    masked_mean,
     new_head,
     padding_bias,
+    pooled,
     renamed,
 )
 
@@ -94,9 +94,7 @@ class BertClassifier(nn.Module):
         bias = padding_bias(attention_mask, x.dtype)
         for block in self.blocks:
             x = block(x, bias)
-        if self.pooler is not None:
-            return x, torch.tanh(self.pooler(x[:, 0]))
-        return x, masked_mean(x, attention_mask)
+        return x, pooled(self.pooler, x, attention_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.head(self.dropout(self.encode(input_ids, attention_mask)[1]))

@@ -52,6 +52,16 @@ def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
 
+def pooled(
+    pooler: nn.Module | None, x: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[batch, dim] from token states: the pooler on the first token when the model has one,
+    else the mean of the real tokens (all of them without a mask)."""
+    if pooler is not None:
+        return torch.tanh(pooler(x[:, 0]))
+    return x.mean(1) if attention_mask is None else masked_mean(x, attention_mask)
+
+
 def new_head(dim: int, classes: int, std: float) -> nn.Linear:
     """The classifier head a pretrained backbone gets: N(0, initializer_range), zero bias."""
     head = nn.Linear(dim, classes)

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from app.models.encoder import masked_mean
+
 
 class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float):
@@ -68,15 +70,22 @@ class TransformerClassifier(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.tokens(input_ids) + self.positions(positions)
-        mask = attention_mask.to(x.dtype)
-        # Additive bias that hides padding keys: 0 where attended, a large negative where padded.
-        pad_bias = ((1.0 - mask) * -1e4)[:, None, None, :]
+        return self.tokens(input_ids) + self.positions(positions)
+
+    def classify(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits from the last layer's token states: normed, averaged over real tokens."""
+        return self.head(masked_mean(self.norm(x), attention_mask))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        bias = pad_bias(attention_mask, x.dtype)
         for layer in self.layers:
-            x = layer(x, pad_bias)
-        x = self.norm(x)
-        # Mean over real tokens (padding excluded).
-        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
-        return self.head(pooled)
+            x = layer(x, bias)
+        return self.classify(x, attention_mask)
+
+
+def pad_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias that hides padding keys: 0 where attended, a large negative where padded."""
+    return ((1.0 - attention_mask.to(dtype)) * -1e4)[:, None, None, :]

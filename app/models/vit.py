@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.encoder import Attention, encoder_sizes, layer_rules, new_head, renamed
+from app.models.encoder import (
+    Attention,
+    encoder_sizes,
+    layer_rules,
+    new_head,
+    pooled,
+    renamed,
+)
 
 
 class ViTLayer(nn.Module):
@@ -61,17 +68,19 @@ class ViTClassifier(nn.Module):
         self.pooler = nn.Linear(dim, dim) if pooler else None
         self.head = new_head(dim, num_classes, init_std)
 
-    def encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token states [batch, 1 + patches, dim] after the final norm, pooled [batch, dim])."""
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[batch, 1 + patches, dim]: the class token, then each patch, with their positions."""
         x = self.patch(pixel_values).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
-        x = self.dropout(x)
+        return self.dropout(x)
+
+    def encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token states [batch, 1 + patches, dim] after the final norm, pooled [batch, dim])."""
+        x = self.embed(pixel_values)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        if self.pooler is not None:
-            return x, torch.tanh(self.pooler(x[:, 0]))
-        return x, x.mean(1)
+        return x, pooled(self.pooler, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encode(x)[1])

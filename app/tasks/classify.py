@@ -26,6 +26,15 @@ def split_batch(
     return inputs, labels
 
 
+def labelled(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A batch's model inputs and its labels (a pipeline's first-stage inputs and target)."""
+    return {k: v for k, v in batch.items() if k != LABEL_KEY}, batch[LABEL_KEY]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels)
+
+
 def classification_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, int]:

@@ -38,14 +38,16 @@ def next_token_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token cross entropy of a batch of rows, and its rows."""
-    inputs, targets = shifted(batch)
-    return token_loss(model(inputs.to(device)), targets.to(device)), len(inputs)
+    ids = batch[TOKENS_KEY].to(device)
+    return token_loss(model(input_ids=ids[:, :-1]), ids[:, 1:]), len(ids)
 
 
-def shifted(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's model input (each row's first `block_size` ids) and targets (the next ids)."""
+def shifted(
+    batch: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A batch's model inputs (each row's first `block_size` ids) and targets (the next ids)."""
     ids = batch[TOKENS_KEY]
-    return ids[:, :-1], ids[:, 1:]
+    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ def validate_lm(
         ids = batch[TOKENS_KEY].to(device)
         targets = ids[:, 1:]
         with autocast(device, precision):
-            logits = model(ids[:, :-1])
+            logits = model(input_ids=ids[:, :-1])
         if padding:  # a forward pass to match the other ranks'; nothing to count
             continue
         loss_sum += F.cross_entropy(

@@ -129,7 +129,8 @@ def check_pipeline(config: Config, task: Task, model: nn.Module) -> None:
     if not (task.has(PIPELINE_BATCH) and task.has(PIPELINE_LOSS)):
         raise ConfigError(
             f"config error: train.strategy=pipeline: task {task.name!r} does not train in "
-            "pipeline stages (tasks that do: lm); use train.strategy=ddp or fsdp"
+            "pipeline stages (it has no pipeline_batch and pipeline_loss parts); use "
+            "train.strategy=ddp or fsdp"
         )
     try:
         pipeline.check_split(model, t)

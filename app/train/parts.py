@@ -43,10 +43,12 @@ class Validate(Protocol):
 
 
 class PipelineBatch(Protocol):
-    """Under `train.strategy: pipeline`: a batch's input to the first stage and the target the
-    last stage's output is scored against."""
+    """Under `train.strategy: pipeline`: a batch's inputs to the first stage (by the model's
+    argument names) and the target the last stage's output is scored against."""
 
-    def __call__(self, batch: dict[str, torch.Tensor], /) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(
+        self, batch: dict[str, torch.Tensor], /
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]: ...
 
 
 class OutputLoss(Protocol):

@@ -3,9 +3,8 @@ holding only its stages' parameters, on `torch.distributed.pipelining` (gloo on 
 GPU). No Ray here: Ray Train workers and plain `torch.distributed` processes call the same
 functions, as with app/train/parallel.py.
 
-- A model family divides into a `Split`: what the first stage holds and runs before the blocks
-  (embeddings), how one block runs, what the last stage holds and runs after them (final norm,
-  head). A new family is an entry in `SPLITS`.
+- A model family divides into a `Split` (app/train/splits.py): what the first stage holds and
+  runs before the blocks, how one block runs, what the last stage runs after them.
 - `block_ranges` places the blocks: evenly, or at the given split points.
 - With more ranks than stages the ranks form a 2-D mesh (`Mesh`): `stages` ranks in a row run one
   pipeline, the ranks holding the same stage in every row average their gradients (data
@@ -33,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from app.config import TrainConfig
-from app.models.gpt import GPT
 from app.train.blocks import block_container
+from app.train.splits import Split, State, split_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Interleaved 1F1B holds this many stages a rank (stage r, r + ranks, ...): its bubble shrinks
@@ -42,48 +41,17 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 VIRTUAL_STAGES = 2
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> mean loss
 Batch = dict[str, torch.Tensor]
+# A batch's inputs to the first stage, by the model's argument names, and the last's target.
+Scored = tuple[Batch, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Scoring:
-    """What a task gives a pipeline: a batch's input to the first stage and target for the last
-    (`inputs`), and the loss between the last stage's output and the target."""
+    """What a task gives a pipeline: a batch's inputs and target (`inputs`), and the loss
+    between the last stage's output and the target."""
 
-    inputs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+    inputs: Callable[[Batch], Scored]
     loss: LossFn
-
-
-@dataclass(frozen=True)
-class Split:
-    first: tuple[str, ...]  # attributes the first stage holds (run by `embed`)
-    last: tuple[str, ...]  # attributes the last stage holds (run by `finish`)
-    embed: Callable[[Any, torch.Tensor], torch.Tensor]  # (stage, model input) -> hidden
-    block: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (block, hidden) -> hidden
-    finish: Callable[[Any, torch.Tensor], torch.Tensor]  # (stage, hidden) -> model output
-
-
-def _gpt_embed(stage: Any, ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    return stage.dropout(stage.tokens(ids) + stage.positions(positions))
-
-
-SPLITS: dict[type[nn.Module], Split] = {
-    GPT: Split(
-        first=("tokens", "positions", "dropout"),
-        last=("norm", "head"),
-        embed=_gpt_embed,
-        block=lambda block, x: block(x)[0],  # a GPT block also returns its keys and values
-        finish=lambda stage, x: stage.head(stage.norm(x)),
-    ),
-}
-
-
-def split_of(model: nn.Module) -> Split:
-    split = SPLITS.get(type(model))
-    if split is None:
-        known = ", ".join(sorted(t.__name__ for t in SPLITS))
-        raise ValueError(f"train.strategy=pipeline: {type(model).__name__} has no split ({known})")
-    return split
 
 
 def block_ranges(blocks: int, stages: int, split_points: Sequence[int] = ()) -> list[range]:
@@ -123,12 +91,15 @@ class Stage(nn.Module):
         setattr(self, container, nn.ModuleDict({str(i): every[i] for i in blocks}))
         self._blocks = list(getattr(self, container).values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.split.embed(self, x)
+    def forward(self, *args: torch.Tensor, **inputs: torch.Tensor) -> Any:
+        """The first stage takes the model's inputs by name, the others the state before them
+        (positional, as the schedule sends it); the last returns the model's output."""
+        state: State = self.split.embed(self, **inputs) if self.first else args
         for block in self._blocks:
-            x = self.split.block(block, x)
-        return self.split.finish(self, x) if self.last else x
+            state = self.split.block(block, state)
+        if self.last:
+            return self.split.finish(self, state)
+        return state[0] if len(state) == 1 else state
 
 
 def _block_container(model: nn.Module) -> str:
@@ -230,36 +201,38 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters()]
 
-    def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool = True
-    ) -> torch.Tensor | None:
+    def step(self, inputs: Batch, targets: torch.Tensor, sync: bool = True) -> torch.Tensor | None:
         """Forward and backward of one batch over every stage (gradients accumulate in this
         rank's parameters; with `sync`, the last batch of an optimizer step, they are summed
         over tied copies and averaged over the data-parallel rows). Returns the batch's mean
         loss on the rank holding the last stage, None elsewhere."""
         losses: list[torch.Tensor] = []
-        args = (inputs.to(self.device),) if self.holds_input else ()
+        named = {k: v.to(self.device) for k, v in inputs.items()} if self.holds_input else {}
         target = targets.to(self.device) if self.holds_output else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.schedule.step(target=target, losses=losses, return_outputs=False, **named)
         if sync:
             self._sum_tied()
             self._average_rows()
         return torch.stack(losses).mean().detach() if losses else None
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, inputs: Batch) -> torch.Tensor | None:
         """One batch through every stage in order, without microbatches (validation: any
         batch size). Every rank of a row calls it with the same batch; the output is on the
         rank holding the last stage, None elsewhere."""
         ranks = self.mesh.pipeline_ranks(self.mesh.row)
-        x = inputs.to(self.device)
+        named = {k: v.to(self.device) for k, v in inputs.items()}
+        out: Any = None
         for index, stage in zip(self.indices, self.stages, strict=True):
-            if index > 0:
-                x = _receive(ranks[(index - 1) % self.mesh.stages], self.device)
-            x = stage(x)
+            if index == 0:
+                out = stage(**named)
+            else:
+                out = stage(*_receive(ranks[(index - 1) % self.mesh.stages], self.device))
             if index < self.count - 1:
-                _send(x, ranks[(index + 1) % self.mesh.stages])
-        return x if self.holds_output else None
+                _send(
+                    out if isinstance(out, tuple) else (out,), ranks[(index + 1) % self.mesh.stages]
+                )
+        return out if self.holds_output else None
 
     def row_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss, on every rank of its row (for progress lines and totals)."""
@@ -331,7 +304,7 @@ class PipelinedModel(nn.Module):
     def __init__(
         self,
         pipeline: Pipeline,
-        inputs: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]],
+        inputs: Callable[[Batch], Scored],
         accumulation: int = 1,
     ):
         super().__init__()
@@ -353,9 +326,10 @@ class PipelinedModel(nn.Module):
         inputs, targets = self.inputs(batch)
         loss = self.pipeline.step(inputs, targets, sync)
         # The schedule's loss is divided by the accumulation (gradients add up over batches).
-        return self.pipeline.row_loss(loss) * self.accumulation, len(inputs)
+        return self.pipeline.row_loss(loss) * self.accumulation, len(targets)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor | None:
+        """Validation's pass: the model's inputs, by its own forward's argument names."""
         return self.pipeline.forward(inputs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -381,27 +355,35 @@ def pipelined(
     return PipelinedModel(pipeline, scoring.inputs, accumulation)
 
 
-# Activations cross stages in validation's forward pass as a header (dtype, rank, shape), then
-# the tensor; the receiver knows neither beforehand.
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A stage's state crosses in validation's forward pass as a count, then per tensor a header
+# (dtype, rank, shape) and the tensor: the receiver knows none of them beforehand.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 _HEADER = 8
 
 
-def _send(x: torch.Tensor, dst: int) -> None:
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=x.device)
-    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
-    header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-    dist.send(header, dst)
-    dist.send(x.contiguous(), dst)
+def _send(state: State, dst: int) -> None:
+    device = state[0].device
+    dist.send(torch.tensor([len(state)], device=device), dst)
+    for x in state:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+        header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+        dist.send(header, dst)
+        dist.send(x.contiguous(), dst)
 
 
-def _receive(src: int, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    dtype, dims = _DTYPES[int(header[0])], int(header[1])
-    x = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src)
-    return x
+def _receive(src: int, device: torch.device) -> State:
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src)
+    state = []
+    for _ in range(int(count)):
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, src)
+        dtype, dims = _DTYPES[int(header[0])], int(header[1])
+        x = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
+        dist.recv(x, src)
+        state.append(x)
+    return tuple(state)
 
 
 @dataclass(frozen=True)
@@ -435,7 +417,13 @@ def _tied_names(model: nn.Module, split: Split) -> list[tuple[str, ...]]:
         names.setdefault(id(param), []).append(name)
 
     def held(attrs: tuple[str, ...]) -> set[int]:
-        return {id(p) for a in attrs for p in getattr(model, a).parameters()}
+        held: set[int] = set()
+        for value in (getattr(model, a) for a in attrs):
+            if isinstance(value, nn.Parameter):  # a bare parameter (ViT's class token)
+                held.add(id(value))
+            elif value is not None:  # a module; None: an optional part the model lacks
+                held.update(id(p) for p in value.parameters())
+        return held
 
     shared = held(split.first) & held(split.last)
     return [tuple(names[i]) for i in shared]

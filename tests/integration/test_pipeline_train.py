@@ -1,8 +1,9 @@
-"""`train.strategy: pipeline` on a real local Ray: a tiny GPT's 4 blocks in 2 stages on 2
-workers (gloo). The loss falls, the checkpoint holds each stage's shard and the consolidated
-weights evaluate reads, a stage killed mid-run resumes from its shards to the uninterrupted
-run's loss, and a run resumes at another stage count (4 stages on 4 workers). Loss and
-gradients against the unsplit model, schedule by schedule: tests/integration/test_pipeline.py."""
+"""`train.strategy: pipeline` on a real local Ray (gloo): a tiny GPT's 4 blocks in 2 stages on 2
+workers learns, its checkpoint holds each stage's shard and the consolidated weights evaluate
+reads, a stage killed mid-run resumes from its shards to the uninterrupted run's loss; a text
+classifier (its padding mask crossing the stages) resumes at another stage count (4 stages on 4
+workers). Loss and gradients against the unsplit model, family by family and schedule by
+schedule: tests/integration/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from app.evaluate import evaluate
 from app.train.driver import train
 from tests.fault_hooks import fail_at
-from tests.integration.conftest import ensure_local_ray
+from tests.integration.conftest import ensure_local_ray, workload_config
 from tests.integration.test_lm import TINY
 
 pytestmark = pytest.mark.integration
@@ -94,20 +95,34 @@ def test_a_killed_stage_resumes_from_its_shards_to_the_same_loss(lm_prepared, pi
     assert last["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
 
 
-def test_a_run_resumes_at_another_stage_count(lm_prepared):
-    name = "train.run_name=lm-pipeline-restage"
-    first = train(lm_prepared(name, "train.epochs=2"))
+def test_a_text_classifier_resumes_at_another_stage_count(prepared, workspace):
+    """The padding mask crosses the stages beside the hidden states; 4 stages on 4 workers go
+    on from the shards 2 stages wrote."""
+    prepared("text")
+    ensure_local_ray()
+    common = [
+        "model.layers=4",
+        "train.strategy=pipeline",
+        "train.pipeline.microbatches=4",
+        "train.run_name=text-pipeline-restage",
+        "train.max_steps_per_epoch=20",
+    ]
+    first = train(workload_config(workspace, "text", *common, "train.epochs=2"))
     resumed = train(
-        lm_prepared(
-            name,
+        workload_config(
+            workspace,
+            "text",
+            *common,
+            "train.epochs=3",
             "train.num_workers=4",
             "train.pipeline.stages=4",
             "train.pipeline.schedule=gpipe",
         )
     )
-    assert resumed["resume_history"] == [3]
-    assert resumed["final_epoch"] == 3
-    # Epoch 3 goes on from epoch 2's weights and optimizer state, read by 4 stages from the
-    # shards 2 wrote (a fresh model would start near the vocabulary's uniform loss, ln 512).
-    assert resumed["history"][-1]["train_loss"] < first["history"][-1]["train_loss"] + 0.1
-    assert resumed["history"][-1]["train_loss"] < resumed["history"][0]["train_loss"]
+    assert resumed["resume_history"] == [3] and resumed["final_epoch"] == 3
+    assert [h["workers"] for h in resumed["num_workers_history"]] == [2, 4]
+    # Epoch 3 goes on from epoch 2's weights and optimizer state (a fresh model would start
+    # at chance, 0.25 on 4 topics).
+    assert first["metrics"]["val_accuracy"] >= 0.9
+    assert resumed["metrics"]["val_accuracy"] >= first["metrics"]["val_accuracy"] - 0.02
+    assert resumed["history"][-1]["train_loss"] < first["history"][0]["train_loss"]

@@ -250,7 +250,7 @@ def test_pipeline_mesh_rows_and_columns():
 
 
 def test_a_model_without_a_split_is_refused_naming_it():
-    from app.train.pipeline import split_of
+    from app.train.splits import split_of
 
     with pytest.raises(ValueError, match="MLP has no split"):
         split_of(MLP(4, 2, [8]))
@@ -287,8 +287,11 @@ def test_the_driver_refuses_a_task_or_model_a_pipeline_cannot_split():
     from app.train.driver import check_pipeline
 
     config = train_config("train.strategy=pipeline")
-    with pytest.raises(ConfigError, match="task 'classify' does not train in pipeline stages"):
-        check_pipeline(config, task_named("classify"), tiny_transformer())
+    check_pipeline(config, task_named("classify"), tiny_transformer())
+    with pytest.raises(ConfigError, match="task 'retrieval' does not train in pipeline stages"):
+        check_pipeline(config, task_named("retrieval"), tiny_transformer())
+    with pytest.raises(ConfigError, match="MLP has no split"):
+        check_pipeline(config, task_named("classify"), MLP(4, 2, [8]))
     two_blocks = GPT(vocab_size=64, block_size=8, dim=16, layers=2, heads=2)
     check_pipeline(config, task_named("lm"), two_blocks)
     interleaved = train_config(
