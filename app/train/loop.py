@@ -106,7 +106,8 @@ class TrainState:
             rng = checkpoint.load_sharded(folder, self.model, self.optimizer, rank)
         elif checkpoint.is_sharded(folder):
             raise CheckpointError(
-                f"{folder}: written by train.strategy=fsdp or pipeline; resume it with either"
+                f"{folder}: sharded (train.strategy=fsdp or pipeline); resume it with the "
+                "strategy that wrote it"
             )
         else:
             checkpoint.load_weights(folder, self.model)
