@@ -311,10 +311,21 @@ class TrainConfig(_Section):
                 f"train.batch_size={self.batch_size} must be a multiple of "
                 f"train.pipeline.microbatches={p.microbatches}"
             )
-        if any(n % p.stages for n in self.worker_range):
+        if not isinstance(self.num_workers, int) or self.num_workers % p.stages:
+            # Not elastic: Ray may start or resize a group at any size within a range.
             raise ValueError(
-                f"train.num_workers={self.num_workers}: with train.strategy=pipeline each count "
-                f"must be a multiple of train.pipeline.stages={p.stages}"
+                f"train.num_workers={self.num_workers}: with train.strategy=pipeline a fixed "
+                f"multiple of train.pipeline.stages={p.stages}"
+            )
+        # torch's limits: 1F1B runs a microbatch a stage at once; interleaving goes in rounds
+        # of `stages` microbatches (fewer: one round).
+        rounds = max(1, p.microbatches // p.stages)
+        need = {"1f1b": p.microbatches < p.stages, "interleaved_1f1b": p.microbatches % rounds}
+        if need.get(p.schedule):
+            what = f"at least {p.stages}" if p.schedule == "1f1b" else f"a multiple of {rounds}"
+            raise ValueError(
+                f"train.pipeline.microbatches={p.microbatches}: schedule {p.schedule} on "
+                f"{p.stages} stages needs {what}"
             )
         if self.precision == "fp16" or self.compile:
             raise ValueError(

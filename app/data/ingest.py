@@ -340,7 +340,9 @@ def ingest_options(config: Config, workers: int | None = None):
     store = config.data.stream.object_store_mb * MIB / workers
     return ExecutionOptions(
         resource_limits=ExecutionResources.for_limits(cpu=cpu, object_store_memory=store),
-        preserve_order=False,
+        # A pipeline's stages each stream their row's share: the same order gives each the
+        # same batches (the first stage's inputs and the last one's targets).
+        preserve_order=config.train.strategy == "pipeline",
     )
 
 

@@ -148,7 +148,7 @@ def short_budget(train_rows: int, config: Config) -> str | None:
     t = config.train
     if not t.max_steps or train_rows <= 0:
         return None
-    per_step = t.min_workers * t.batch_size * t.grad_accum_steps
+    per_step = t.min_workers // t.stages * t.batch_size * t.grad_accum_steps
     seen = t.max_steps * per_step / train_rows
     if seen >= 1:
         return None

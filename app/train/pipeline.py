@@ -167,6 +167,7 @@ class Pipeline:
         loss_fn: LossFn,
         device: torch.device,
         split_points: Sequence[int] = (),
+        accumulation: int = 1,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -188,7 +189,16 @@ class Pipeline:
             PipelineStage(stage, i, count, device, group=self.groups.pipeline)
             for stage, i in zip(self.stages, indices, strict=True)
         ]
-        self.schedule = _schedule(schedule, pipes, microbatches, loss_fn)
+        # Each microbatch's loss is divided by every batch the optimizer step adds up
+        # (microbatches of `accumulation` batches), and the schedule leaves the gradients as
+        # they are: its own division by the microbatches would also divide the gradients an
+        # earlier batch of the step left.
+        self.shares = microbatches * accumulation
+
+        def share(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, target) / self.shares
+
+        self.schedule = _schedule(schedule, pipes, microbatches, share)
 
     @property
     def holds_input(self) -> bool:
@@ -213,7 +223,9 @@ class Pipeline:
         if sync:
             self._sum_tied()
             self._average_rows()
-        return torch.stack(losses).mean().detach() if losses else None
+        if not losses:
+            return None
+        return torch.stack(losses).sum().detach() * (self.shares / len(losses))
 
     @torch.no_grad()
     def forward(self, inputs: Batch) -> torch.Tensor | None:
@@ -301,21 +313,18 @@ class PipelinedModel(nn.Module):
     under the model's own names, the schedule's training step, and validation's forward pass
     (the output on the rank holding the last stage, None elsewhere)."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        inputs: Callable[[Batch], Scored],
-        accumulation: int = 1,
-    ):
+    def __init__(self, pipeline: Pipeline, inputs: Callable[[Batch], Scored]):
         super().__init__()
         for stage in pipeline.stages:
+            for name, param in stage.named_parameters(recurse=False):  # ViT's class token
+                self.register_parameter(name, param)
             for name, child in stage.named_children():
                 held = self._modules.get(name)
                 if isinstance(child, nn.ModuleDict):  # blocks: a fresh dict over every stage's
                     before = dict(held.items()) if isinstance(held, nn.ModuleDict) else {}
                     child = nn.ModuleDict({**before, **child})
                 setattr(self, name, child)
-        self.pipeline, self.inputs, self.accumulation = pipeline, inputs, accumulation
+        self.pipeline, self.inputs = pipeline, inputs
 
     @property
     def holds_output(self) -> bool:
@@ -325,8 +334,7 @@ class PipelinedModel(nn.Module):
         """Forward and backward of a batch; its mean loss (on every rank of the row) and rows."""
         inputs, targets = self.inputs(batch)
         loss = self.pipeline.step(inputs, targets, sync)
-        # The schedule's loss is divided by the accumulation (gradients add up over batches).
-        return self.pipeline.row_loss(loss) * self.accumulation, len(targets)
+        return self.pipeline.row_loss(loss), len(targets)
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor | None:
         """Validation's pass: the model's inputs, by its own forward's argument names."""
@@ -343,16 +351,21 @@ def pipelined(
     model: nn.Module, t: TrainConfig, device: torch.device, scoring: Scoring
 ) -> PipelinedModel:
     """This rank's `PipelinedModel` of `model` under `t.pipeline` (a collective: every rank of
-    the default process group calls it). The loss is divided by `t.grad_accum_steps` so that
-    gradients accumulated over an optimizer step's batches are their mean's."""
-    p, accumulation = t.pipeline, t.grad_accum_steps
+    the default process group calls it); gradients accumulated over an optimizer step's
+    `t.grad_accum_steps` batches are their mean's."""
+    p = t.pipeline
     mesh = Mesh(p.stages, dist.get_world_size(), dist.get_rank())
-
-    def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return scoring.loss(output, target) / accumulation
-
-    pipeline = Pipeline(model, mesh, p.schedule, p.microbatches, scaled, device, p.split_points)
-    return PipelinedModel(pipeline, scoring.inputs, accumulation)
+    pipeline = Pipeline(
+        model,
+        mesh,
+        p.schedule,
+        p.microbatches,
+        scoring.loss,
+        device,
+        p.split_points,
+        accumulation=t.grad_accum_steps,
+    )
+    return PipelinedModel(pipeline, scoring.inputs)
 
 
 # A stage's state crosses in validation's forward pass as a count, then per tensor a header
@@ -433,6 +446,6 @@ def _schedule(name: str, stages: list[Any], microbatches: int, loss_fn: LossFn) 
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if name == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return single(stages[0], microbatches, loss_fn=loss_fn)
+    return single(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)

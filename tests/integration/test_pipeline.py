@@ -1,7 +1,7 @@
 """Pipeline parallelism on gloo ranks (plain torch.distributed, no Ray: the functions a Train
 worker runs): a step's loss and every gradient equal the unsplit model's on the same batch for
-each schedule, the tied embedding's two copies included, and after an optimizer step the
-stages gathered are the unsplit model after the same step. The library's own tests cover
+each schedule and family, the tied embedding's two copies included, also accumulated over two
+batches; after an optimizer step the stages gathered are the unsplit model after the same step. The library's own tests cover
 NCCL only; each process group has a short timeout, so a hang fails loudly instead of waiting."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from app.models.gpt import GPT
 from app.models.transformer import TransformerClassifier
 from app.models.vit import ViTClassifier
 from app.tasks.lm import token_loss
-from app.train.pipeline import SCHEDULES, Mesh, Pipeline
+from app.train.pipeline import SCHEDULES, Mesh, Pipeline, PipelinedModel
 from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration
@@ -122,6 +122,10 @@ def rank_main(rank: int, world: int, stages: int, schedules: list[str], init: st
                 assert abs(rows.item() / mesh.rows - loss.item()) < 1e-5, (case, rows, loss)
             held = pipe.named_parameters()
             assert held, case
+            # What a Ray Train rank trains holds every parameter its stages do (under the
+            # model's names), bare ones like ViT's class token included.
+            trained = dict(PipelinedModel(pipe, split_target).named_parameters())
+            assert trained.keys() == held.keys(), (case, trained.keys() ^ held.keys())
             for name, param in held.items():
                 # 1e-5 of the gradient's scale: microbatches sum in another order (ViT's
                 # zero-initialised class token under a LayerNorm has gradients near 1e3).
@@ -144,7 +148,32 @@ def rank_main(rank: int, world: int, stages: int, schedules: list[str], init: st
                     expected_out = whole(**share)
                 assert (out - expected_out).abs().max().item() < 1e-4, case
             dist.barrier()
+    accumulate(mesh, schedules)
     leave_together()
+
+
+def split_target(batch: Inputs) -> tuple[Inputs, torch.Tensor]:
+    return batch, batch["input_ids"]
+
+
+def accumulate(mesh: Mesh, schedules: list[str]) -> None:
+    """Two batches accumulated into one optimizer step give the gradients of their mean loss
+    (the schedule must not rescale what the first batch left)."""
+    batches = [_tokens(torch.Generator().manual_seed(seed)) for seed in (2, 3)]
+    whole = model("gpt").eval()
+    sum(token_loss(whole(**inputs), target) for inputs, target in batches).div(2).backward()
+    grads = dict(whole.named_parameters(remove_duplicate=False))
+    for kind in schedules:
+        pipe = Pipeline(
+            model("gpt").eval(), mesh, kind, MICROBATCHES, token_loss, torch.device("cpu"),
+            accumulation=2,
+        )  # fmt: skip
+        for (inputs, target), sync in zip(batches, (False, True), strict=True):
+            share = {k: v.chunk(mesh.rows)[mesh.row] for k, v in inputs.items()}
+            pipe.step(share, target.chunk(mesh.rows)[mesh.row], sync)
+        for name, param in pipe.named_parameters().items():
+            diff = (param.grad - grads[name].grad).abs().max().item()
+            assert diff < 1e-5, f"accumulated {kind}: {name} gradient off by {diff}"
 
 
 def run_ranks(tmp_path, world: int, stages: int, schedules: list[str]) -> None:

@@ -260,8 +260,20 @@ def test_a_model_without_a_split_is_refused_naming_it():
     "overrides, words",
     [
         (["train.batch_size=10"], "train.batch_size=10 must be a multiple of"),
-        (["train.num_workers=3"], "train.num_workers=3: with train.strategy=pipeline each"),
-        (["train.num_workers=[2, 5]"], "each count must be a multiple of train.pipeline.stages"),
+        (["train.num_workers=3"], "train.num_workers=3: with train.strategy=pipeline a fixed"),
+        (["train.num_workers=[2, 4]"], "a fixed multiple of train.pipeline.stages=2"),
+        (
+            ["train.pipeline.stages=8", "train.num_workers=8"],
+            "schedule 1f1b on 8 stages needs at least 8",
+        ),
+        (
+            [
+                "train.pipeline.schedule=interleaved_1f1b",
+                "train.pipeline.microbatches=5",
+                "train.batch_size=10",
+            ],
+            "schedule interleaved_1f1b on 2 stages needs a multiple of 2",
+        ),
         (["train.precision=fp16"], "runs fp32 or bf16 without train.compile"),
         (["train.compile=true"], "runs fp32 or bf16 without train.compile"),
         (["train.pipeline.schedule=zigzag"], "train.pipeline.schedule"),
@@ -276,7 +288,7 @@ def test_pipeline_keys_that_cannot_run_are_one_line_naming_them(overrides, words
 
 
 def test_pipeline_stages_count_as_one_data_rank():
-    t = train_config("train.strategy=pipeline", "train.num_workers=[2, 4]").train
+    t = train_config("train.strategy=pipeline", "train.num_workers=4").train
     assert (t.stages, t.pipeline.microbatches, t.pipeline.schedule) == (2, 4, "1f1b")
     assert train_config("train.pipeline.stages=4").train.stages == 1  # only under pipeline
 
