@@ -311,3 +311,17 @@ def test_the_driver_refuses_a_task_or_model_a_pipeline_cannot_split():
     )
     with pytest.raises(ConfigError, match="4 stages for a model of 2 blocks"):
         check_pipeline(interleaved, task_named("lm"), two_blocks)
+
+
+def test_a_pipelines_stages_stream_their_rows_share_in_order():
+    """Each stage of a row runs its own Ray Data stream of the row's share; in order, the
+    seeded shuffle cuts the same batches for all (the first stage's inputs, the last's
+    targets). Other strategies take blocks as they come."""
+    from app.data.ingest import ingest_options
+
+    def ordered(*overrides: str) -> bool:
+        config = train_config("data.stream.max_cpus=1", *overrides)
+        return ingest_options(config, workers=2).preserve_order
+
+    assert ordered("train.strategy=pipeline")
+    assert not ordered("train.strategy=ddp")
