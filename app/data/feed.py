@@ -211,10 +211,10 @@ def rebatch(
     held: list[Batch] = []
     rows = 0
     for block in blocks:
-        if not _rows(block):  # nothing to cut, and no columns or dtypes to take from it
+        if not rows_in(block):  # nothing to cut, and no columns or dtypes to take from it
             continue
         held.append(block)
-        rows += _rows(block)
+        rows += rows_in(block)
         if rows < max(batch_size, shuffle_rows if generator is not None else 0):
             continue
         pool = _pooled(held, generator)
@@ -232,7 +232,7 @@ def _cut(pool: Batch, rows: int, batch_size: int) -> Iterator[Batch]:
         yield {k: v[start : min(start + batch_size, rows)] for k, v in pool.items()}
 
 
-def _rows(block: Batch) -> int:
+def rows_in(block: Batch) -> int:
     return len(next(iter(block.values()), ()))
 
 
@@ -242,5 +242,5 @@ def _pooled(blocks: list[Batch], generator: torch.Generator | None) -> Batch:
     )
     if generator is None:
         return pool
-    order = torch.randperm(_rows(pool), generator=generator)
+    order = torch.randperm(rows_in(pool), generator=generator)
     return {k: v[order] for k, v in pool.items()}

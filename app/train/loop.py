@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from app.config import Config
+from app.data.feed import rows_in
 from app.errors import CheckpointError
 from app.tasks.classify import classification_loss
 from app.tasks.steps import LossFn, all_reduce, autocast
@@ -170,7 +171,7 @@ def epoch_batches(
     t = config.train
     batches = feed.batches(batch_size, seed=seed)
     if t.strategy == "pipeline":
-        batches = (b for b in batches if len(next(iter(b.values()))) == batch_size)
+        batches = (b for b in batches if rows_in(b) == batch_size)
     limits = [t.max_steps_per_epoch, t.max_steps and max(t.max_steps - steps_done, 0)]
     limit = min((x for x in limits if x is not None), default=None)
     if limit is None:

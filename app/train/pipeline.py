@@ -113,9 +113,15 @@ def check_split(model: nn.Module, t: TrainConfig) -> None:
     """Raise ValueError (one line) unless `t.pipeline` can split `model` (the meta model the
     driver builds, before any worker starts)."""
     split_of(model)
-    virtual = VIRTUAL_STAGES if t.pipeline.schedule == "interleaved_1f1b" else 1
     blocks = len(getattr(model, _block_container(model)))
-    block_ranges(blocks, t.pipeline.stages * virtual, t.pipeline.split_points)
+    block_ranges(
+        blocks, stage_count(t.pipeline.stages, t.pipeline.schedule), t.pipeline.split_points
+    )
+
+
+def stage_count(ranks: int, schedule: str) -> int:
+    """Stages the model splits into: one a rank, `VIRTUAL_STAGES` a rank when interleaved."""
+    return ranks * (VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1)
 
 
 @dataclass(frozen=True)
@@ -174,12 +180,11 @@ class Pipeline:
         if schedule not in SCHEDULES:
             raise ValueError(f"train.pipeline.schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
         split, self.mesh, self.device = split_of(model), mesh, device
-        virtual = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
-        self.count = count = mesh.stages * virtual
+        self.count = count = stage_count(mesh.stages, schedule)
         container = _block_container(model)
         ranges = block_ranges(len(getattr(model, container)), count, split_points)
         self.groups = _groups(mesh)
-        self.indices = indices = [mesh.stage_rank + v * mesh.stages for v in range(virtual)]
+        self.indices = indices = list(range(mesh.stage_rank, count, mesh.stages))
         self.stages = [
             Stage(model, split, container, ranges[i], i == 0, i == count - 1).to(device)
             for i in indices
@@ -217,7 +222,7 @@ class Pipeline:
         over tied copies and averaged over the data-parallel rows). Returns the batch's mean
         loss on the rank holding the last stage, None elsewhere."""
         losses: list[torch.Tensor] = []
-        named = {k: v.to(self.device) for k, v in inputs.items()} if self.holds_input else {}
+        named = self._on_device(inputs) if self.holds_input else {}
         target = targets.to(self.device) if self.holds_output else None
         self.schedule.step(target=target, losses=losses, return_outputs=False, **named)
         if sync:
@@ -233,7 +238,7 @@ class Pipeline:
         batch size). Every rank of a row calls it with the same batch; the output is on the
         rank holding the last stage, None elsewhere."""
         ranks = self.mesh.pipeline_ranks(self.mesh.row)
-        named = {k: v.to(self.device) for k, v in inputs.items()}
+        named = self._on_device(inputs)
         out: Any = None
         for index, stage in zip(self.indices, self.stages, strict=True):
             if index == 0:
@@ -245,6 +250,9 @@ class Pipeline:
                     out if isinstance(out, tuple) else (out,), ranks[(index + 1) % self.mesh.stages]
                 )
         return out if self.holds_output else None
+
+    def _on_device(self, inputs: Batch) -> Batch:
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def row_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss, on every rank of its row (for progress lines and totals)."""
