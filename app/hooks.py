@@ -10,34 +10,60 @@ raises to inject a fault or blocks to hold; its return value is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HOOKS_ENV = "RAYTORCH_TEST_HOOKS"
 
 _callbacks: dict[str, list[Callable[..., Any]]] = {}
 _loaded = False
+# Whether any callback is installed: a point fired on every decode step reads this and makes
+# no call at all in production (`load_from_env` first, where the process's hooks come from).
+armed = False
 
 
 def install(point: str, fn: Callable[..., Any]) -> None:
+    global armed
     _callbacks.setdefault(point, []).append(fn)
+    armed = True
 
 
 def clear() -> None:
+    global armed
     _callbacks.clear()
+    armed = False
 
 
 def fire(point: str, **details: Any) -> None:
-    if not _loaded:
-        _load_from_env()
+    load_from_env()
     for fn in _callbacks.get(point, ()):
         fn(**details)
 
 
-def _load_from_env() -> None:
+@contextlib.contextmanager
+def none_installed() -> Iterator[None]:
+    """A block that runs as production does, with no hook installed (the ones before return
+    after it)."""
+    global armed, _loaded
+    saved = _callbacks.copy(), armed, _loaded
+    _callbacks.clear()
+    armed, _loaded = False, True
+    try:
+        yield
+    finally:
+        _callbacks.clear()
+        _callbacks.update(saved[0])
+        armed, _loaded = saved[1], saved[2]
+
+
+def load_from_env() -> None:
+    """Installs the hooks $RAYTORCH_TEST_HOOKS names, once per process."""
     global _loaded
+    if _loaded:
+        return
     _loaded = True
     for name in filter(None, os.environ.get(HOOKS_ENV, "").split(",")):
         importlib.import_module(name.strip()).install_hooks()

@@ -111,8 +111,7 @@ def engine(model: Workload, work: Path, streams: int, seconds: float) -> dict[st
     streams that all start and end together would step narrower caches than the served one."""
     from app.runtime.artifact import open_artifact
     from app.runtime.decode_loop import DecodeLoop
-    from app.runtime.decoding import Generator
-    from app.runtime.sampling import SamplingParams
+    from app.runtime.decoding import Generator, SamplingParams
 
     cfg = bench_config(work, "lm", tag="b15").serve
     artifact = open_artifact(model.artifact)

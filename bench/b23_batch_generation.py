@@ -36,8 +36,7 @@ def loop_alone(artifact: str, texts: list[str]) -> float:
     """(a): tokens/s of the decode loop with STREAMS rows at a time, in this process."""
     from app.runtime.artifact import open_artifact
     from app.runtime.decode_loop import DecodeLoop
-    from app.runtime.decoding import Generator
-    from app.runtime.sampling import SamplingParams
+    from app.runtime.decoding import Generator, SamplingParams
 
     generator = Generator.from_artifact(open_artifact(artifact), "int8", 1)
     ids = [generator.encode(t) for t in texts]

@@ -6,7 +6,8 @@ Ray: export verifies its artifacts through it, serving and batch inference run i
 - types.py: the typed contract between routes, replicas, batch inference and tests
 - rows.py: raw rows checked against an artifact's schema (the one row check of serving and
   batch inference)
-- kv.py, sampling.py, text.py, decoding.py: a language model's step on a KV cache, the sampler,
-  the detokenizer and stop strings, a stream's state between steps
+- kv.py: a language model's step on a KV cache, and a batch of caches
+- decoding.py: from a step's logits to a stream's text (the sampler, the detokenizer and stop
+  strings, a stream's state between steps), and the exported model it runs on (`Generator`)
 - decode_loop.py: the engine that steps every running stream together (continuous batching)
 """

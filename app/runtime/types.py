@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from app.runtime.sampling import TokenLogprob
+from app.runtime.decoding import TokenLogprob
 
 
 class RequestError(Exception):
@@ -94,7 +94,7 @@ class ModelInfo:
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     prompt: str
-    params: dict[str, Any]  # app.runtime.sampling.SamplingParams keyword arguments
+    params: dict[str, Any]  # app.runtime.decoding.SamplingParams keyword arguments
     field: str = "prompt"  # the request field the prompt came in, for error messages
     # Chat messages ({"role", "content"} each), rendered into the prompt by the replica with
     # its model's chat template; `prompt` is then unused.

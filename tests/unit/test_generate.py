@@ -25,16 +25,18 @@ from app.export.lm import (
 from app.export.quantize import quantize_weight_only
 from app.models.gpt import GPT
 from app.runtime import artifact as art
-from app.runtime.decoding import Decoding, Generator, PromptError
-from app.runtime.kv import KVDecoder, greedy, prefill
-from app.runtime.sampling import (
+from app.runtime.decoding import (
     DRAW_BLOCK,
+    Decoding,
+    Generator,
+    PromptError,
     SamplingParams,
     nucleus,
     sample,
     sample_rows,
     top_tokens,
 )
+from app.runtime.kv import KVDecoder, greedy, prefill
 
 pytestmark = pytest.mark.unit
 

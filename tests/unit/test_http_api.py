@@ -803,7 +803,7 @@ def test_a_merged_stream_whose_client_leaves_closes_every_generation_cleanly():
 
 
 def test_text_offset_counts_characters_not_the_byte_tokens_of_a_split_one():
-    from app.runtime.sampling import TokenLogprob
+    from app.runtime.decoding import TokenLogprob
     from app.runtime.types import Piece
     from app.serve.http.completions import CompletionEncoder
 

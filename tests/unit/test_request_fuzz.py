@@ -5,7 +5,7 @@ The generation fields are enumerated from their request models (app/serve/http/r
 field added there is fuzzed too; the classifier routes' numeric fields (v2 tensors, v1
 instances) are listed here, as their wire format is read by hand (app/serve/http/protocol.py). The
 models behind the routes are stand-ins that run what the real replicas run on the values: the
-row check (app/runtime/rows.py) and the sampler (app/runtime/sampling.py).
+row check (app/runtime/rows.py) and the sampler (app/runtime/decoding.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.config import ServeConfig
+from app.runtime.decoding import SamplingParams, sample
 from app.runtime.rows import request_rows
-from app.runtime.sampling import SamplingParams, sample
 from app.runtime.types import Finished, InferResult, ModelInfo, Piece, Started
 from app.serve.http.api import create_api
 from app.serve.http.clients import Models

@@ -93,7 +93,7 @@ class Sampling(Strict):
         return tuple(stops)
 
     def params(self, cfg: ServeConfig) -> dict[str, Any]:
-        """The keyword arguments of app.runtime.sampling.SamplingParams."""
+        """The keyword arguments of app.runtime.decoding.SamplingParams."""
         out: dict[str, Any] = {
             "max_tokens": self.max_tokens or cfg.generation.default_max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,

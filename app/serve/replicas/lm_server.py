@@ -23,8 +23,7 @@ from typing import Any, cast
 from app.config import ServeConfig
 from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.decode_loop import DecodeLoop, LoopGeneration
-from app.runtime.decoding import Generator, PromptError
-from app.runtime.sampling import SamplingParams
+from app.runtime.decoding import Generator, PromptError, SamplingParams
 from app.runtime.types import (
     FINISH_REASONS,
     Finished,
