@@ -505,7 +505,7 @@ class ServeConfig(_Section):
     variant: Literal["auto", "fp32", "int8", "aoti"] = "int8"
     # Name of an environment variable holding the API key; when set there, every model route
     # needs `Authorization: Bearer <key>`. Required when `host` or the host Serve really listens
-    # on (http_options.host) is not loopback (the rule: app.serve.http.middleware.api_key).
+    # on (http_options.host) is not loopback (the rule: app.serve.http.gate.api_key).
     api_key_env: str = "RAYTORCH_API_KEY"
     # Rows after flattening: a text tensor of shape [1, N] is N rows.
     max_request_rows: int = Field(1024, ge=1)

@@ -143,7 +143,8 @@ def stage_costs(artifact: str, input_uri: str, config, rows: int = 100_000) -> d
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from app.runtime.artifact import open_artifact, run_logits, softmax
+    from app.runtime.artifact import open_artifact, run_logits
+    from app.runtime.rows import softmax
 
     loaded = open_artifact(artifact)
     columns = loaded.schema["feature_columns"]

@@ -40,7 +40,8 @@ class ArtifactAPI(ls.LitAPI):
         return inputs  # predict concatenates (rows per request may differ)
 
     def predict(self, inputs: list[dict[str, np.ndarray]]) -> list[tuple[list[str], Any]]:
-        from app.runtime.artifact import run_logits, softmax
+        from app.runtime.artifact import run_logits
+        from app.runtime.rows import softmax
 
         batch = {k: np.concatenate([r[k] for r in inputs]) for k in inputs[0]}
         probabilities = softmax(run_logits(self.session, batch))

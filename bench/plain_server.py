@@ -29,7 +29,7 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
     from app.runtime.artifact import resolve
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
-    from app.serve.metrics import IngressMetrics
+    from app.serve.http.gate import IngressMetrics
     from app.serve.replicas.model_server import ModelServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]

@@ -352,10 +352,3 @@ LOGITS = ["logits"]  # a classifier graph's output, the one a replica or predict
 
 def run_logits(session, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return session.run(LOGITS, inputs)[0]
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Class probabilities from logits: what the online endpoint and batch inference return."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)

@@ -1,6 +1,7 @@
-"""Raw rows checked against an artifact's schema: what a classifier accepts, online (the
-replica) and offline (jobs.predict). Text is a BYTES input, numbers an FP32 [rows, features]
-one; nothing here looks at the preprocessor. Every problem is a `RequestError` naming the field.
+"""A classifier's rows in and answers out, online (the replica) and offline (jobs.predict): raw
+rows checked against an artifact's schema, and the graph's logits as class probabilities
+(`softmax`). Text is a BYTES input, numbers an FP32 [rows, features] one; nothing here looks at
+the preprocessor. Every problem is a `RequestError` naming the field.
 """
 
 from __future__ import annotations
@@ -222,3 +223,10 @@ def claimed_rows(datatype: str, shape: list[int]) -> int:
     for d in shape:
         product = min(product * d, MAX_DIM + 1)
     return product
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Class probabilities from logits: what the online endpoint and batch inference return."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)

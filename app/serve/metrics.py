@@ -12,6 +12,7 @@ as with Serve's own cached request metrics.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -111,6 +112,24 @@ def model_counter(name: str, description: str, tag_keys: tuple[str, ...] = ("mod
     return Counter(name, description=description, tag_keys=tag_keys)
 
 
+class Deferred(collections.deque):
+    """Records made on a request path, kept as they come and recorded by the flush thread:
+    `append(item)` is the deque's own, so a request takes no lock and makes no Python call to
+    record. `record(buffer, item)` turns one item into the buffer's records."""
+
+    def __init__(
+        self, record: Callable[[MetricBuffer, Any], None], buffer: MetricBuffer | None = None
+    ):
+        super().__init__()
+        self.buffer = buffer or process_buffer()
+        self._record = record
+        self.buffer.sample(self._drain)
+
+    def _drain(self) -> None:
+        while self:
+            self._record(self.buffer, self.popleft())
+
+
 @functools.cache
 def process_buffer() -> MetricBuffer:
     """The one buffer (and flush thread) of this process, made on first use."""
@@ -130,25 +149,3 @@ def _recorded(record: Any, value: float, tags: dict[str, str]) -> bool:
             _warned.add(type(e).__name__)
             log.warning("recording a buffered metric failed: %s: %s", type(e).__name__, e)
         return False
-
-
-class IngressMetrics:
-    """Requests and latency by *model*: Serve's own request metrics are per application, and the
-    index application answers v1 predictions for every model."""
-
-    def __init__(self) -> None:
-        self.requests = model_counter(
-            "raytorch_requests_total", "HTTP requests by model and status", ("model", "code")
-        )
-        self.latency = model_histogram(
-            "raytorch_request_latency_ms",
-            "request latency (ms)",
-            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
-        )
-        self.buffer = process_buffer()
-
-    def observe(self, model: str, code: int, latency_ms: float) -> None:
-        tags = {"model": model}
-        self.buffer.inc_and_observe(
-            self.requests, tags | {"code": str(code)}, self.latency, latency_ms, tags
-        )

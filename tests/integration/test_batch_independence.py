@@ -11,6 +11,7 @@ import pytest
 
 from app.evaluate import labeled_batches
 from app.runtime import artifact as art
+from app.runtime.rows import softmax
 
 pytestmark = pytest.mark.integration
 ROWS, MATES = 200, 255
@@ -51,7 +52,7 @@ def test_a_rows_int8_answer_does_not_depend_on_its_batch_mates(artifacts, worklo
     rows = rng.choice(n, size=min(ROWS, n), replace=False)
     alone = np.concatenate(
         [
-            art.softmax(art.run_logits(session, {k: v[i : i + 1] for k, v in inputs.items()}))
+            softmax(art.run_logits(session, {k: v[i : i + 1] for k, v in inputs.items()}))
             for i in rows
         ]
     )
@@ -60,7 +61,7 @@ def test_a_rows_int8_answer_does_not_depend_on_its_batch_mates(artifacts, worklo
         picked = rows[start : start + 8]
         mates = rng.integers(0, n, MATES + 1 - len(picked))
         batch = {k: np.concatenate([v[picked], wider(v[mates], rng)]) for k, v in inputs.items()}
-        together = art.softmax(art.run_logits(session, batch))[: len(picked)]
+        together = softmax(art.run_logits(session, batch))[: len(picked)]
         expected = alone[start : start + len(picked)]
         assert np.abs(together - expected).max() <= 1e-6, (workload, picked.tolist())
         assert (together.argmax(1) == expected.argmax(1)).all()
@@ -87,5 +88,5 @@ def test_jobs_predict_gives_each_row_its_answer_alone(artifacts, ray_local, tmp_
     session = artifact.session("int8", 1)
     pre = artifact.preprocessor
     for row_id, probs in zip(got["id"].to_pylist(), got["probabilities"].to_pylist(), strict=True):
-        alone = art.softmax(art.run_logits(session, pre.features(rows[row_id : row_id + 1])))[0]
+        alone = softmax(art.run_logits(session, pre.features(rows[row_id : row_id + 1])))[0]
         assert np.abs(np.asarray(probs) - alone).max() <= 1e-6, row_id

@@ -635,7 +635,7 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
     from app.config import ServeConfig
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
-    from app.serve.metrics import IngressMetrics
+    from app.serve.http.gate import IngressMetrics
     from app.serve.replicas.lm_server import LMServer
     from tests.integration.test_request_depth import tracing
 

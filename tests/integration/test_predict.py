@@ -13,7 +13,8 @@ import pytest
 from app.errors import UserError
 from app.predict.driver import predict
 from app.predict.write import verify_output
-from app.runtime.artifact import open_artifact, run_logits, softmax
+from app.runtime.artifact import open_artifact, run_logits
+from app.runtime.rows import softmax
 
 pytestmark = pytest.mark.integration
 

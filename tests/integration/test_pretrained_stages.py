@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from app.data.prepare import prepare
 from app.export.exporter import export
 from app.predict.write import verify_output
-from app.runtime.artifact import open_artifact, run_logits, softmax
+from app.runtime.artifact import open_artifact, run_logits
+from app.runtime.rows import softmax
 from app.train.driver import train
 from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config

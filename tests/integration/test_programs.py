@@ -109,7 +109,7 @@ def served(uri: str, variant: str, body: dict) -> tuple[str, dict]:
     """(the variant a replica serves, its /v2 answer to `body`), through the in-process app."""
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
-    from app.serve.metrics import IngressMetrics
+    from app.serve.http.gate import IngressMetrics
     from app.serve.replicas.model_server import ModelServer
 
     cfg = ServeConfig(variant=variant)

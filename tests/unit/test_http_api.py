@@ -16,7 +16,7 @@ from app.ray_private import UNKNOWN_HOST, serve_http_host
 from app.runtime.types import GenerationRequest, InferRequest, InferResult, ModelInfo, RequestError
 from app.serve.http.api import create_api
 from app.serve.http.clients import Models
-from app.serve.http.middleware import Gate, api_key
+from app.serve.http.gate import Gate, api_key
 
 pytestmark = pytest.mark.unit
 
@@ -161,13 +161,13 @@ def test_limits_errors_and_overload(monkeypatch):
 def test_a_body_of_more_values_than_the_rows_allowed_is_refused_before_it_is_parsed(monkeypatch):
     """A million empty rows (4 MiB, under the body limit) would take 380 ms to parse and 86 MiB
     of Python objects: refused from the first chunks, the parser never called, no model call."""
-    import app.serve.http.protocol as protocol
+    import app.serve.http.gate as gate
 
     parsed: list[int] = []
-    real = protocol.json.loads
+    real = gate.json.loads
     # The json module is shared (the test client parses answers with it): count big parses.
     monkeypatch.setattr(
-        protocol.json, "loads", lambda b, **kw: parsed.append(len(b) > 2**20) or real(b, **kw)
+        gate.json, "loads", lambda b, **kw: parsed.append(len(b) > 2**20) or real(b, **kw)
     )
     c = client(monkeypatch)
     empty_rows = b'{"instances": [' + b",".join([b"[]"] * 1_000_000) + b"]}"
@@ -409,6 +409,34 @@ def test_request_metrics_are_summed_and_recorded_off_the_request_path():
     buffer.flush()
     buffer.flush()
     assert gauge.calls[-2:] == [(10, {"model": "m"}), (11, {"model": "m"})]
+
+
+def test_ingress_metrics_are_kept_on_the_request_path_and_recorded_by_the_flush():
+    from app.serve.http.gate import IngressMetrics
+    from app.serve.metrics import MetricBuffer
+
+    buffer = MetricBuffer(interval_s=3600)  # flushed by hand here
+    metrics = IngressMetrics(buffer)
+    recorded: list[tuple] = []
+
+    class Recorded:
+        def inc(self, n, tags):
+            recorded.append(("n", n, tags))
+
+        def observe(self, value, tags):
+            recorded.append(("ms", value, tags))
+
+    metrics.requests, metrics.latency = Recorded(), Recorded()
+    for code, ms in ((200, 1.5), (404, 0.5), (200, 2.5)):
+        metrics.observe("m", code, ms)
+    assert recorded == [] and len(metrics.answered) == 3  # nothing recorded by a request
+    buffer.flush()
+    assert sorted(r for r in recorded if r[0] == "n") == [
+        ("n", 1, {"model": "m", "code": "404"}),
+        ("n", 2, {"model": "m", "code": "200"}),
+    ]
+    assert sorted(v for kind, v, _ in recorded if kind == "ms") == [0.5, 1.5, 2.5]
+    assert len(metrics.answered) == 0
 
 
 def test_a_failing_metric_record_costs_that_record_only():
@@ -669,7 +697,7 @@ def test_a_failed_stream_is_an_error_never_a_truncated_200(monkeypatch, status):
 
 def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch):
     """What the v2 route calls of the project, the request's lifecycle as a reader follows it:
-    read the body, decode (protocol), ask the model (clients), encode (protocol)."""
+    read the body (gate), decode (the route's own module), ask the model (clients), encode."""
     import sys
 
     import httpx
@@ -699,7 +727,7 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
 
     asyncio.run(one_request())
     assert ("app.serve.http.clients", "infer") in called and (
-        "app.serve.http.protocol",
+        "app.serve.http.routes.v2",
         "decode_v2",
     ) in called
     assert len(called) <= 6, sorted(called)

@@ -9,17 +9,11 @@ import struct
 import numpy as np
 import pytest
 
-from app.runtime.rows import instance_rows, numeric_rows, text_rows
+from app.runtime.rows import MAX_DIM, claimed_rows, instance_rows, numeric_rows, text_rows
 from app.runtime.types import InferResult, RequestError
-from app.serve.http.protocol import (
-    MAX_DIM,
-    check_content_type,
-    claimed_rows,
-    decode_v1,
-    decode_v2,
-    encode_v2,
-    parse_json,
-)
+from app.serve.http.gate import check_content_type, parse_json
+from app.serve.http.routes.v1 import decode_v1
+from app.serve.http.routes.v2 import decode_v2, encode_v2
 
 TABULAR = {
     "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 2]}],
@@ -254,7 +248,7 @@ class CountingList(list):
 
 
 def test_a_shape_product_stops_at_the_first_dim_past_its_limit():
-    from app.serve.http.protocol import bounded_product
+    from app.runtime.rows import bounded_product
 
     CountingList.seen = 0
     dims = CountingList([1, 999_999_999, *([999_999_999] * 100_000)])
@@ -300,8 +294,8 @@ def arrive(body: bytes, inputs: list[dict], chunk: int = 65536) -> int:
     from types import SimpleNamespace
 
     from app.config import ServeConfig
-    from app.serve.http.protocol import max_json_items
-    from app.serve.http.routes.common import body as read_body
+    from app.serve.http.gate import body as read_body
+    from app.serve.http.gate import max_json_items
 
     arrived = 0
 
@@ -351,7 +345,7 @@ def well_formed_bodies() -> list[bytes]:
 
 @pytest.mark.parametrize("chunk", [65536, 7, 1 << 30])
 def test_the_largest_well_formed_bodies_pass_the_item_bound_however_they_arrive(chunk):
-    from app.serve.http.protocol import max_json_items
+    from app.serve.http.gate import max_json_items
 
     bodies = well_formed_bodies()
     for body, inputs in zip(bodies, [DIGITS_INPUTS, DIGITS_INPUTS, TEXT["inputs"]], strict=True):

@@ -3,7 +3,7 @@ anything but a number in its range is a 400 naming that field.
 
 The generation fields are enumerated from their request models (app/serve/http/requests.py), so a
 field added there is fuzzed too; the classifier routes' numeric fields (v2 tensors, v1
-instances) are listed here, as their wire format is read by hand (app/serve/http/protocol.py). The
+instances) are listed here, as their wire format is read by hand (app/serve/http/routes/v2.py and v1.py). The
 models behind the routes are stand-ins that run what the real replicas run on the values: the
 row check (app/runtime/rows.py) and the sampler (app/runtime/decoding.py).
 """

@@ -4,6 +4,7 @@ request failing alone, never its batch mates (Serve's @serve.batch is stood in f
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import threading
 import time
@@ -54,11 +55,6 @@ class FakeSession:
         return [np.stack([1 - odd, odd], axis=1)]
 
 
-class NoBuffer:
-    def observe(self, histogram, value: float, tags: dict) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def text_pre() -> Preprocessor:
     frame = pd.DataFrame(
@@ -96,7 +92,7 @@ def text_server(
     server.max_padding_waste = max_padding_waste
     server.in_flight = 0
     server.version, server.labels, server.pid = "3", pre.labels, 1
-    server.buffer, server.batch_rows, server.metric_tags = NoBuffer(), None, {}  # type: ignore[assignment]
+    server.batch_rows = collections.deque()  # type: ignore[assignment]
     server.infer_batch = Batcher(server)  # type: ignore[method-assign]
     return server
 

@@ -30,7 +30,7 @@ from app.ray_runtime import connect_ray
 from app.runtime.artifact import open_verified
 from app.serve.control.builders import MODEL_IMPORT_PATH, applications
 from app.serve.control.deploy_lock import cluster_lock
-from app.serve.http.middleware import api_key
+from app.serve.http.gate import api_key
 from app.serve.replicas.apps import model_app_name
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def apply(
 
 
 def require_key(cfg: ServeConfig, serve_host: str | None) -> None:
-    """app.serve.http.middleware.api_key's rule, as a one-line UserError (the ingress would refuse to
+    """app.serve.http.gate.api_key's rule, as a one-line UserError (the ingress would refuse to
     start anyway; this says so before anything is submitted)."""
     try:
         api_key(cfg, serve_host)

@@ -1,5 +1,5 @@
 """The HTTP API of every application: the routers of app/serve/routes over a `Models`
-directory, inside the middleware of app/serve/http/middleware.py.
+directory, inside the middleware of app/serve/http/gate.py.
 
 Routes (README.md, "The HTTP API"): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
 (also under /versions/{version}), /v1/models, /v1/models/{name}:predict, /v1/completions,
@@ -22,7 +22,7 @@ from app import __version__
 from app.config import ServeConfig
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
-from app.serve.http.middleware import Gate, RequestMetrics, api_key, error, request_id
+from app.serve.http.gate import Gate, RequestMetrics, api_key, error, request_id
 from app.serve.http.routes import generation, retrieval, v1, v2
 
 log = logging.getLogger("ray.serve")

@@ -29,7 +29,7 @@ from pydantic import (
 from app.config import ServeConfig
 from app.data.checks import json_type
 from app.runtime.types import RequestError, bad
-from app.serve.http.protocol import parse_json
+from app.serve.http.gate import parse_json
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # each stop string: it is searched for in every piece of text

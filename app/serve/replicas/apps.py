@@ -13,7 +13,7 @@ from app.config import ServeConfig
 from app.ray_private import serve_http_host
 from app.serve.http.api import create_api
 from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
-from app.serve.metrics import IngressMetrics
+from app.serve.http.gate import IngressMetrics
 from app.serve.replicas.embedding_server import EmbeddingServer
 from app.serve.replicas.lm_server import LMServer
 from app.serve.replicas.model_server import ModelServer

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from app.config import ServeConfig
-from app.runtime.artifact import LOGITS, Artifact, open_artifact, run_logits, softmax
-from app.runtime.rows import request_rows
+from app.runtime.artifact import LOGITS, Artifact, open_artifact, run_logits
+from app.runtime.rows import request_rows, softmax
 from app.runtime.types import InferRequest, InferResult, ModelInfo, RequestError
-from app.serve.metrics import model_histogram, process_buffer
+from app.serve.metrics import Deferred, model_histogram
 from app.serve.replicas.batching import (
     MASK,
     measure_batch_calls,
@@ -59,12 +59,13 @@ class ModelServer:
         self.version, self.labels = self.artifact.version, self.artifact.preprocessor.labels
         self.pid = os.getpid()
         # Rows per ONNX Runtime call: what Serve's own metrics cannot see (a batch's calls).
-        self.batch_rows = model_histogram(
+        histogram = model_histogram(
             "raytorch_batch_size",
             "rows per ONNX Runtime call",
             [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
         )
-        self.buffer, self.metric_tags = process_buffer(), {"model": self.artifact.name}
+        tags = {"model": self.artifact.name}
+        self.batch_rows = Deferred(lambda buffer, rows: buffer.observe(histogram, rows, tags))
         log.info(
             "model %s version %s loaded from %s; batched requests %s (%s)",
             self.artifact.name,
@@ -152,7 +153,7 @@ class ModelServer:
         self.in_flight += 1
         try:
             if alone:
-                self.buffer.observe(self.batch_rows, rows, self.metric_tags)
+                self.batch_rows.append(rows)
                 loop = asyncio.get_running_loop()
                 try:
                     return (await loop.run_in_executor(self.pool, self._predict, [inputs]))[0]
@@ -171,9 +172,7 @@ class ModelServer:
         lengths = [row_lengths(r) for r in requests]
         groups = padding_groups(lengths, self.max_padding_waste)
         for group in groups:
-            self.buffer.observe(
-                self.batch_rows, sum(len(lengths[i]) for i in group), self.metric_tags
-            )
+            self.batch_rows.append(sum(len(lengths[i]) for i in group))
         loop = asyncio.get_running_loop()
         shares = await asyncio.gather(
             *(

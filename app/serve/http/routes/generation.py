@@ -33,7 +33,8 @@ from app.serve.http.completions import (
     sse,
     triton_answer,
 )
-from app.serve.http.routes.common import body, config, models
+from app.serve.http.gate import body
+from app.serve.http.routes.common import config, models
 
 log = logging.getLogger("ray.serve")
 router = APIRouter()

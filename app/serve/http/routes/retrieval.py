@@ -10,8 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.runtime.types import EmbedRequest, EmbedResult, SearchQuery, SearchRequest, bad
+from app.serve.http.gate import body
 from app.serve.http.requests import EmbeddingsRequest, SearchBody, data_url_bytes, read
-from app.serve.http.routes.common import body, config, models
+from app.serve.http.routes.common import config, models
 
 router = APIRouter()
 

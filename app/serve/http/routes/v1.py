@@ -8,10 +8,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.runtime.types import InferRequest, ModelInfo
+from app.runtime.rows import too_many_rows
+from app.runtime.types import InferRequest, ModelInfo, bad
 from app.serve.http.clients import INFO_FRESH_S
-from app.serve.http.protocol import decode_v1
-from app.serve.http.routes.common import body, config, models
+from app.serve.http.gate import body, parse_json
+from app.serve.http.routes.common import config, models
 
 router = APIRouter()
 
@@ -54,3 +55,17 @@ async def predict(name: str, request: Request):
             for label, probs in zip(result.labels, result.probabilities, strict=True)
         ],
     }
+
+
+def decode_v1(body: bytes, max_rows: int) -> list[Any]:
+    request = parse_json(body)
+    if not isinstance(request, dict) or "instances" not in request:
+        raise bad("body: expected a JSON object with 'instances'")
+    instances = request["instances"]
+    if not isinstance(instances, list):
+        raise bad("instances: expected a list (one instance per row)")
+    if not instances:
+        raise bad("instances: empty batch (no rows)")
+    if len(instances) > max_rows:
+        raise too_many_rows(len(instances), max_rows)
+    return instances
