@@ -1,15 +1,17 @@
 """Serving A/B: this checkout's Serve path against an earlier commit's, same artifact, same window.
 
-    python -m bench.ab_serve --before 1b1a0b1 [--connections 1,16,32] [--runs 3]
+    python -m bench.ab_serve --before 1b1a0b1 [--workload digits|text|lm] [--connections 1,16,32]
 
 Both sides run B5a's Serve set-up (bench.serve_child: a Ray of its own in Serve's
-high-throughput mode, HAProxy in front of the digits model's replica), each from its own source
+high-throughput mode, HAProxy in front of the model's one replica), each from its own source
 tree (the earlier commit exported with `git archive`, put first on PYTHONPATH for the child, its
-Ray and its replicas), on one artifact (`--workload`: digits or text) exported by this
-checkout. Both stay up for the
-whole run, so each side's windows see the other's idle cost. Per connection count: a warm-up
-window each, then `--runs` 5-second wrk windows per side, alternating (ABBA), each after a
-bounded wait for a quiet machine; the medians are compared (after/before req/s, p50).
+Ray and its replicas), on one artifact exported by this checkout. Both stay up for the whole
+run, so each side's windows see the other's idle cost. Per connection count: a warm-up window
+each, then `--runs` windows per side, alternating (ABBA); the medians are compared.
+- digits, text: v2 inference, 5-second wrk windows (after/before req/s, p50).
+- lm: B15's served decode loop (its artifact and replica config), streamed `/v1/completions`
+  of 96 tokens from closed-loop clients (bench.sse_load), 10-second windows at 16 streams by
+  default (after/before output tokens/s, TTFT p50).
 """
 
 from __future__ import annotations
@@ -26,13 +28,23 @@ from typing import Any
 
 from bench.b5_serve import _stop, start_ht_child, wait_child_ready
 from bench.b5c_litserve import request_bodies
+from bench.b15_generation import PROMPT, trained
 from bench.common import REPO, RESULTS_DIR, Bench, ensure_artifact, free_port, median
 from bench.load import wrk_run
+from bench.sse_load import load
 
 ONE_REPLICA = ("serve.autoscaling.min_replicas=1", "serve.autoscaling.max_replicas=1")
 ID = "B5_ab"
 WHAT = "the Serve path of this checkout vs an earlier commit's (B5a's set-up, alternating)"
-GOAL = "after/before req/s >= 0.95 at every connection count"
+GOAL = "after/before req/s (lm: tokens/s) >= 0.95 at every connection count"
+# B15's served loop: its replica admits every stream measured, one replica.
+LM_SERVE = (
+    "serve.generation.max_streams=64",
+    "serve.max_ongoing_requests=64",
+    "serve.batching.max_batch_size=16",
+    "serve.generation.max_tokens=96",
+)
+LM_TOKENS = 96
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -51,7 +63,8 @@ def serve_config_of(root: Path, work: Path, workload: str) -> dict[str, Any]:
         "print(json.dumps(bench_config(*sys.argv[1:]).serve.model_dump(mode='json')))"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-c", code, str(work), workload, *ONE_REPLICA]
+    overrides = (*ONE_REPLICA, *(LM_SERVE if workload == "lm" else ()))
+    cmd = [sys.executable, "-c", code, str(work), workload, *overrides]
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, check=True)
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
@@ -59,11 +72,23 @@ def serve_config_of(root: Path, work: Path, workload: str) -> dict[str, Any]:
 def side_by_side(
     before: Path, artifact: str, work: Path, workload: str, runs: int, conns: list[int]
 ) -> dict[int, dict[str, list[dict[str, Any]]]]:
-    """{connections: {"before"|"after": [wrk window, ...]}} with both sides up throughout."""
+    """{connections: {"before"|"after": [window, ...]}} with both sides up throughout."""
     logs = work / "logs"
-    body_file = logs / f"bodies_{workload}.jsonl"
-    name, bodies, _ = request_bodies(artifact)
-    body_file.write_text("\n".join(bodies) + "\n")
+    name = "lm"
+    if workload != "lm":
+        body_file = logs / f"bodies_{workload}.jsonl"
+        name, bodies, _ = request_bodies(artifact)
+        body_file.write_text("\n".join(bodies) + "\n")
+
+    completion = {"model": name, "prompt": PROMPT, "max_tokens": LM_TOKENS, "temperature": 1.0}
+
+    def window(side: str, connections: int, seconds: float) -> dict[str, Any]:
+        if workload == "lm":  # streams last longer than a request: windows twice as long
+            port = int(urls[side].rsplit(":", 1)[1])
+            body = completion | {"stream": True}
+            return load("127.0.0.1", port, "/v1/completions", body, connections, 2 * seconds)
+        return wrk_run(urls[side], str(body_file), connections, seconds)
+
     urls: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         for side, root in (("before", before), ("after", REPO)):
@@ -72,23 +97,32 @@ def side_by_side(
             child = start_ht_child(artifact, cfg, port, scratch, log, name, root=root)
             stack.callback(_stop, child)
             wait_child_ready(child, 300, log)
-            urls[side] = f"http://127.0.0.1:{port}/v2/models/{name}/infer"
+            urls[side] = (
+                f"http://127.0.0.1:{port}"
+                if workload == "lm"
+                else f"http://127.0.0.1:{port}/v2/models/{name}/infer"
+            )
         windows: dict[int, dict[str, list[dict[str, Any]]]] = {}
         for c in conns:
-            for url in urls.values():
-                wrk_run(url, str(body_file), c, 1.0)  # warm-up
+            for side in urls:
+                window(side, c, 1.0)  # warm-up
             for i in range(runs):
                 for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
-                    result = wrk_run(urls[side], str(body_file), c, 5.0)
-                    windows.setdefault(c, {}).setdefault(side, []).append(result)
+                    windows.setdefault(c, {}).setdefault(side, []).append(window(side, c, 5.0))
     return windows
+
+
+def lm_artifact(work: Path) -> str:
+    """B15's language model (configs/lm.yaml trained briefly, int8 served), made once per --work."""
+    steps = ["train.epochs=1", "train.max_steps_per_epoch=40"]
+    return trained(work, "lm", "lm", steps)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="the earlier commit")
-    p.add_argument("--workload", default="digits", choices=["digits", "text"])
-    p.add_argument("--connections", default="1,16,32")
+    p.add_argument("--workload", default="digits", choices=["digits", "text", "lm"])
+    p.add_argument("--connections", default=None, help="default: 1,16,32 (lm: 16)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-ab"))
     p.add_argument("--out", default=str(RESULTS_DIR))
@@ -98,34 +132,38 @@ def main(argv: list[str] | None = None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     bid = ID if args.workload == "digits" else f"{ID}_{args.workload}"
     bench = Bench(bid, GOAL, WHAT, args.out, smoke=False, doc=__doc__)
-    artifact = ensure_artifact(work, args.workload, False)["artifact"]
+    lm = args.workload == "lm"
+    artifact = lm_artifact(work) if lm else ensure_artifact(work, args.workload, False)["artifact"]
     before = export_tree(args.before, work / f"before-{args.before}")
-    conns = [int(c) for c in args.connections.split(",")]
+    conns = [int(c) for c in (args.connections or ("16" if lm else "1,16,32")).split(",")]
     windows = side_by_side(before, artifact, work, args.workload, args.runs, conns)
+    rate, latency, unit = (
+        ("tokens_per_s", "ttft_p50_ms", "tok/s") if lm else ("requests_per_s", "p50_ms", "req/s")
+    )
     sides = {
         c: {
             side: {
-                "requests_per_s": median([w["requests_per_s"] for w in runs]),
-                "p50_ms": median([w["p50_ms"] for w in runs]),
-                "errors": sum(w["errors"] + w["non_2xx"] for w in runs),
+                rate: median([w[rate] for w in runs]),
+                latency: median([w[latency] for w in runs]),
+                "errors": sum(w["failed"] if lm else w["errors"] + w["non_2xx"] for w in runs),
                 "runs": runs,
             }
             for side, runs in by_side.items()
         }
         for c, by_side in windows.items()
     }
-    ratios = {
-        c: s["after"]["requests_per_s"] / s["before"]["requests_per_s"] for c, s in sides.items()
-    }
+    ratios = {c: s["after"][rate] / s["before"][rate] for c, s in sides.items()}
     summary = "; ".join(
-        f"c={c}: before {s['before']['requests_per_s']:.0f} req/s p50 {s['before']['p50_ms']:.2f} ms, "
-        f"after {s['after']['requests_per_s']:.0f} req/s p50 {s['after']['p50_ms']:.2f} ms "
+        f"c={c}: before {s['before'][rate]:.0f} {unit} p50 {s['before'][latency]:.2f} ms, "
+        f"after {s['after'][rate]:.0f} {unit} p50 {s['after'][latency]:.2f} ms "
         f"(x{ratios[c]:.3f})"
         for c, s in sides.items()
     )
     met = all(r >= 0.95 for r in ratios.values())
     details = {"before": args.before, "workload": args.workload, "by_connections": sides}
-    record = bench.result("after_vs_before_rps_min", min(ratios.values()), met, details, summary)
+    record = bench.result(
+        f"after_vs_before_{rate}_min", min(ratios.values()), met, details, summary
+    )
     print(f"{bid}: {record['summary']}", flush=True)
 
 
