@@ -29,12 +29,14 @@ class ArtifactAPI(ls.LitAPI):
         self.pre = self.artifact.preprocessor
 
     def decode_request(self, request):  # type: ignore[no-untyped-def]  # untyped: LitServe reads the JSON body
-        from app.runtime.rows import tensor_rows
-        from app.runtime.types import Tensor
+        from app.runtime.rows import request_rows
+        from app.runtime.types import InferRequest, Tensor
 
         t = request["inputs"][0]
         tensor = Tensor(t["name"], t["datatype"], t["shape"], t["data"])
-        return self.pre.features(tensor_rows(tensor, self.artifact.schema, 1024))
+        return self.pre.features(
+            request_rows(InferRequest(tensor=tensor), self.artifact.schema, 1024)
+        )
 
     def batch(self, inputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         return inputs  # predict concatenates (rows per request may differ)

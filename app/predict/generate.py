@@ -24,8 +24,8 @@ from app.errors import UserError
 from app.predict.actor import ArtifactBatches, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, id_problems, note
 from app.runtime.decode_loop import DecodeLoop
-from app.runtime.decoding import Generator, PromptError, SamplingParams, TokenLogprob
-from app.runtime.types import RequestError
+from app.runtime.decoding import Generator, PromptError, SamplingParams
+from app.runtime.types import RequestError, TokenLogprob
 from app.serve.http.requests import Message, Sampling, prompt_text, refusal
 from app.serve.replicas.chat import from_preprocessor as chat_template
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from app.runtime.kv import KVDecoder
+from app.runtime.types import TokenLogprob
 
 EOS = "<|endoftext|>"  # app/data/corpus.py's document separator: the model's end of text
 REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
@@ -215,18 +216,6 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     out = np.zeros_like(probs)
     out[order[keep]] = sorted_probs[keep]
     return out / out.sum()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A generated token as OpenAI's `logprobs` report it: its text and UTF-8 bytes, its
-    log-probability under the model (before temperature, top-k/top-p and penalties, as vLLM
-    reports them) and the `top` most likely tokens at that position, most likely first."""
-
-    token: str
-    bytes: tuple[int, ...]
-    logprob: float
-    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
 class TokenTexts:

@@ -12,8 +12,6 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from app.runtime.decoding import TokenLogprob
-
 
 class RequestError(Exception):
     """A request the model cannot answer: its HTTP status and a message naming the field."""
@@ -105,6 +103,18 @@ class GenerationRequest:
 class Started:
     prompt_tokens: int
     version: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token as OpenAI's `logprobs` report it: its text and UTF-8 bytes, its
+    log-probability under the model (before temperature, top-k/top-p and penalties, as vLLM
+    reports them) and the `top` most likely tokens at that position, most likely first."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

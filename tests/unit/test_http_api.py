@@ -831,8 +831,7 @@ def test_a_merged_stream_whose_client_leaves_closes_every_generation_cleanly():
 
 
 def test_text_offset_counts_characters_not_the_byte_tokens_of_a_split_one():
-    from app.runtime.decoding import TokenLogprob
-    from app.runtime.types import Piece
+    from app.runtime.types import Piece, TokenLogprob
     from app.serve.http.completions import CompletionEncoder
 
     encoder = CompletionEncoder("lm", logprobs=True)

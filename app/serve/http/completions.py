@@ -21,8 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.config import ServeConfig
-from app.runtime.decoding import TokenLogprob
-from app.runtime.types import Finished, GenerationRequest, Piece
+from app.runtime.types import Finished, GenerationRequest, Piece, TokenLogprob
 from app.serve.http.requests import (
     ChatRequest,
     CompletionRequest,

@@ -23,15 +23,17 @@ import time
 import uuid
 from collections.abc import Callable, Container, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 
 from app.config import ServeConfig
 from app.runtime.types import RequestError, bad
 from app.serve.metrics import Deferred, MetricBuffer, model_counter, model_histogram
+
+if TYPE_CHECKING:  # FastAPI's Request is Starlette's: the generation codecs import this module
+    from starlette.requests import Request
 
 log = logging.getLogger("ray.serve")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
