@@ -320,9 +320,12 @@ class TrainConfig(_Section):
         # torch's limits: 1F1B runs a microbatch a stage at once; interleaving goes in rounds
         # of `stages` microbatches (fewer: one round).
         rounds = max(1, p.microbatches // p.stages)
-        need = {"1f1b": p.microbatches < p.stages, "interleaved_1f1b": p.microbatches % rounds}
-        if need.get(p.schedule):
-            what = f"at least {p.stages}" if p.schedule == "1f1b" else f"a multiple of {rounds}"
+        what = None
+        if p.schedule == "1f1b" and p.microbatches < p.stages:
+            what = f"at least {p.stages}"
+        elif p.schedule == "interleaved_1f1b" and p.microbatches % rounds:
+            what = f"a multiple of {rounds}"
+        if what:
             raise ValueError(
                 f"train.pipeline.microbatches={p.microbatches}: schedule {p.schedule} on "
                 f"{p.stages} stages needs {what}"

@@ -12,9 +12,10 @@ functions, as with app/train/parallel.py.
 - A parameter two stages share (GPT-2's token embedding, which is also its output head) lives on
   both; each computes its own part of the gradient and the two are summed after each step, so
   the copies stay equal.
-- Schedules: GPipe, 1F1B and interleaved 1F1B (`VIRTUAL_STAGES` stages a rank). Gradients are
-  scaled by the microbatch count, so with equal microbatches a step's loss and gradients are
-  those of the whole batch through the unsplit model.
+- Schedules: GPipe, 1F1B and interleaved 1F1B (`VIRTUAL_STAGES` stages a rank). Each
+  microbatch's loss is divided by the microbatches and accumulated batches of an optimizer
+  step, so with equal microbatches a step's loss and gradients are those of the whole batch
+  through the unsplit model.
 - `PipelinedModel` is what a Ray Train rank trains (`train.strategy: pipeline`): its stages'
   modules under the model's names, so optimizer groups, state dicts and sharded checkpoints
   name parameters as the unsplit model does (a run resumes at another stage count), plus the
@@ -230,7 +231,7 @@ class Pipeline:
             self._average_rows()
         if not losses:
             return None
-        return torch.stack(losses).sum().detach() * (self.shares / len(losses))
+        return torch.stack(losses).mean().detach() * self.shares  # each was loss / shares
 
     @torch.no_grad()
     def forward(self, inputs: Batch) -> torch.Tensor | None:
