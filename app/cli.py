@@ -19,8 +19,16 @@ from app.errors import ConfigError, UserError
 from app.ray_runtime import disconnect_ray
 
 
+class JobParser(argparse.ArgumentParser):
+    """A job's arguments, with `section.key=value` overrides anywhere on the command line,
+    before or after options (argparse's intermixed parsing)."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        return self.parse_intermixed_args(args, namespace)
+
+
 def parser(stage: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m jobs.{stage}", description=description)
+    p = JobParser(prog=f"python -m jobs.{stage}", description=description)
     p.add_argument("--config", required=True, help="workload YAML, e.g. configs/digits.yaml")
     p.add_argument("--summary-file", help="also write the JSON summary to this file")
     p.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")

@@ -118,6 +118,16 @@ class DataConfig(_Section):
     caption_column: str = "caption"
     format: Literal["table", "karpathy"] = "table"
     images: str | None = None  # karpathy: the folder of the pictures (default: the JSON's)
+    # A picture's longer side over its shorter (prepare and predict); more is a bad row. A
+    # resize to a shortest edge scales the long side with it: 4,194,304 x 4 pixels would be
+    # gigabytes at 224.
+    max_image_aspect: float = Field(20.0, ge=1)
+    # image_text: where pictures named by path may be read. A relative path is read under the
+    # table's folder (the JSON's, or `images`, for karpathy); an absolute path or a URI only
+    # under one of these roots. A path outside, a missing file and a non-regular one (a
+    # device, a folder) are one "cannot read" refusal alike.
+    image_roots: list[str] = Field(default_factory=list)
+    max_image_bytes: int = Field(32 * 2**20, ge=1024)  # one picture's file, read at most
     # A picture that cannot be read (missing, corrupt, a decompression bomb): a one-line
     # refusal naming its row, or, when set, skipped and counted in the prepare summary.
     skip_bad_rows: bool = False
@@ -430,6 +440,9 @@ class IndexConfig(_Section):
     # Held-out queries whose top-10 from the index is compared with the exact top-10.
     recall_queries: int = Field(200, ge=1)
     batch_rows: int = Field(8192, ge=1)  # embeddings read and added at a time (never all at once)
+    # An item's stored metadata (its passthrough columns) at most: a search answer carries up
+    # to serve.max_search_results items, so this bounds its size. More is refused, by row.
+    max_metadata_bytes: int = Field(4096, ge=64)
 
 
 class AutoscalingConfig(_Section):
@@ -515,10 +528,19 @@ class ServeConfig(_Section):
     # How long the ingress waits for a model replica's answer before replying 504.
     request_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get a 413
-    # Retrieval: results a search may ask for, and the pixels a sent image may decode to (more
-    # is a 413: a small file can decode to gigabytes).
-    max_top_k: int = Field(100, ge=1)
+    # Retrieval, each read from a picture's header before anything is decoded: the pixels a
+    # sent picture may decode to (more is a 413: a small file can decode to gigabytes), its
+    # longer side over its shorter (more is a 400: a shortest-edge resize scales the long side
+    # with it), and the pixels of all the pictures of one request together (more is a 413).
     max_image_pixels: int = Field(4096 * 4096, ge=1)
+    max_image_aspect: float = Field(20.0, ge=1)
+    max_request_pixels: int = Field(64 * 2**20, ge=1)
+    # Search: results per query, queries per request (max_request_rows, the rows any request
+    # may carry, bounds them too) and results per request, queries x top_k (more of any is a
+    # 413): a request's encoding time and its answer's size stay bounded.
+    max_top_k: int = Field(100, ge=1)
+    max_queries: int = Field(256, ge=1)
+    max_search_results: int = Field(10_000, ge=1)
     batching: BatchingConfig = Field(default_factory=lambda: BatchingConfig())
     max_ongoing_requests: int = Field(16, ge=1)  # requests a model replica holds at once
     max_queued_requests: int = Field(64, ge=-1)  # waiting beyond that get a 503 (-1: unbounded)
@@ -555,6 +577,13 @@ class ServeConfig(_Section):
         if self.autoscaling.min_replicas > self.autoscaling.max_replicas:
             raise ValueError("serve.autoscaling.min_replicas must not exceed max_replicas")
         return self
+
+    def query_limit(self) -> tuple[str, int]:
+        """The queries one search may carry, and the key that sets it: max_queries, or fewer
+        when every request's rows (max_request_rows) are fewer."""
+        if self.max_request_rows < self.max_queries:
+            return "max_request_rows", self.max_request_rows
+        return "max_queries", self.max_queries
 
 
 class PredictGenerationConfig(_Section):
@@ -717,6 +746,8 @@ def load_config(
 PATH_KEYS = (
     ("data", "output"),
     ("data", "path"),
+    ("data", "images"),
+    ("data", "image_roots"),
     ("model", "pretrained"),
     ("train", "storage_path"),
     ("export", "registry"),
@@ -729,7 +760,9 @@ def resolve_paths(config: Config) -> Config:
     for section, key in PATH_KEYS:
         node = getattr(config, section)
         value = getattr(node, key)
-        if value and not value.startswith("{stdlib}"):
+        if isinstance(value, list):
+            setattr(node, key, [resolve_uri(v) for v in value])
+        elif value and not value.startswith("{stdlib}"):
             setattr(node, key, resolve_uri(value))
     return config
 

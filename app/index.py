@@ -10,6 +10,7 @@ exact answers found by a second streamed pass. Build time and peak memory are in
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import logging
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from app import storage
@@ -35,6 +37,7 @@ from app.runtime.index import INDEX_FILE, INDEX_TASK, ITEMS_FILE, set_search_par
 log = logging.getLogger(__name__)
 EMBEDDING = "embedding"
 NOT_METADATA = (EMBEDDING, "model_name", "model_version")
+ITEM_ID = "id"  # the items table's first column: each item's id (predict's id column)
 TOP = 10
 
 
@@ -44,6 +47,7 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
     parts = [storage.join(embeddings, s.file) for s in predicted.files]
     if not parts:
         raise UserError(f"{embeddings}: no embeddings to index")
+    check_embeddings(embeddings, predicted.model_name, parts[0])
     started, peak = time.perf_counter(), Peak()
     index, items = fill(cfg, parts, peak)
     build_s = time.perf_counter() - started
@@ -62,9 +66,9 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
         "method": cfg.method,
         "metric": "inner_product",
         "embed_dim": int(index.d),
-        "metadata_columns": [c for c in items.column_names if c != "id"],
+        "metadata_columns": [c for c in items.column_names if c != ITEM_ID],
         "encoder": {
-            "uri": predicted.artifact,
+            "uri": storage.resolved(predicted.artifact),
             "name": predicted.model_name,
             "version": predicted.model_version,
         },
@@ -122,10 +126,22 @@ def empty_index(cfg: IndexConfig, dim: int) -> Any:
     return faiss.IndexFlatIP(dim)
 
 
+def check_embeddings(uri: str, model: str, first_part: str) -> None:
+    """A retrieval model's predictions, or one line saying what they are instead."""
+    fs, path = storage.filesystem(first_part)
+    with fs.open_input_file(path) as f:
+        names = pq.ParquetFile(f).schema_arrow.names
+    if EMBEDDING not in names:
+        raise UserError(
+            f"{uri}: predictions of {model!r} hold no {EMBEDDING!r} column (columns: "
+            f"{names[:8]}); jobs.index takes a retrieval model's jobs.predict output"
+        )
+
+
 def fill(cfg: IndexConfig, parts: list[str], peak: Peak) -> tuple[Any, pa.Table]:
     """Every part's vectors added in order; the items' ids and metadata beside them. An IVF
     index is trained first on the first `batch_rows` vectors."""
-    index, metadata = None, []
+    index, metadata, offset = None, [], 0
     for table in batches(parts, cfg.batch_rows):
         x = vectors(table)
         if index is None:
@@ -138,13 +154,55 @@ def fill(cfg: IndexConfig, parts: list[str], peak: Peak) -> tuple[Any, pa.Table]
                     )
                 index.train(x)
         index.add(x)
-        metadata.append(table.drop([c for c in NOT_METADATA if c in table.column_names]))
+        items = item_table(table.drop([c for c in NOT_METADATA if c in table.column_names]))
+        check_metadata(items, cfg.max_metadata_bytes, offset)
+        metadata.append(items)
+        offset += table.num_rows
         peak.sample()
     assert index is not None
-    items = pa.concat_tables(metadata)
-    if items.column_names[0] != "id":
-        items = items.rename_columns(["id", *items.column_names[1:]])
-    return index, items
+    return index, pa.concat_tables(metadata)
+
+
+def item_table(table: pa.Table) -> pa.Table:
+    """Predictions' id and passthrough columns -> the items table: the id column named `id`,
+    a passthrough column of that name refused, binary columns stored base64-encoded (what a
+    search answer, JSON, can carry)."""
+    id_column, *rest = table.column_names
+    if ITEM_ID in rest:
+        raise UserError(
+            f"metadata column {ITEM_ID!r}: the name of each item's id (here from the "
+            f"{id_column!r} column); rename that column in the corpus"
+        )
+    columns = [table[id_column]] + [_json_safe(table[c]) for c in rest]
+    return pa.table(columns, names=[ITEM_ID, *rest])
+
+
+def _json_safe(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        return column
+    encoded = [None if v is None else base64.b64encode(v).decode() for v in column.to_pylist()]
+    return pa.chunked_array([pa.array(encoded, pa.string())])
+
+
+def check_metadata(items: pa.Table, limit: int, offset: int) -> None:
+    """Every item's metadata within `limit` bytes (as JSON, roughly): a search answer holds
+    up to serve.max_search_results of them, so this bounds its size."""
+    sizes = np.zeros(items.num_rows, np.int64)
+    for name in items.column_names[1:]:
+        column = items[name]
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            lengths = pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+        else:
+            lengths = np.full(items.num_rows, 24)  # a number, a boolean, null: a few bytes
+        sizes += len(name) + 6 + lengths
+    over = np.flatnonzero(sizes > limit)
+    if len(over):
+        row = int(over[0])
+        item = items[ITEM_ID][row].as_py()
+        raise UserError(
+            f"item {str(item)[:60]!r} (row {offset + row}): {int(sizes[row])} bytes of metadata, "
+            f"more than index.max_metadata_bytes={limit}"
+        )
 
 
 def held_out_recall(cfg: IndexConfig, index: Any, parts: list[str]) -> float | None:

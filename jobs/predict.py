@@ -5,13 +5,11 @@ Offline batch inference (app/predict/). Exit codes: 0 ok; 1 bad input (a missing
 unreadable file, malformed rows with predict.on_bad_rows=fail) or an artifact that fails its
 integrity check; 2 bad config."""
 
-import argparse
-
-from app.cli import run_job
+from app.cli import JobParser, run_job
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
+    p = JobParser(
         prog="python -m jobs.predict",
         description="Score a Parquet, CSV or JSONL input with an exported artifact.",
     )

@@ -15,6 +15,8 @@ import hashlib
 import io
 import json
 import os
+import posixpath
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -23,26 +25,25 @@ import pandas as pd
 
 from app import storage
 from app.config import DataConfig
+from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits, decode
 from app.errors import UserError
 
-IMAGE, CAPTION, IMAGE_ID, TWIN = "image", "caption", "image_id", "twin"
-MAX_PIXELS = 64 * 2**20  # a source picture decodes to at most this many pixels
+IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT = "image", "caption", "image_id", "twin", "split"
+RESERVED = (IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT)  # the columns prepare writes itself
+KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "test"}
 
 
-def check_picture(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
-    """Why these bytes are not a picture PIL can decode within `max_pixels`, or None."""
-    from PIL import Image
-
+def check_picture(data: bytes, limits: PictureLimits = PictureLimits()) -> str | None:
+    """Why these bytes are not a picture PIL can decode within `limits`, or None."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if width * height > max_pixels:
-                return f"{width}x{height} pixels, more than {max_pixels}"
-            img.load()
-    except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
-        detail = (str(e).strip().splitlines() or [""])[0][:80]
-        return f"unreadable image ({type(e).__name__}: {detail})"
+        decode(data, limits)
+    except BadPicture as e:
+        return str(e)
     return None
+
+
+def data_limits(cfg: DataConfig) -> PictureLimits:
+    return PictureLimits(MAX_PIXELS, cfg.max_image_aspect, None, aspect_key="data.max_image_aspect")
 
 
 # --- a table of pictures and captions ------------------------------------------------------------
@@ -53,12 +54,19 @@ def table(
 ) -> tuple[pd.DataFrame, dict[str, Any], int]:
     """(rows, description, skipped): `cfg.path` a CSV/JSONL/Parquet file (read by `read_table`,
     the table source's reader); the image column a path (relative to the table's folder), a
-    URI, or the picture's bytes."""
+    URI (under `data.image_roots`), or the picture's bytes."""
     assert cfg.path is not None
     frame = read_table(cfg.path)
     for column in (cfg.image_column, cfg.caption_column):
         if column not in frame.columns:
             raise UserError(f"{cfg.path}: missing column {column!r} (has {list(frame.columns)})")
+    extra = [c for c in frame.columns if c not in (cfg.image_column, cfg.caption_column)]
+    for column in extra:
+        if column in RESERVED:
+            raise UserError(
+                f"{cfg.path}: column {column!r} is a name prepare writes itself "
+                f"({', '.join(RESERVED)}); rename it"
+            )
     folder = os.path.dirname(os.path.abspath(cfg.path)) if "://" not in cfg.path else None
     rows = [
         (f"{cfg.path} row {i}", image, caption)
@@ -66,8 +74,8 @@ def table(
             zip(frame[cfg.image_column], frame[cfg.caption_column], strict=True)
         )
     ]
-    out, skipped = _pictures(rows, folder or cfg.path.rsplit("/", 1)[0], cfg.skip_bad_rows)
-    extra = [c for c in frame.columns if c not in (cfg.image_column, cfg.caption_column)]
+    reader = PictureReader(folder or cfg.path.rsplit("/", 1)[0], cfg)
+    out, skipped = _pictures(rows, reader, cfg.skip_bad_rows)
     kept = frame.iloc[out.pop("row")].reset_index(drop=True)
     for column in extra:  # other columns travel as the items' metadata
         out[column] = kept[column].tolist()
@@ -92,18 +100,23 @@ def karpathy(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
         where = f"{cfg.path} images[{i}]"
         if not isinstance(entry, dict) or "filename" not in entry or "sentences" not in entry:
             raise UserError(f"{where}: expected an object with filename and sentences")
+        split = entry.get("split", "train")
+        if split not in KARPATHY_SPLITS:
+            raise UserError(
+                f"{where}: split {str(split)[:40]!r} is none of {', '.join(KARPATHY_SPLITS)}"
+            )
         path = os.path.join(entry.get("filepath", ""), entry["filename"])
         for sentence in entry["sentences"]:
             rows.append((where, path, sentence.get("raw") if isinstance(sentence, dict) else None))
-            splits.append({"restval": "train"}.get(entry.get("split", "train"), entry.get("split")))
-    out, skipped = _pictures(rows, root, cfg.skip_bad_rows)
-    out["split"] = [splits[r] for r in out.pop("row")]
+            splits.append(KARPATHY_SPLITS[split])
+    out, skipped = _pictures(rows, PictureReader(root, cfg), cfg.skip_bad_rows)
+    out[SPLIT] = [splits[r] for r in out.pop("row")]
     description = {"source": "image_text", "path": cfg.path, "format": "karpathy"}
     return pd.DataFrame(out), description, skipped
 
 
 def _pictures(
-    rows: list[tuple[str, Any, Any]], root: str, skip: bool
+    rows: list[tuple[str, Any, Any]], reader: PictureReader, skip: bool
 ) -> tuple[dict[str, list[Any]], int]:
     """Each row's picture read (and checked once per distinct picture) with its caption; the
     rows kept (`row`) and how many were skipped."""
@@ -113,7 +126,7 @@ def _pictures(
     for i, (where, image, caption) in enumerate(rows):
         key = image if isinstance(image, str) else hashlib.sha256(bytes(image)).hexdigest()
         if key not in seen:
-            seen[key] = _read_picture(image, root)
+            seen[key] = reader.read(image)
         data, problem = seen[key]
         if problem is None and (not isinstance(caption, str) or not caption.strip()):
             problem = f"caption: expected non-empty text, got {caption!r}"[:120]
@@ -127,23 +140,85 @@ def _pictures(
         out[IMAGE_ID].append(key)
         out["row"].append(i)
     if not out[IMAGE]:
-        raise UserError(f"{root}: no readable picture with a caption")
+        raise UserError(f"{reader.base}: no readable picture with a caption")
     return out, skipped
 
 
-def _read_picture(image: Any, root: str) -> tuple[bytes | None, str | None]:
-    if isinstance(image, bytes | bytearray | memoryview):
-        data = bytes(image)
-    elif isinstance(image, str) and image:
-        uri = image if "://" in image or os.path.isabs(image) else storage.join(root, image)
+class PictureReader:
+    """Reads the pictures a table names, only where they may be: a relative path under `base`
+    (the table's folder), an absolute path or a URI under one of `data.image_roots`; only
+    regular files, at most `data.max_image_bytes` each. A path outside, a missing file and a
+    device get the same refusal, so a table cannot probe what exists elsewhere."""
+
+    def __init__(self, base: str, cfg: DataConfig):
+        self.base = base
+        self.roots = [_normal(r) for r in [base, *cfg.image_roots]]
+        self.max_bytes = cfg.max_image_bytes
+        self.limits = data_limits(cfg)
+
+    def read(self, image: Any) -> tuple[bytes | None, str | None]:
+        data: bytes | None
+        if isinstance(image, bytes | bytearray | memoryview):
+            data = bytes(image)
+        elif isinstance(image, str) and image:
+            where = self.where(image)
+            data = self._bytes(where) if where else None
+            if data is None:
+                return None, (
+                    f"image {image[:60]!r}: cannot read (missing, not a regular file, or not "
+                    "under the table's folder or data.image_roots)"
+                )
+            if len(data) > self.max_bytes:
+                return None, (
+                    f"image {image[:60]!r}: more than data.max_image_bytes={self.max_bytes} bytes"
+                )
+        else:
+            return None, f"image: expected a path or bytes, got {type(image).__name__}"
+        problem = check_picture(data, self.limits)
+        return (None, f"image {str(image)[:60]!r}: {problem}") if problem else (data, None)
+
+    def where(self, image: str) -> str | None:
+        """The picture's normalised path or URI, or None when it is under no allowed root. A
+        relative path may not climb out of the table's folder; an absolute one or a URI must
+        lie under a listed root (the table's folder counts as one)."""
+        relative = "://" not in image and not os.path.isabs(image)
+        target = _normal(storage.join(self.base, image) if relative else image)
+        roots = self.roots[:1] if relative else self.roots
+        return target if any(_under(target, r) for r in roots) else None
+
+    def _bytes(self, uri: str) -> bytes | None:
+        """The file's bytes (no more than max_bytes + 1: more is refused by its length), or
+        None if it is not a regular file."""
+        from pyarrow import fs as pafs
+
         try:
-            data = storage.read_bytes(uri)
-        except (OSError, ValueError) as e:
-            return None, f"image {image!r}: cannot read ({type(e).__name__})"[:160]
-    else:
-        return None, f"image: expected a path or bytes, got {type(image).__name__}"
-    problem = check_picture(data)
-    return (None, f"image {str(image)[:60]!r}: {problem}") if problem else (data, None)
+            filesystem, path = storage.filesystem(uri)
+            info = filesystem.get_file_info(path)
+            if info.type != pafs.FileType.File or (storage.is_local(uri) and not _regular(path)):
+                return None
+            with filesystem.open_input_stream(path) as f:
+                return f.read(self.max_bytes + 1)
+        except (OSError, ValueError):
+            return None
+
+
+def _normal(uri: str) -> str:
+    """A local path with symbolic links and `..` resolved; a URI with `..` collapsed."""
+    if storage.is_local(uri):
+        return os.path.realpath(uri.removeprefix("file://"))
+    scheme, _, rest = uri.partition("://")
+    return f"{scheme}://{posixpath.normpath(rest)}"
+
+
+def _under(target: str, root: str) -> bool:
+    return target == root or target.startswith(root.rstrip("/") + "/")
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 # --- generated scenes ----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def export_retrieval(
             fp32 = os.path.join(work, art.graph_file(graph, "fp32"))
             export_graph(Graph(model, graph), names, sample, fp32, config.export.opset)
             methods[graph] = quantize_graph(graph, fp32, work)
-        report = verify(config, model, pre, work, sample)
+        report = verified(config, model, pre, work, sample)
         report["quantization"] = {"method": methods, "batch_independent": True}
         gate(report, config)
         programs = encoder_programs(config, model, pre, sample, work, report)
@@ -130,13 +130,25 @@ def quantize_graph(graph: str, fp32: str, work: str) -> str:
     return "weight_only"
 
 
+def verified(
+    config: Config, model: Any, pre: ImageText, work: str, sample: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """`verify`'s report; embeddings that are not finite refuse the export (exit 3)."""
+    from app.tasks.retrieval import NonFiniteEmbeddings
+
+    try:
+        return verify(config, model, pre, work, sample)
+    except NonFiniteEmbeddings as e:
+        raise GateError(f"export refused: {e}", {}) from None
+
+
 def verify(
     config: Config, model: Any, pre: ImageText, work: str, sample: dict[str, np.ndarray]
 ) -> dict[str, Any]:
     """Parity of fp32 ONNX with torch (cosine per row), val recall of both variants, sizes and
     latency per graph."""
     from app.evaluate import embed_split, torch_encoders
-    from app.tasks.retrieval import ranks, recall
+    from app.tasks.retrieval import certain_hits, recall
 
     sessions = {
         variant: {
@@ -163,7 +175,7 @@ def verify(
         )
         rows = embed_split(config, pre, "val", encoders, max_rows=RECALL_ROWS)
         recalls[variant] = recall(rows.images, rows.texts, rows.groups)
-        hits[variant] = {d: r == 0 for d, r in ranks(rows.images, rows.texts, rows.groups).items()}
+        hits[variant] = certain_hits(rows.images, rows.texts, rows.groups)
     return {
         "parity": {"min_cosine": cosine, "rows": len(sample["pixels"])},
         "recall": recalls,
@@ -240,15 +252,16 @@ class EncoderCheck:
 
     def recall(self, sessions: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         from app.evaluate import embed_split
-        from app.tasks.retrieval import ranks, recall
+        from app.tasks.retrieval import certain_hits, recall
 
         encoders = (
             lambda x: run(sessions["image"], x),
             lambda x: run(sessions["text"], x),
         )
         rows = embed_split(self.config, self.pre, "val", encoders, max_rows=RECALL_ROWS)
-        hits = {d: r == 0 for d, r in ranks(rows.images, rows.texts, rows.groups).items()}
-        return recall(rows.images, rows.texts, rows.groups), hits
+        return recall(rows.images, rows.texts, rows.groups), certain_hits(
+            rows.images, rows.texts, rows.groups
+        )
 
     def __call__(self, variant: str, sessions: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         e = self.config.export
@@ -270,7 +283,7 @@ class EncoderCheck:
 
         e = self.config.export
         for graph, cosine in m["min_cosine"].items():
-            if PRECISION[variant] == "fp32" and cosine < e.min_cosine:
+            if PRECISION[variant] == "fp32" and not cosine >= e.min_cosine:
                 return f"the {graph} encoder reaches cosine {cosine:.5f} with torch, below export.min_cosine={e.min_cosine}"
         if why := drift_refusal(m["batch_drift"], e.parity_tolerance):
             return why
@@ -295,9 +308,12 @@ def run(session: Any, inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def min_cosine(expected: np.ndarray, actual: np.ndarray) -> float:
+    """The worst row's cosine; a row with a NaN or infinite value on either side counts as
+    -1, the worst there is (a NaN would pass every `<` comparison a gate makes)."""
     dot = (expected * actual).sum(1)
     norms = np.linalg.norm(expected, axis=1) * np.linalg.norm(actual, axis=1)
-    return float((dot / np.maximum(norms, 1e-12)).min())
+    cosine = dot / np.maximum(norms, 1e-12)
+    return float(np.where(np.isfinite(cosine), cosine, -1.0).min())
 
 
 def latency(session: Any, sample: dict[str, np.ndarray], repeats: int) -> dict[str, float]:
@@ -317,7 +333,7 @@ def latency(session: Any, sample: dict[str, np.ndarray], repeats: int) -> dict[s
 def gate(report: dict[str, Any], config: Config) -> None:
     e = config.export
     for graph, cosine in report["parity"]["min_cosine"].items():
-        if cosine < e.min_cosine:
+        if not cosine >= e.min_cosine:
             raise GateError(
                 f"export refused: the fp32 ONNX {graph} encoder's embeddings reach cosine "
                 f"{cosine:.5f} with torch's, below export.min_cosine={e.min_cosine}",

@@ -215,6 +215,7 @@ def base_for(model: ModelConfig, takes: type[Preprocessor] | None = None) -> Pre
     if not model.pretrained:
         return None
     base = open_pretrained(model.pretrained)
+    base.chat_template()  # compiled and rendered once: a broken template fails here (prepare)
     wanted = family_of(base).takes
     if takes is not None and not issubclass(takes, wanted):
         raise ConfigError(

@@ -97,7 +97,7 @@ def predict(
         check_row_count(rows, expected_rows)
         manifest = PredictionManifest(
             created=datetime.now(UTC).isoformat(),
-            artifact=artifact.uri,
+            artifact=storage.resolved(artifact.uri),
             model_name=artifact.name,
             model_version=artifact.version,
             variant=variant,

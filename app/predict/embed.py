@@ -4,13 +4,22 @@ beside the embedding as they are (the metadata a vector index keeps and filters 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from app.config import Config
-from app.data.kinds.image_text import CAPTIONS, PICTURES, BadPicture, decode, require
+from app.data.kinds.image_text import (
+    CAPTIONS,
+    MAX_ASPECT,
+    PICTURES,
+    BadPicture,
+    PictureLimits,
+    decode,
+    require,
+)
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, good_values, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, check_batch
@@ -31,13 +40,16 @@ class EmbeddingPredictor(ArtifactBatches):
             raise UserError(f"--id-column {id_column!r} is the column to embed")
         width = PICTURES if column == image else CAPTIONS
         rest = tuple(c for c in present if c not in (id_column, image, column))
-        return InputSpec(schema["kind"], (column,), width, id_column, fmt, rest)  # type: ignore[arg-type]
+        limits = json.dumps({"max_image_aspect": config.data.max_image_aspect})
+        return InputSpec(schema["kind"], (column,), width, id_column, fmt, rest, (), limits)  # type: ignore[arg-type]
 
     def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
         super().__init__(artifact_uri, spec)
         self.pre = require(self.artifact.preprocessor)
         graph = "image" if spec.num_features == PICTURES else "text"
         self.session = self.artifact.session(variant, threads, graph)
+        aspect = json.loads(spec.settings or "{}").get("max_image_aspect", MAX_ASPECT)
+        self.limits = PictureLimits(max_aspect=aspect, aspect_key="data.max_image_aspect")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         columns, n, known, where = self.columns(batch)
@@ -61,7 +73,7 @@ class EmbeddingPredictor(ArtifactBatches):
         name = self.spec.feature_columns[0]
         for row, data in zip(checked.good.tolist(), checked.raw, strict=True):
             try:
-                pixels.append(self.pre.picture_pixels(decode(data)))
+                pixels.append(self.pre.picture_pixels(decode(data, self.limits)))
                 good.append(row)
             except BadPicture as e:
                 checked.reasons[row] = f"column {name!r}: {e}"

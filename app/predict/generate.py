@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,9 @@ from app.serve.http.requests import Message, Sampling, prompt_text, refusal
 from app.serve.replicas.chat import from_preprocessor as chat_template
 
 SAMPLING_FIELDS = tuple(Sampling.model_fields)
+INTEGER_FIELDS = frozenset(
+    n for n, f in Sampling.model_fields.items() if int in typing.get_args(f.annotation)
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,8 @@ class CompletionPredictor(ArtifactBatches):
         options = tuple(f for f in SAMPLING_FIELDS if fmt == "jsonl" or f in present)
         options = () if fmt == "csv" else options
         text = json.dumps(dataclasses.asdict(settings))
-        return InputSpec(schema["kind"], columns, 1, id_column, fmt, (), options, text)  # type: ignore[arg-type]
+        closed = fmt == "jsonl"
+        return InputSpec(schema["kind"], columns, 1, id_column, fmt, (), options, text, closed)  # type: ignore[arg-type]
 
     def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
         super().__init__(artifact_uri, spec)
@@ -178,14 +184,25 @@ def sampling_params(
 ) -> SamplingParams:
     """A row's SamplingParams: the config's sampling with the row's own values over it (null or
     absent: the config's), checked as the completions endpoint checks a body."""
-    merged = settings.sampling | {
-        k: v for k, v in values.items() if v is not None and v is not MISSING
-    }
+    own = {k: column_value(k, v) for k, v in values.items() if v is not MISSING}
+    merged = settings.sampling | {k: v for k, v in own.items() if v is not None}
     try:
         sampling = Sampling.model_validate(merged, context={"cfg": serve})
     except ValidationError as e:
         raise refusal(e, Sampling) from None
     return SamplingParams(**sampling.params(serve), logprobs=settings.logprobs)
+
+
+def column_value(name: str, value: Any) -> Any:
+    """A row's value as the endpoint reads it: a NaN is missing, and a whole float in an integer
+    field is that integer (pandas writes an integer column with gaps as floats: 8.0); any other
+    float there is refused by the field's check, by name."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if name in INTEGER_FIELDS and value.is_integer():
+            return int(value)
+    return value
 
 
 def _messages(value: Any, name: str) -> list[dict[str, str]]:

@@ -33,6 +33,9 @@ class InputSpec:
     passthrough: tuple[str, ...] = ()  # input columns copied to the output as they are
     options: tuple[str, ...] = ()  # columns a row may set its own options with (may be absent)
     settings: str = ""  # the task's own settings for its actors, as JSON
+    # JSON Lines: a key outside `columns` refuses its line (as HTTP refuses an unknown field)
+    # rather than being ignored, where a misspelt option would silently fall back.
+    closed: bool = False
 
     @property
     def columns(self) -> list[str]:
@@ -98,8 +101,11 @@ def json_line_columns(
     columns: dict[str, list[Any]] = {c: [] for c in spec.columns}
     problems: list[str | None] = []
     where = [f"{os.path.basename(p)}:{n}" for p, n in zip(paths, line_numbers, strict=True)]
+    known = set(spec.columns)
     for line in lines:
         record, problem = _json_object(line)
+        if problem is None and spec.closed and (extra := [k for k in record if k not in known]):
+            problem = f"line: unknown field {json.dumps(extra[0])[:64]} (known: {sorted(known)})"
         problems.append(problem)
         for name in spec.columns:
             columns[name].append(record.get(name, MISSING))

@@ -158,6 +158,7 @@ class EmbedResult:
     embeddings: np.ndarray  # float32 [items, dim], L2-normalised
     tokens: int  # text tokens read (OpenAI's usage)
     version: str
+    replica_pid: int = 0  # the process that answered (the x-model-replica header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +183,7 @@ class SearchResult:
     hits: list[list[dict[str, Any]]]  # per query: {"id", "score", "metadata"} best first
     version: str  # the index's
     encoder_version: str
+    replica_pid: int = 0  # the process that answered (the x-model-replica header)
 
 
 # A generation is Started, then a Piece per piece of text, then Finished.

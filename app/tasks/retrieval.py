@@ -9,12 +9,15 @@ are not each other's negatives.
 
 Recall (the COCO / Flickr30k protocol): text -> image counts a hit when a caption's picture is
 among the K most similar pictures (each picture once); image -> text when any of the picture's
-captions is among its K most similar captions.
+captions is among its K most similar captions. Ties count at their expected place (a query
+tied with t others scores the chance that random order puts its match within K), so a collapsed
+encoder scores chance; NaN or infinite embeddings are refused (`NonFiniteEmbeddings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +28,7 @@ from torch import nn
 
 from app.data.feed import unpadded
 from app.data.kinds.image_text import GROUP_KEY
+from app.errors import UserError
 from app.tasks.steps import autocast
 
 KS = (1, 5, 10)
@@ -120,29 +124,92 @@ def _cat(parts: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch
     return torch.zeros((0,) if dtype == torch.int64 else (0, 1), dtype=dtype)
 
 
-def ranks(images: np.ndarray, texts: np.ndarray, groups: np.ndarray) -> dict[str, np.ndarray]:
-    """Each query's rank (0: found first) of row-aligned image and text embeddings (a
-    picture's embedding on each of its captions' rows): `i2t` a picture's best-ranked caption
-    among every caption (pictures counted once by `groups`), `t2i` a caption's picture."""
+class NonFiniteEmbeddings(UserError):
+    """An encoder produced NaN or infinite embeddings: no ranking of them means anything."""
+
+
+def hit_chances(
+    images: np.ndarray, texts: np.ndarray, groups: np.ndarray, k: int
+) -> dict[str, np.ndarray]:
+    """Each query's chance (0 to 1) of finding its match among the top `k` of row-aligned
+    image and text embeddings (a picture's embedding on each of its captions' rows), ties
+    broken at random: `i2t` a picture finds any of its captions among every caption (pictures
+    counted once by `groups`), `t2i` a caption finds its picture. Ties count at their expected
+    place, so an encoder that maps everything to one point scores chance, not 100."""
+    return standings(images, texts, groups).chances(k)
+
+
+@dataclass(frozen=True)
+class Standings:
+    """Per query: how many candidates score above its match, and how many tie with it."""
+
+    t2i_above: np.ndarray
+    t2i_tied: np.ndarray  # its own picture among them
+    i2t_above: np.ndarray
+    i2t_others: np.ndarray  # other pictures' captions tied with its best caption
+    i2t_own: np.ndarray  # its own captions at that best score
+
+    def chances(self, k: int) -> dict[str, np.ndarray]:
+        return {
+            "i2t": first_among(self.i2t_above, self.i2t_others, self.i2t_own, k),
+            "t2i": np.clip((k - self.t2i_above) / self.t2i_tied, 0.0, 1.0),
+        }
+
+
+def standings(images: np.ndarray, texts: np.ndarray, groups: np.ndarray) -> Standings:
+    for name, x in (("image", images), ("text", texts)):
+        if not np.isfinite(x).all():
+            bad = int((~np.isfinite(x).all(axis=tuple(range(1, x.ndim)))).sum())
+            raise NonFiniteEmbeddings(
+                f"{bad} of {len(x)} {name} embeddings are not finite (NaN or infinite): the "
+                "encoder is broken"
+            )
     pictures, first, of_caption = np.unique(groups, return_index=True, return_inverse=True)
     similar = texts @ images[first].T  # [captions, pictures]
-    own = similar[np.arange(len(texts)), of_caption]
-    order = np.argsort(-similar.T, axis=1, kind="stable")
-    return {
-        "i2t": np.argmax(of_caption[order] == np.arange(len(pictures))[:, None], axis=1),
-        "t2i": (similar > own[:, None]).sum(1),
-    }
+    own = similar[np.arange(len(texts)), of_caption][:, None]
+    mine = of_caption[None, :] == np.arange(len(pictures))[:, None]  # [pictures, captions]
+    scores = similar.T
+    best = np.where(mine, scores, -np.inf).max(1, keepdims=True)
+    others = np.where(mine, -np.inf, scores)
+    return Standings(
+        (similar > own).sum(1),
+        (similar == own).sum(1),
+        (others > best).sum(1),
+        (others == best).sum(1),
+        (mine & (scores == best)).sum(1),
+    )
+
+
+def first_among(above: np.ndarray, others: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
+    """The chance that one of `own` tied items comes within the top `k`, when `above` items
+    score higher and `others` tie with them, the tied block in random order."""
+    room = k - above  # places left in the top k for the tied block
+    miss = np.where(room > 0, 1.0, 0.0)
+    for j in range(k):  # every place taken by another tied item: (t/(t+m)) * ((t-1)/(t+m-1))...
+        step = j < room
+        ratio = np.where(others - j > 0, (others - j) / np.maximum(others + own - j, 1), 0.0)
+        miss = np.where(step, miss * ratio, miss)
+    return np.where(room > 0, 1.0 - miss, 0.0)
+
+
+def certain_hits(
+    images: np.ndarray, texts: np.ndarray, groups: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The queries whose match is surely first (no tie shares first place): what int8 lost
+    or gained against fp32 is counted on these."""
+    return {d: p >= 1.0 for d, p in hit_chances(images, texts, groups, 1).items()}
 
 
 def recall(
     images: np.ndarray, texts: np.ndarray, groups: np.ndarray, ks: tuple[int, ...] = KS
 ) -> dict[str, float]:
-    """Recall@K (in %) both ways (`ranks`), and their sum (`rsum`)."""
-    by = ranks(images, texts, groups)
+    """Recall@K (in %) both ways (`hit_chances`), and their sum (`rsum`)."""
     out: dict[str, float] = {}
+    standing = standings(images, texts, groups)
     for k in ks:
-        out[f"i2t_r{k}"] = 100.0 * float(np.mean(by["i2t"] < k))
-        out[f"t2i_r{k}"] = 100.0 * float(np.mean(by["t2i"] < k))
+        chances = standing.chances(k)
+        out[f"i2t_r{k}"] = 100.0 * float(np.mean(chances["i2t"]))
+        out[f"t2i_r{k}"] = 100.0 * float(np.mean(chances["t2i"]))
     out["rsum"] = sum(out.values())
     return out
 

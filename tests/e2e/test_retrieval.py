@@ -111,7 +111,7 @@ HOSTILE = [
     ("empty string", EMBED, {"input": ["fine", ""]}, 400, "input[1]"),
     ("dimensions", EMBED, {"input": "a cat", "dimensions": 8}, 400, "dimensions"),
     ("token ids", EMBED, {"input": [[1, 2, 3]]}, 400, "input[0]"),
-    ("top_k over the limit", SEARCH, {"query": {"text": "a"}, "top_k": 10**6}, 400, "top_k"),
+    ("top_k over the limit", SEARCH, {"query": {"text": "a"}, "top_k": 10**6}, 413, "top_k"),
     ("wrong dimension", SEARCH, {"query": {"embedding": [0.1] * 3}}, 400, "embedding"),
     ("unknown filter field", SEARCH, {"query": {"text": "a"}, "filter": {"nope": 1}}, 400, "nope"),
     ("unknown stored id", SEARCH, {"query": {"id": "no-such-item"}}, 404, "queries[0].id"),

@@ -343,6 +343,7 @@ def test_start_passes_the_guard_and_writes_a_private_token(
     assert seen_env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert seen_env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert seen_env["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure empty-response"
+    assert seen_env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(256 * 2**20)
     assert seen_env["RAY_idle_worker_killing_time_threshold_ms"] == "30000"
     assert seen_env["RAYTORCH_ROOT"] == str(sandbox.repo)
     assert re.fullmatch(r"[0-9a-f]{16}", seen_env["RAYTORCH_CLUSTER_ID"])

@@ -285,3 +285,17 @@ def test_a_replica_switches_to_and_from_the_pt2_without_a_redeploy(every_format)
     with pytest.raises(ArtifactError, match="variant 'bogus'"):
         server.reconfigure({"variant": "bogus"})
     assert server.variant == "aoti"  # a refused switch keeps what it served
+
+
+def test_the_cpp_client_refuses_deeply_nested_json_in_one_line(every_format, tmp_path):
+    """A rows file of a million '[' once overflowed the client's stack (one parser frame a
+    level); nesting is bounded, and the refusal is one line."""
+    _, uri, _ = every_format
+    rows = tmp_path / "rows.json"
+    rows.write_text("[" * 1_000_000)
+    done = subprocess.run(
+        [str(cpp_client()), uri, str(rows)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr  # a refused input, as a bad rows file is
+    assert done.stderr.startswith(f"refused: {rows}: JSON: nested deeper than 64 levels")
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ import torch
 
 from app.config import DataConfig, ModelConfig, ServeConfig
 from app.data import kinds
-from app.data.kinds.image_text import BadPicture, ImageText
+from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits
 from app.data.pictures import COLOURS, POSITIONS, SHAPES, SIZES, synthetic
 from app.data.prepare import source_splits
 from app.data.preprocess import FitOptions
@@ -108,8 +108,8 @@ def test_the_preprocessor_decodes_resizes_tokenizes_and_refuses_what_is_not_a_pi
         again.image_features([pictures[0], b"not a png"])
     # A decompression bomb: a small file that decodes to more pixels than allowed.
     bomb = png(np.zeros((400, 400, 3)))
-    with pytest.raises(BadPicture, match="400x400 pixels, more than 1000"):
-        again.image_features([bomb], max_pixels=1000)
+    with pytest.raises(BadPicture, match="400x400 pixels, more than max_pixels=1000"):
+        again.image_features([bomb], PictureLimits(max_pixels=1000))
 
 
 def test_a_table_row_whose_picture_cannot_be_read_is_named_or_skipped(tmp_path):
@@ -123,7 +123,7 @@ def test_a_table_row_whose_picture_cannot_be_read_is_named_or_skipped(tmp_path):
     )
     rows.to_csv(tmp_path / "pairs.csv", index=False)
     cfg = DataConfig(source="image_text", path=str(tmp_path / "pairs.csv"))
-    with pytest.raises(UserError, match=r"pairs.csv row 1: image 'broken.png': unreadable image"):
+    with pytest.raises(UserError, match=r"pairs.csv row 1: image 'broken.png': not a picture"):
         load_source(cfg)
     skipping = load_source(cfg.model_copy(update={"skip_bad_rows": True}))
     assert skipping.skipped == 2 and list(skipping.frame["caption"]) == ["one", "four"]
@@ -298,12 +298,15 @@ def test_the_int8_recall_gate_refuses_a_loss_beyond_the_bound_that_is_more_than_
     gate(report(60, 45, 1000), config)  # 1.5 points: within the bound whatever the evidence
 
 
-def test_per_query_ranks_give_the_recall():
-    from app.tasks.retrieval import ranks, recall
+def test_per_query_hit_chances_give_the_recall():
+    from app.tasks.retrieval import certain_hits, hit_chances, recall
 
     rng = np.random.default_rng(0)
     images, texts = rng.normal(size=(12, 8)), rng.normal(size=(12, 8))
     groups = np.repeat(np.arange(6), 2)  # two captions a picture
-    by = ranks(images, texts, groups)
+    by = hit_chances(images, texts, groups, 1)
     assert len(by["i2t"]) == 6 and len(by["t2i"]) == 12
-    assert recall(images, texts, groups)["i2t_r1"] == pytest.approx(100 * np.mean(by["i2t"] == 0))
+    assert recall(images, texts, groups)["i2t_r1"] == pytest.approx(100 * np.mean(by["i2t"]))
+    # Continuous embeddings never tie: every chance is 0 or 1, and the certain hits are the 1s.
+    assert set(np.unique(by["t2i"])) <= {0.0, 1.0}
+    assert (certain_hits(images, texts, groups)["t2i"] == (by["t2i"] == 1)).all()

@@ -1,6 +1,7 @@
 """Pictures and captions (retrieval): each row a caption of a picture held as its encoded bytes.
 
-The fitted state decodes a picture (PIL, at most `MAX_PIXELS`), resizes it and scales it
+The fitted state decodes a picture (PIL, within `PictureLimits`: pixels and aspect ratio read
+from its header first), resizes it and scales it
 (to `image_size` and the train split's mean and std, or as a pretrained CLIP or ViT folder's
 image processor does), and tokenizes a caption (a WordPiece tokenizer trained on the train
 captions, or a pretrained folder's own). Rows of one picture share its `image_id`: a batch's
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,12 +28,54 @@ from app.errors import UserError
 IMAGE_ID = "image_id"
 GROUP_KEY = "group"  # a picture's number in transformed batches
 MAX_PIXELS = 64 * 2**20
+# A picture's longer side over its shorter: a resize to a shortest edge (CLIP's) scales the
+# long side with it, so a 4,194,304 x 4 picture would become gigabytes of pixels.
+MAX_ASPECT = 20.0
 PICTURES, CAPTIONS = 0, 1  # the width of a corpus column to embed (check_columns)
 HALF = [0.5, 0.5, 0.5]
 
 
 class BadPicture(ValueError):
-    """Bytes that do not decode to a picture within the pixel limit; the message says why."""
+    """Bytes that do not decode to a picture within the limits; the message says why and
+    `status` is the HTTP status a request carrying it gets (413 for a size over a limit)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class PictureLimits:
+    """What a picture may be, read from its header before any pixel is decoded: its pixels,
+    its aspect ratio, and (for a request) the pixels of all its pictures together."""
+
+    max_pixels: int = MAX_PIXELS
+    max_aspect: float = MAX_ASPECT
+    max_total_pixels: int | None = None
+    pixels_key: str = "max_pixels"  # the config key a refusal names
+    aspect_key: str = "max_aspect"
+    total_key: str = "max_total_pixels"
+
+    def check(self, width: int, height: int) -> None:
+        if width * height > self.max_pixels:
+            raise BadPicture(
+                f"{width}x{height} pixels, more than {self.pixels_key}={self.max_pixels}", 413
+            )
+        aspect = max(width, height) / max(1, min(width, height))
+        if aspect > self.max_aspect:
+            raise BadPicture(
+                f"{width}x{height} pixels, an aspect ratio of {aspect:.4g}, over "
+                f"{self.aspect_key}={self.max_aspect:g}"
+            )
+
+    def check_total(self, sizes: Sequence[tuple[int, int]]) -> None:
+        total = sum(w * h for w, h in sizes)
+        if self.max_total_pixels is not None and total > self.max_total_pixels:
+            raise BadPicture(
+                f"{len(sizes)} pictures of {total} pixels together, more than "
+                f"{self.total_key}={self.max_total_pixels}",
+                413,
+            )
 
 
 class ImageText(Preprocessor):
@@ -106,16 +150,24 @@ class ImageText(Preprocessor):
         return self.image_features(images) | self.text_features(captions)
 
     def image_features(
-        self, images: Sequence[bytes], max_pixels: int = MAX_PIXELS
+        self, images: Sequence[bytes], limits: PictureLimits = PictureLimits()
     ) -> dict[str, np.ndarray]:
-        """Pictures (encoded bytes) -> `pixels` [n, 3, size, size]; a picture that does not
-        decode within `max_pixels` raises BadPicture naming its index."""
+        """Pictures (encoded bytes) -> `pixels` [n, 3, size, size]. Every header is checked
+        against `limits` before any picture is decoded; a picture that fails raises BadPicture
+        naming its index ("[k]: why"), the request's total a BadPicture without one."""
+        sizes = []
+        for i, data in enumerate(images):
+            try:
+                sizes.append(picture_size(data, limits))
+            except BadPicture as e:
+                raise BadPicture(f"[{i}]: {e}", e.status) from None
+        limits.check_total(sizes)
         pixels = []
         for i, data in enumerate(images):
             try:
-                pixels.append(self.picture_pixels(decode(data, max_pixels)))
+                pixels.append(self.picture_pixels(decode(data, limits)))
             except BadPicture as e:
-                raise BadPicture(f"[{i}]: {e}") from None
+                raise BadPicture(f"[{i}]: {e}", e.status) from None
         return {"pixels": self.stacked(pixels)}
 
     def picture_pixels(self, picture: np.ndarray) -> np.ndarray:
@@ -182,7 +234,7 @@ class ImageText(Preprocessor):
             problem = checks.absent(name, value)
             if problem is None and not isinstance(value, bytes | bytearray):
                 problem = f"column {name!r}: expected a picture's bytes, got {type(value).__name__}"
-            if problem is None and (why := _why_not(bytes(value))):
+            if problem is None and (why := why_not_picture(bytes(value))):
                 problem = f"column {name!r}: {why}"
             if problem:
                 problems[i] = problem
@@ -193,38 +245,47 @@ class ImageText(Preprocessor):
         return [raw[i] for i in good]
 
 
-def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """Encoded picture bytes -> [height, width, 3] uint8, refusing more than `max_pixels`
-    before decoding (a small file can decode to gigabytes)."""
+def picture_size(data: bytes, limits: PictureLimits = PictureLimits()) -> tuple[int, int]:
+    """A picture's (width, height) from its header, within `limits` (nothing decoded)."""
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(bytes(data))) as img:
             width, height = img.size
-            if width * height > max_pixels:
-                raise BadPicture(f"{width}x{height} pixels, more than {max_pixels}")
+    except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
+        raise BadPicture(f"not a picture ({_failure(e)})") from None
+    limits.check(width, height)
+    return width, height
+
+
+def decode(data: bytes, limits: PictureLimits = PictureLimits()) -> np.ndarray:
+    """Encoded picture bytes -> [height, width, 3] uint8, its size checked against `limits`
+    before decoding (a small file can decode to gigabytes)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as img:
+            limits.check(*img.size)
             return np.asarray(img.convert("RGB"), dtype=np.uint8)
     except BadPicture:
         raise
     except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
-        detail = (str(e).strip().splitlines() or [""])[0][:80]
-        raise BadPicture(f"not a picture ({type(e).__name__}: {detail})") from None
+        raise BadPicture(f"not a picture ({_failure(e)})") from None
 
 
-def _why_not(data: bytes) -> str | None:
-    """Why bytes are not a picture, from their header alone (a full decode comes later, one
-    picture at a time)."""
-    from PIL import Image
-
+def why_not_picture(data: bytes, limits: PictureLimits = PictureLimits()) -> str | None:
+    """Why bytes are not a picture within `limits`, from their header alone (a full decode
+    comes later, one picture at a time)."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-    except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
-        detail = (str(e).strip().splitlines() or [""])[0][:80]
-        return f"not a picture ({type(e).__name__}: {detail})"
-    return (
-        f"{width}x{height} pixels, more than {MAX_PIXELS}" if width * height > MAX_PIXELS else None
-    )
+        picture_size(data, limits)
+    except BadPicture as e:
+        return str(e)
+    return None
+
+
+def _failure(e: Exception) -> str:
+    detail = (str(e).strip().splitlines() or [""])[0][:80]
+    return f"{type(e).__name__}: {detail}"
 
 
 def group_number(image_id: Any) -> int:

@@ -173,10 +173,23 @@ class Models:
                 503, f"model {name!r} is overloaded (queue full); retry later", retry_after_s=1
             ) from None
         except unavailable_errors() as e:
+            if too_large_for_transport(e):  # retrying would fail the same way
+                raise RequestError(
+                    413,
+                    f"model {name!r}: the request or its answer is larger than the cluster "
+                    "passes between deployments (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH); "
+                    "ask for fewer results",
+                ) from None
             # The replica died (or none is up): Serve replaces it; say so at once, retryable.
             raise RequestError(
                 503, f"model {name!r} is unavailable ({type(e).__name__}); retry later"
             ) from None
+
+
+def too_large_for_transport(error: BaseException) -> bool:
+    """Serve's gRPC transport refusing a message over its size limit (RESOURCE_EXHAUSTED)."""
+    code = getattr(error, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "RESOURCE_EXHAUSTED"
 
 
 async def close_events(events: Any) -> None:

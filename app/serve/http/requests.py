@@ -44,6 +44,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+class TooLarge(ValueError):
+    """A field over a deployment limit (`serve.*`): the refusal is a 413, not a 400."""
+
+
 def _serve(info: ValidationInfo) -> ServeConfig:
     return (info.context or {}).get("cfg") or ServeConfig()
 
@@ -276,11 +280,12 @@ def refusal(error: ValidationError, model: type[BaseModel]) -> RequestError:
     if first["type"] == "string_unicode" and not where:  # a key that is not valid Unicode
         return bad(f"{unknown((str(first['input']),))}: not supported")
     message = first["msg"].removeprefix("Value error, ")
+    status = 413 if isinstance((first.get("ctx") or {}).get("error"), TooLarge) else 400
     if message.split(":", 1)[0] in model.model_fields:  # a validator that names its field
-        return bad(message)
+        return bad(message, status)
     if where and first["type"] == "value_error" and message.startswith("["):  # an item of it
-        return bad(f"{where}{message}")
-    return bad(f"{where}: {_what(first)}" if where else message)
+        return bad(f"{where}{message}", status)
+    return bad(f"{where}: {_what(first)}" if where else message, status)
 
 
 def _what(error: Any) -> str:
@@ -356,7 +361,7 @@ class EmbeddingsRequest(Strict):
             raise ValueError(f"expected a string or a non-empty list, got {json_type(value)}")
         limit = _serve(info).max_request_rows
         if len(items) > limit:
-            raise ValueError(f"{len(items)} items, more than serve.max_request_rows={limit}")
+            raise TooLarge(f"{len(items)} items, more than serve.max_request_rows={limit}")
         return tuple(embedding_item(item, i) for i, item in enumerate(items))
 
 
@@ -416,26 +421,42 @@ class Query(Strict):
 
 
 class SearchBody(Strict):
-    """`POST /v1/models/{name}:search`."""
+    """`POST /v1/models/{name}:search`. The number of queries is checked before any query is
+    read (`serve.max_queries`), then queries x top_k (`serve.max_search_results`): both bound
+    the replica's work and the answer's size."""
 
     queries: list[Query] | None = Field(None, min_length=1)
     query: Query | None = None
     top_k: int = Field(10, ge=1)  # at most serve.max_top_k
     filter: dict[str, str | int | float | bool] | None = None
 
-    @model_validator(mode="after")
-    def _queries(self) -> SearchBody:
-        if (self.queries is None) == (self.query is None):
-            raise ValueError("queries: give `queries` (a list) or `query` (one), not both")
-        return self
+    @field_validator("queries", mode="before")
+    @classmethod
+    def _count(cls, value: Any, info: ValidationInfo) -> Any:
+        key, limit = _serve(info).query_limit()
+        if isinstance(value, list) and len(value) > limit:
+            raise TooLarge(f"{len(value)} queries, more than serve.{key}={limit}")
+        return value
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int, info: ValidationInfo) -> int:
         limit = _serve(info).max_top_k
         if value > limit:
-            raise ValueError(f"{_short(value)} is over serve.max_top_k={limit}")
+            raise TooLarge(f"{_short(value)} is over serve.max_top_k={limit}")
         return value
+
+    @model_validator(mode="after")
+    def _queries(self, info: ValidationInfo) -> SearchBody:
+        if (self.queries is None) == (self.query is None):
+            raise ValueError("queries: give `queries` (a list) or `query` (one), not both")
+        limit, results = _serve(info).max_search_results, len(self.all_queries()) * self.top_k
+        if results > limit:
+            raise TooLarge(
+                f"queries: {len(self.all_queries())} queries x top_k {self.top_k} = {results} "
+                f"results, more than serve.max_search_results={limit}"
+            )
+        return self
 
     def all_queries(self) -> list[Query]:
         return self.queries or ([self.query] if self.query else [])

@@ -1,8 +1,10 @@
 """A retrieval model's replica: its two encoders (ONNX Runtime) embed texts and pictures.
 
-`embed` takes the items of one request in order, texts and pictures mixed; a picture that does
-not decode (within `serve.max_image_pixels`) is a 4xx naming its place in the request, and only
-that request fails. Each graph runs once a request on a worker thread.
+`embed` takes the items of one request in order, texts and pictures mixed. Every picture's
+header is checked before any is decoded (`serve.max_image_pixels`, `serve.max_image_aspect`, and
+`serve.max_request_pixels` for the request's pictures together), so a request over a limit costs
+no decoding; a picture that fails is a 4xx naming its place in the request, and only that
+request fails. Each graph runs once a request on a worker thread.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from app.config import ServeConfig
-from app.data.kinds.image_text import BadPicture, ImageText, blank_png, require
+from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits, blank_png, require
 from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.types import EmbedRequest, EmbedResult, InferRequest, ModelInfo, RequestError
 from app.serve.replicas.model_server import model_info
@@ -34,29 +38,44 @@ class Encoders:
         self.text = artifact.session(variant, threads, "text")
 
     def embed(
-        self, items: tuple[str | bytes, ...], field: str, max_pixels: int
+        self,
+        items: tuple[str | bytes, ...],
+        field: str,
+        limits: PictureLimits,
+        places: Sequence[str] | None = None,
     ) -> tuple[np.ndarray, int]:
-        """Embeddings of `items` in order, and the text tokens read."""
+        """Embeddings of `items` in order, and the text tokens read. A refusal names item i
+        `field[i]`, or `places[i]` when given."""
         texts = [i for i, item in enumerate(items) if isinstance(item, str)]
         pictures = [i for i, item in enumerate(items) if isinstance(item, bytes)]
+        pixels = self._pixels(items, pictures, field, limits, places) if pictures else None
         out: np.ndarray | None = None
         tokens = 0
         if texts:
             inputs = self.pre.text_features([str(items[i]) for i in texts])
             tokens = int(inputs["attention_mask"].sum())
             out = place(out, texts, self.text.run([OUTPUT], inputs)[0], len(items))
-        if pictures:
-            try:
-                data = [items[i] for i in pictures]
-                inputs = self.pre.image_features(
-                    [d for d in data if isinstance(d, bytes)], max_pixels
-                )
-            except BadPicture as e:  # "[k]: why": the k-th picture of the request
-                k, why = str(e)[1:].split("]: ", 1)
-                raise RequestError(_status(why), f"{field}[{pictures[int(k)]}]: {why}") from None
-            out = place(out, pictures, self.image.run([OUTPUT], inputs)[0], len(items))
+        if pixels is not None:
+            out = place(out, pictures, self.image.run([OUTPUT], pixels)[0], len(items))
         assert out is not None
         return out, tokens
+
+    def _pixels(
+        self,
+        items: tuple[str | bytes, ...],
+        pictures: list[int],
+        field: str,
+        limits: PictureLimits,
+        places: Sequence[str] | None,
+    ) -> dict[str, np.ndarray]:
+        """The pictures' pixels, every one checked before any text is encoded."""
+        try:
+            data = [item for i in pictures if isinstance(item := items[i], bytes)]
+            return self.pre.image_features(data, limits)
+        except BadPicture as e:
+            named = places or [f"{field}[{i}]" for i in range(len(items))]
+            where = _where(str(e), field, [named[i] for i in pictures])
+            raise RequestError(e.status, where) from None
 
 
 def place(out: np.ndarray | None, rows: list[int], values: np.ndarray, total: int) -> np.ndarray:
@@ -66,8 +85,25 @@ def place(out: np.ndarray | None, rows: list[int], values: np.ndarray, total: in
     return out
 
 
-def _status(why: str) -> int:
-    return 413 if "pixels, more than" in why else 400
+def _where(message: str, field: str, pictures: list[str]) -> str:
+    """ "[k]: why" (the k-th picture) -> "input[i]: why" (its place in the request); a refusal
+    of the pictures together names the field."""
+    if not message.startswith("["):
+        return f"{field}: {message}"
+    k, why = message[1:].split("]: ", 1)
+    return f"{pictures[int(k)]}: {why}"
+
+
+def picture_limits(cfg: ServeConfig) -> PictureLimits:
+    """The limits a request's pictures are checked against, named by their config keys."""
+    return PictureLimits(
+        cfg.max_image_pixels,
+        cfg.max_image_aspect,
+        cfg.max_request_pixels,
+        "serve.max_image_pixels",
+        "serve.max_image_aspect",
+        "serve.max_request_pixels",
+    )
 
 
 class EmbeddingServer:
@@ -77,6 +113,7 @@ class EmbeddingServer:
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.variant = self.artifact.choose_variant(cfg.variant)
         self.encoders = Encoders(self.artifact, self.variant, self.threads)
+        self.limits = picture_limits(cfg)
         self.pool = ThreadPoolExecutor(
             cfg.batching.max_concurrent_batches, thread_name_prefix="onnx"
         )
@@ -99,8 +136,7 @@ class EmbeddingServer:
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         loop = asyncio.get_running_loop()
-        encoders, limit = self.encoders, self.cfg.max_image_pixels
         embeddings, tokens = await loop.run_in_executor(
-            self.pool, encoders.embed, request.items, request.field, limit
+            self.pool, self.encoders.embed, request.items, request.field, self.limits
         )
-        return EmbedResult(embeddings, tokens, self.artifact.version)
+        return EmbedResult(embeddings, tokens, self.artifact.version, os.getpid())

@@ -32,7 +32,7 @@ from app.runtime.types import (
     SearchRequest,
     SearchResult,
 )
-from app.serve.replicas.embedding_server import Encoders
+from app.serve.replicas.embedding_server import Encoders, picture_limits
 
 log = logging.getLogger("ray.serve")
 
@@ -46,6 +46,7 @@ class SearchServer:
         self.variant = self.encoder.choose_variant(cfg.variant)
         self.threads = max(1, math.floor(cfg.replica_cpus))
         self.encoders = Encoders(self.encoder, self.variant, self.threads)
+        self.limits = picture_limits(cfg)
         self.ids = {str(v): i for i, v in enumerate(self.vectors.items["id"].to_pylist())}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="faiss")
         if hasattr(self.vectors.index, "make_direct_map"):  # IVF: stored vectors by id
@@ -94,13 +95,10 @@ class SearchServer:
         )
 
     async def search(self, request: SearchRequest) -> SearchResult:
-        if request.top_k > self.cfg.max_top_k:
-            raise RequestError(
-                400, f"top_k: {request.top_k} is over serve.max_top_k={self.cfg.max_top_k}"
-            )
+        within_caps(request, self.cfg)
         loop = asyncio.get_running_loop()
         hits = await loop.run_in_executor(self.pool, self._search, request)
-        return SearchResult(hits, self.vectors.version, self.encoder.version)
+        return SearchResult(hits, self.vectors.version, self.encoder.version, os.getpid())
 
     def _search(self, request: SearchRequest) -> list[list[dict[str, Any]]]:
         queries = self._query_vectors(request.queries)
@@ -115,31 +113,20 @@ class SearchServer:
         encode: list[tuple[int, str | bytes]] = []
         for i, query in enumerate(queries):
             if query.embedding is not None:
-                out[i] = self._raw(query.embedding, i)
+                out[i] = unit_query(query.embedding, self.vectors.dim, i)
             elif query.id is not None:
                 out[i] = self._stored(query.id, i)
             else:
                 encode.append((i, query.text if query.text is not None else query.image or b""))
         if encode:
             fields = [i for i, _ in encode]
-            embedded, _ = self.encoders.embed(
-                tuple(item for _, item in encode), "queries", self.cfg.max_image_pixels
-            )
+            items = tuple(item for _, item in encode)
+            places = [
+                f"queries[{i}].{'image' if isinstance(q, bytes) else 'text'}" for i, q in encode
+            ]
+            embedded, _ = self.encoders.embed(items, "queries", self.limits, places)
             out[fields] = embedded
         return out
-
-    def _raw(self, embedding: tuple[float, ...], i: int) -> np.ndarray:
-        if len(embedding) != self.vectors.dim:
-            raise RequestError(
-                400,
-                f"queries[{i}].embedding: {len(embedding)} values, the index holds "
-                f"{self.vectors.dim}-dimensional vectors",
-            )
-        vector = np.asarray(embedding, np.float32)
-        norm = float(np.linalg.norm(vector))
-        if not math.isfinite(norm) or norm == 0:
-            raise RequestError(400, f"queries[{i}].embedding: not a finite, non-zero vector")
-        return vector / norm
 
     def _stored(self, item: str, i: int) -> np.ndarray:
         row = self.ids.get(str(item))
@@ -186,6 +173,37 @@ class SearchServer:
             record = {c: items[c][row].as_py() for c in items.column_names}
             out.append({"id": record.pop("id"), "score": float(score), "metadata": record})
         return out
+
+
+def unit_query(embedding: tuple[float, ...], dim: int, i: int) -> np.ndarray:
+    """A raw query vector of the index's dimension, scaled to unit length."""
+    if len(embedding) != dim:
+        raise RequestError(
+            400,
+            f"queries[{i}].embedding: {len(embedding)} values, the index holds "
+            f"{dim}-dimensional vectors",
+        )
+    # In float64 and scaled by the largest value first: a float32 norm overflowed at 1e20
+    # and underflowed to a refusal at 1e-30, and any direction is a fair query.
+    vector = np.asarray(embedding, np.float64)
+    scale = float(np.abs(vector).max())
+    if not math.isfinite(scale) or scale == 0:
+        raise RequestError(400, f"queries[{i}].embedding: not a finite, non-zero vector")
+    unit = vector / scale
+    return (unit / np.linalg.norm(unit)).astype(np.float32)
+
+
+def within_caps(request: SearchRequest, cfg: ServeConfig) -> None:
+    """The route checks these as it reads a body; a replica reached another way (a handle)
+    holds to them too."""
+    results = len(request.queries) * request.top_k
+    for what, value, key, limit in (
+        ("top_k", request.top_k, "max_top_k", cfg.max_top_k),
+        ("queries", len(request.queries), *cfg.query_limit()),
+        ("queries", results, "max_search_results", cfg.max_search_results),
+    ):
+        if value > limit:
+            raise RequestError(413, f"{what}: {value} is over serve.{key}={limit}")
 
 
 def _fits(value: Any, type_: pa.DataType) -> bool:

@@ -44,6 +44,10 @@ class Parser {
  private:
   const std::string& s_;
   size_t i_ = 0;
+  size_t depth_ = 0;
+  // Arrays and objects nest at most this deep: each level is a stack frame of value(), and a
+  // file of a million '[' would otherwise overflow the stack.
+  static constexpr size_t kMaxDepth = 64;
 
   [[noreturn]] void fail(const std::string& why) {
     throw std::runtime_error("JSON: " + why + " at offset " + std::to_string(i_));
@@ -65,6 +69,12 @@ class Parser {
     if (i_ >= s_.size()) fail("unexpected end");
     Value v;
     char c = s_[i_];
+    if ((c == '{' || c == '[') && depth_ >= kMaxDepth)
+      fail("nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    struct Level {
+      size_t& depth;
+      ~Level() { --depth; }
+    } level{++depth_};
     if (c == '{') {
       v.kind = Value::Object, ++i_;
       if (eat('}')) return v;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.runtime.types import EmbedRequest, EmbedResult, SearchQuery, SearchRequest, bad
 from app.serve.http.gate import body
@@ -18,9 +18,10 @@ router = APIRouter()
 
 
 @router.post("/v1/embeddings")
-async def embeddings(request: Request):
+async def embeddings(request: Request, response: Response):
     parsed: EmbeddingsRequest = read(await body(request), EmbeddingsRequest, config(request))
     result = await models(request).embed(parsed.model, EmbedRequest(parsed.input))
+    response.headers["x-model-replica"] = str(result.replica_pid)
     return embedding_list(parsed.model, result, parsed.encoding_format or "float")
 
 
@@ -40,11 +41,12 @@ def _encoded(row: Any, encoding: str) -> Any:
 
 
 @router.post("/v1/models/{name}:search")
-async def search(name: str, request: Request):
+async def search(name: str, request: Request, response: Response):
     parsed: SearchBody = read(await body(request), SearchBody, config(request))
     queries = tuple(search_query(q, i) for i, q in enumerate(parsed.all_queries()))
     conditions = tuple(sorted((parsed.filter or {}).items()))
     result = await models(request).search(name, SearchRequest(queries, parsed.top_k, conditions))
+    response.headers["x-model-replica"] = str(result.replica_pid)
     return {
         "model": name,
         "version": result.version,

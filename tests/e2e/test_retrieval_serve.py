@@ -1,0 +1,352 @@
+"""Retrieval served on the suite's cluster (cluster/start.sh: HAProxy and Serve's gRPC transport
+between deployments), in make test: one small from-scratch retrieval pipeline (the README's
+`configs/retrieval.yaml`, shortened) deploys a model and its index, and a second index whose
+items carry about a kilobyte of metadata each makes the largest answer the search caps allow.
+
+Hostile and careless requests get a 4xx naming what is wrong, never a 5xx; a request that could
+take a replica's memory is refused before it costs any (the replica's PSS, read by pid, stays
+within 100 MB of its idle size) and a good request is served by the same replica right after;
+every request the HTTP limits admit, and the largest answer, succeed."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import requests
+
+from tests.e2e.conftest import SERVE, run_job
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "data.num_rows=200",
+    "train.epochs=2",
+    "train.num_workers=1",
+    "train.cpus_per_worker=0.5",
+    "serve.autoscaling.max_replicas=1",
+    "serve.replica_cpus=0.25",
+    "predict.actor_cpus=0.25",
+    "predict.max_actors=1",
+]
+EMBED = f"{SERVE}/v1/embeddings"
+SEARCH = f"{SERVE}/v1/models/retrieval-index:search"
+NOTES = f"{SERVE}/v1/models/retrieval-notes:search"
+NOTE_BYTES = 1000  # each item of the notes index: a search at the caps answers > 4 MiB
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tmp_path_factory):
+    """The retrieval pipeline on the suite's cluster, then an index of the same encoder over
+    120 captions carrying a kilobyte note each (jobs.predict -> jobs.index -> jobs.deploy)."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("retrieval-serve")
+    paths = [
+        f"data.output={root}/data",
+        f"train.storage_path={root}/runs",
+        f"export.registry={root}/registry",
+    ]
+    config = ["--config", "configs/retrieval.yaml", *paths, *TINY]
+    summary = run_job("pipeline", *config)
+    corpus = root / "notes.parquet"
+    pd.DataFrame(
+        {
+            "id": [f"note-{i}" for i in range(120)],
+            "caption": [f"a small red circle number {i}" for i in range(120)],
+            "note": [f"{i:04d}" + "n" * (NOTE_BYTES - 4) for i in range(120)],
+        }
+    ).to_parquet(corpus)
+    artifact = summary["stages"]["export"]["artifact"]
+    out = str(root / "notes-embeddings")
+    run_job("predict", *config, "--artifact", artifact, "--input", str(corpus), "--output", out)
+    index = run_job("index", *config, "--embeddings", out, "index.name=retrieval-notes")
+    run_job("deploy", *config, "--artifact", index["artifact"])
+    return {"summary": summary, "root": root}
+
+
+def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    if noise:
+        pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+        img = Image.fromarray(pixels, "RGB")
+    else:
+        img = Image.new("L", (width, height))
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def picture(data: bytes, mime: str = "image/png") -> dict:
+    url = f"data:{mime};base64," + base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def pss_mb(pid: int) -> float:
+    """A process's proportional set size (its share of every page it maps), in MB."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
+def error_of(r: requests.Response) -> str:
+    """The refusal's message: OpenAI's error object on /v1/embeddings, a string elsewhere."""
+    error = r.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
+def good(url: str) -> requests.Response:
+    body = (
+        {"model": "retrieval", "input": ["a red circle", picture(png(32, 32))]}
+        if url == EMBED
+        else {"query": {"text": "a red circle"}, "top_k": 3}
+    )
+    r = requests.post(url, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+SLIVER = png(4_194_304, 4)  # 16 Mpx: within max_image_pixels, 234 Mpx once resized by CLIP
+BIG_BLANK = png(4096, 4096)  # exactly serve.max_image_pixels: one is fine, 40 are 671 Mpx
+COSTLY = [
+    (
+        "an extreme aspect ratio",
+        EMBED,
+        {"model": "retrieval", "input": [picture(SLIVER)]},
+        400,
+        "input[0]: 4194304x4 pixels, an aspect ratio of 1.049e+06, over serve.max_image_aspect=20",
+    ),
+    (
+        "40 pictures of 4096x4096",
+        EMBED,
+        {"model": "retrieval", "input": ["fine", *[picture(BIG_BLANK)] * 40]},
+        413,
+        "input: 40 pictures of 671088640 pixels together, more than serve.max_request_pixels",
+    ),
+    (
+        "20,000 text queries",
+        SEARCH,
+        {"queries": [{"text": f"a red circle {i}"} for i in range(20_000)]},
+        413,
+        "queries: 20000 queries, more than serve.max_queries=256",
+    ),
+    (
+        "an extreme aspect ratio as a query",
+        SEARCH,
+        {"query": {"image": picture(SLIVER)["image_url"]["url"]}},
+        400,
+        "queries[0].image: 4194304x4 pixels",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "url, body, status, message", [c[1:] for c in COSTLY], ids=[c[0] for c in COSTLY]
+)
+def test_a_costly_request_is_refused_before_it_costs_the_replica_memory(
+    served, url, body, status, message
+):
+    pid = int(good(url).headers["x-model-replica"])
+    idle = pss_mb(pid)
+    r = requests.post(url, json=body, timeout=60)
+    assert (r.status_code, error_of(r)[: len(message)]) == (status, message), r.text
+    assert pss_mb(pid) - idle < 100
+    assert int(good(url).headers["x-model-replica"]) == pid  # the same replica, still serving
+
+
+def test_the_largest_body_the_http_limits_admit_is_embedded(served):
+    """A body just under serve.max_body_bytes (4 MiB) of pictures: over the 4 MiB gRPC default
+    between the routing and the model replica once framed, it came back a retryable 503."""
+    pictures = [png(590, 590, noise=True, seed=s) for s in range(3)]
+    body = json.dumps({"model": "retrieval", "input": [picture(p) for p in pictures]})
+    assert 4 * 2**20 - 40_000 < len(body) <= 4 * 2**20, len(body)
+    r = requests.post(EMBED, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["data"]) == 3
+
+
+def test_the_largest_answer_the_search_caps_allow_is_served(served):
+    """100 queries x top_k 100 (serve.max_search_results) over items of a kilobyte of metadata:
+    about 10 MB between the index replica and the routing one (4 MiB was the gRPC limit)."""
+    body = {"queries": [{"id": f"note-{i}"} for i in range(100)], "top_k": 100}
+    r = requests.post(NOTES, json=body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    results = r.json()["results"]
+    assert len(results) == 100 and all(len(hits) == 100 for hits in results)
+    assert len(r.content) > 10 * NOTE_BYTES * 1000
+    # An item finds itself at the top score (captions this alike may tie with it).
+    [own] = [h for h in results[7] if h["id"] == "note-7"]
+    assert own["score"] == pytest.approx(results[7][0]["score"], abs=1e-5)
+    assert own["metadata"]["note"].startswith("0007") and len(own["metadata"]["note"]) == NOTE_BYTES
+    over = requests.post(
+        NOTES, json={**body, "queries": body["queries"] + [{"id": "x"}]}, timeout=30
+    )
+    assert over.status_code == 413 and "serve.max_search_results=10000" in over.text
+
+
+REMOTE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+M = {"model": "retrieval"}
+DIM = 64  # configs/retrieval.yaml's model.embed_dim
+HOSTILE = [
+    # /v1/embeddings: what a picture is
+    ("remote image URL", EMBED, {**M, "input": ["a cat", REMOTE]}, 400, "input[1]"),
+    ("corrupt picture", EMBED, {**M, "input": [picture(b"\x89PNG\r\n\x1a\nno")]}, 400, "input[0]"),
+    ("a picture that is text", EMBED, {**M, "input": [picture(b"hello")]}, 400, "input[0]"),
+    (
+        "decompression bomb",
+        EMBED,
+        {**M, "input": ["ok", picture(png(9000, 8000))]},
+        413,
+        "input[1]",
+    ),
+    ("a tall sliver", EMBED, {**M, "input": [picture(png(4, 5000))]}, 400, "max_image_aspect"),
+    (
+        "not base64",
+        EMBED,
+        {**M, "input": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]},
+        400,
+        "input[0]",
+    ),
+    (
+        "not an image type",
+        EMBED,
+        {**M, "input": [picture(png(8, 8), "text/plain")]},
+        400,
+        "input[0]",
+    ),
+    (
+        "an image part without url",
+        EMBED,
+        {**M, "input": [{"type": "image_url", "image_url": {}}]},
+        400,
+        "input[0]",
+    ),
+    (
+        "an unknown part type",
+        EMBED,
+        {**M, "input": [{"type": "audio", "audio": "x"}]},
+        400,
+        "input[0]",
+    ),
+    # /v1/embeddings: types, counts, fields
+    ("empty string", EMBED, {**M, "input": ["fine", ""]}, 400, "input[1]"),
+    ("empty list", EMBED, {**M, "input": []}, 400, "input"),
+    ("a number", EMBED, {**M, "input": 42}, 400, "input"),
+    ("token ids", EMBED, {**M, "input": [[1, 2, 3]]}, 400, "input[0]"),
+    ("nested lists", EMBED, {**M, "input": [["a", ["b"]]]}, 400, "input[0]"),
+    ("1,025 inputs", EMBED, {**M, "input": ["a"] * 1025}, 413, "serve.max_request_rows=1024"),
+    ("a lone surrogate", EMBED, {**M, "input": ["\ud800"]}, 400, "input"),
+    ("dimensions", EMBED, {**M, "input": "a cat", "dimensions": 8}, 400, "dimensions"),
+    (
+        "an unknown encoding",
+        EMBED,
+        {**M, "input": "a", "encoding_format": "int8"},
+        400,
+        "encoding_format",
+    ),
+    ("no model", EMBED, {"input": "a cat"}, 400, "model"),
+    ("an unknown model", EMBED, {"model": "no-such-model", "input": "a"}, 404, "no-such-model"),
+    (
+        "a model that is an index",
+        EMBED,
+        {"model": "retrieval-index", "input": "a"},
+        400,
+        "retrieval-index",
+    ),
+    # :search
+    ("top_k over the limit", SEARCH, {"query": {"text": "a"}, "top_k": 10**6}, 413, "top_k"),
+    ("top_k zero", SEARCH, {"query": {"text": "a"}, "top_k": 0}, 400, "top_k"),
+    ("top_k a string", SEARCH, {"query": {"text": "a"}, "top_k": "5"}, 400, "top_k"),
+    ("wrong dimension", SEARCH, {"query": {"embedding": [0.1] * 3}}, 400, "embedding"),
+    ("a zero vector", SEARCH, {"query": {"embedding": [0.0] * DIM}}, 400, "embedding"),
+    ("a vector of strings", SEARCH, {"query": {"embedding": ["1"] * DIM}}, 400, "embedding"),
+    ("unknown filter field", SEARCH, {"query": {"text": "a"}, "filter": {"nope": 1}}, 400, "nope"),
+    (
+        "a filter value that is a list",
+        SEARCH,
+        {"query": {"text": "a"}, "filter": {"caption": [1]}},
+        400,
+        "filter",
+    ),
+    ("unknown stored id", SEARCH, {"query": {"id": "no-such-item"}}, 404, "queries[0].id"),
+    ("remote search picture", SEARCH, {"query": {"image": "http://x/y.png"}}, 400, "image"),
+    (
+        "a bomb as a query",
+        SEARCH,
+        {"query": {"image": picture(png(9000, 8000))["image_url"]["url"]}},
+        413,
+        "queries[0].image",
+    ),
+    ("two kinds in one query", SEARCH, {"query": {"text": "a", "id": "x"}}, 400, "exactly one"),
+    (
+        "query and queries",
+        SEARCH,
+        {"query": {"text": "a"}, "queries": [{"text": "b"}]},
+        400,
+        "queries",
+    ),
+    ("no queries", SEARCH, {"queries": []}, 400, "queries"),
+    ("a query that is a string", SEARCH, {"queries": ["a red circle"]}, 400, "queries[0]"),
+    ("an unknown query field", SEARCH, {"query": {"txt": "a"}}, 400, "txt"),
+    (
+        "queries x top_k over the cap",
+        SEARCH,
+        {"queries": [{"id": "x"}] * 200, "top_k": 100},
+        413,
+        "serve.max_search_results",
+    ),
+    (
+        "an unknown index",
+        f"{SERVE}/v1/models/no-such-index:search",
+        {"query": {"text": "a"}},
+        404,
+        "no-such-index",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "url, body, status, named", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
+)
+def test_hostile_inputs_get_a_4xx_naming_them(served, url, body, status, named):
+    r = requests.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text[:300]
+    assert named in r.text, r.text[:300]
+
+
+RAW = [
+    ("not JSON", b"{not json", "application/json", 400),
+    ("a JSON array", b"[1, 2]", "application/json", 400),
+    ("NaN", b'{"model": "retrieval", "input": NaN}', "application/json", 400),
+    (
+        "deeply nested",
+        b'{"model": "retrieval", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "application/json",
+        400,
+    ),
+    (
+        "over max_body_bytes",
+        b'{"model": "retrieval", "input": "' + b"a" * (4 * 2**20) + b'"}',
+        "application/json",
+        413,
+    ),
+    ("text/plain", b'{"model": "retrieval", "input": "a"}', "text/plain", 415),
+]
+
+
+@pytest.mark.parametrize(
+    "body, content_type, status", [r[1:] for r in RAW], ids=[r[0] for r in RAW]
+)
+def test_malformed_bodies_get_a_4xx_and_the_replicas_keep_serving(
+    served, body, content_type, status
+):
+    for url in (EMBED, SEARCH):
+        r = requests.post(url, data=body, headers={"Content-Type": content_type}, timeout=60)
+        assert r.status_code == status, (url, r.text[:300])
+    good(EMBED), good(SEARCH)
