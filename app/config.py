@@ -79,6 +79,9 @@ class DataConfig(_Section):
     feature_columns: list[str] | None = None
     text_column: str | None = None
     labels: list[str] | None = None  # declared label set; rows outside it are refused
+    # table: the column whose value decides a row's split (rows sharing it share a split); by
+    # default a row's own values do (duplicate rows land in one split).
+    key_column: str | None = None
     val_fraction: float = Field(
         0.2, gt=0, lt=1
     )  # share of rows (documents, for a corpus) held out for validation

@@ -15,9 +15,12 @@ finish.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -30,6 +33,7 @@ from pydantic import Field, model_validator
 from app import storage
 from app.config import Config, ModelConfig
 from app.data.kinds import processor
+from app.data.pieces import ShardRecord, SplitRule, Target, Tasks, ordered
 from app.data.preprocess import Preprocessor
 from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
@@ -100,11 +104,15 @@ class DatasetManifest(storage.Contract):
         return self
 
 
-def prepare(config: Config) -> dict[str, Any]:
+def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
+    """The source -> a published dataset. A source read in pieces (a table) is read, checked,
+    split and written by `tasks` (default: Ray Data tasks on the cluster this job joins)."""
     from app.models.families import base_for  # torch: only where a dataset is prepared
 
     cfg = config.data
     base_for(config.model)  # a bad pretrained folder fails before any data is read
+    if cfg.source == "table":
+        return prepare_table(config, tasks or ray_tasks())
     data = load_source(cfg)
     splits = source_splits(data, cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
@@ -121,6 +129,106 @@ def prepare(config: Config) -> dict[str, Any]:
     log.info("prepare: wrote %s%s", rows, f", skipped {data.skipped}" if data.skipped else "")
     summary = {"stage": "prepare", "output": output, "rows": rows}
     return summary | ({"skipped": data.skipped} if data.skipped else {})
+
+
+def ray_tasks() -> Tasks:
+    from app.data.ray_tasks import RayTasks
+    from app.ray_runtime import connect_ray
+
+    connect_ray()
+    return RayTasks()
+
+
+def prepare_table(config: Config, tasks: Tasks) -> dict[str, Any]:
+    """A table in two passes over its pieces: one that counts rows and labels and finds the
+    first bad row, one that writes (app/data/table_source.py). The driver holds the pieces'
+    small records, never a row."""
+    from app.data import table_source as t
+
+    cfg, output = config.data, config.data_output
+    started = time.perf_counter()
+    spec, pieces = t.plan(cfg)
+    log.info("prepare: %d piece(s) of %s -> %s", len(pieces), cfg.path, output)
+    rule = SplitRule(cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    scan = functools.partial(t.scan_piece, spec=spec, rule=rule)
+    scans = tasks.map(scan, pieces, "prepare: scan")
+    labels = scanned_labels(scans, cfg.skip_bad_rows)
+    skipped = sum(s.bad for s in scans)
+    written: list[ShardRecord] = []
+
+    def write(folder: str, prefix: str) -> DatasetManifest:
+        target = Target(folder, prefix, cfg.rows_per_shard, rule)
+        write_one = functools.partial(t.write_piece, spec=spec, target=target)
+        records = [r for done in tasks.map(write_one, pieces, "prepare: write") for r in done]
+        written.extend(records)
+        kind: Kind = "text" if spec.text else "tabular"
+        description = {"source": "table", "path": cfg.path, "files": t.file_names(pieces)}
+        return manifest_of(records, kind, spec, labels, description)
+
+    manifest = publish_written(output, write, cfg.keep_generations)
+    rows = {name: entry.rows for name, entry in manifest.splits.items()}
+    seconds = time.perf_counter() - started
+    summary = {"stage": "prepare", "output": output, "rows": rows}
+    summary["throughput"] = {
+        "seconds": round(seconds, 2),
+        "rows_per_s": round((sum(rows.values()) + skipped) / max(seconds, 1e-9)),
+        "bytes": sum(r.bytes for r in written),
+        "driver_peak_rss_mib": round(peak_rss_mib(), 1),
+    }
+    log.info("prepare: wrote %s%s", rows, f", skipped {skipped}" if skipped else "")
+    examples = [e for s in scans for e in s.examples][: spec.max_examples]
+    return summary | ({"skipped": skipped, "skipped_examples": examples} if skipped else {})
+
+
+def scanned_labels(scans: list[Any], skip: bool) -> list[str]:
+    """The label set of pass one's records; the first problem in source order refuses the
+    source in one line (a bad row too, unless skipped)."""
+    for scan in scans:
+        if scan.problem:
+            raise UserError(scan.problem)
+        if scan.first_bad and not skip:
+            raise UserError(f"{scan.first_bad} (data.skip_bad_rows=true skips such rows)")
+    rows = sum(s.rows - s.bad for s in scans)
+    if not rows:
+        raise UserError("data source 'table' produced no rows")
+    splits = {name for s in scans for name in s.splits}
+    if not {"train", "val"} <= splits:
+        raise UserError(f"only {rows} rows: too few to split into train/val/test")
+    return sorted({label for s in scans for label in s.labels})
+
+
+def manifest_of(
+    records: list[ShardRecord],
+    kind: Kind,
+    spec: Any,
+    labels: list[str],
+    description: dict[str, Any],
+) -> DatasetManifest:
+    by_split = ordered(records)
+    splits = {
+        name: Split(
+            rows=sum(r.rows for r in shards),
+            shards=[Shard(file=r.file, rows=r.rows, sha256=r.sha256) for r in shards],
+        )
+        for name, shards in by_split.items()
+    }
+    return DatasetManifest(
+        created=datetime.now(UTC).isoformat(),
+        source=description,
+        kind=kind,
+        feature_columns=list(spec.features),
+        label_column=spec.label,
+        label_names=labels,
+        columns={f.name: str(f.type) for f in spec.schema()},
+        rows={name: s.rows for name, s in splits.items()},
+        splits=splits,
+    )
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def source_splits(
@@ -178,12 +286,23 @@ def publish_generation(
     keep: int = 2,
 ) -> DatasetManifest:
     """Shards under a new generation prefix, then the manifest (the commit), then clean-up."""
+
+    def write(folder: str, prefix: str) -> DatasetManifest:
+        return write_dataset(data, splits, folder, prefix, rows_per_shard, files)
+
+    return publish_written(output, write, keep)
+
+
+def publish_written(
+    output: str, write: Callable[[str, str], DatasetManifest], keep: int
+) -> DatasetManifest:
+    """`write(folder, prefix)` fills a new generation and returns its manifest, which is then
+    written (the commit point); a failure removes the partial generation, and the previous
+    dataset stays whole."""
     stamp = f"{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
     generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
     try:
-        manifest = write_dataset(
-            data, splits, storage.join(output, generation), generation, rows_per_shard, files
-        )
+        manifest = write(storage.join(output, generation), generation)
         manifest.write(storage.join(output, MANIFEST))  # the commit point
     except BaseException:
         # Best effort: a leftover is collected by a later run anyway.

@@ -23,7 +23,6 @@ from app.errors import UserError
 # "image_text": pictures and their captions (retrieval; no labels).
 Kind = Literal["image", "tabular", "text", "documents", "tokens", "image_text"]
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
-TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
 IMAGE_COLUMN = "image"
 TEXT_COLUMN = "text"
 PATH_COLUMN = "path"
@@ -52,13 +51,14 @@ def load_source(cfg: DataConfig) -> SourceData:
         "breast_cancer": _sklearn,
         "wine": _sklearn,
         "imagefolder": _imagefolder,
-        "table": _table,
         "synthetic_text": _synthetic_text,
         "synthetic_image": _synthetic_image,
         "text_files": _text_files,
         "image_text": _image_text,
         "synthetic_image_text": _image_text,
     }
+    if cfg.source not in loaders:
+        raise UserError(f"data.source {cfg.source!r} is read in pieces by jobs.prepare, not whole")
     data = loaders[cfg.source](cfg)
     if data.frame.empty:
         raise UserError(f"data source {cfg.source!r} produced no rows")
@@ -154,56 +154,7 @@ def _read_image(path: str, size: int) -> np.ndarray:
         raise UserError(f"{path}: unreadable image ({type(e).__name__}: {detail})") from None
 
 
-# --- CSV / JSONL / Parquet files with declared columns ----------------------------------------
-
-
-def _table(cfg: DataConfig) -> SourceData:
-    files = _table_files(_existing_path(cfg.path))
-    frames = []
-    for path in files:
-        frame = _read_table(path)
-        _check_columns(frame, path, cfg)
-        frame.attrs["file"] = path
-        frames.append(frame)
-    text = cfg.text_column
-    features = [text] if text else (cfg.feature_columns or _infer_features(frames[0], cfg))
-    for frame in frames[1:]:
-        missing = [c for c in features if c not in frame.columns]
-        if missing:
-            raise UserError(
-                f"{frame.attrs['file']}: missing column {missing[0]!r} (the first file has it)"
-            )
-    origins: dict[int, str] = {}
-    offset = 0
-    for frame in frames:
-        for col in features:
-            _check_dtype(frame, col, frame.attrs["file"], is_text=bool(text))
-        origins.update({offset + i: f"{frame.attrs['file']} row {i}" for i in range(len(frame))})
-        offset += len(frame)
-    combined = pd.concat([f[[*features, cfg.label_column]] for f in frames], ignore_index=True)
-    combined[cfg.label_column] = combined[cfg.label_column].astype(str)
-    combined.attrs["row_origin"] = origins
-    kind: Kind = "text" if text else "tabular"
-    description = {
-        "source": "table",
-        "path": cfg.path,
-        "files": [os.path.basename(f) for f in files],
-    }
-    return SourceData(combined, kind, features, cfg.label_column, None, description)
-
-
-def _table_files(root: str) -> list[str]:
-    if os.path.isfile(root):
-        files = [root]
-    else:
-        files = sorted(
-            p
-            for p in glob.glob(os.path.join(root, "**", "*"), recursive=True)
-            if p.lower().endswith(TABLE_EXTENSIONS)
-        )
-    if not files:
-        raise UserError(f"{root}: no CSV, JSONL or Parquet files")
-    return files
+# --- CSV / JSONL / Parquet (the table source itself is read in pieces: table_source.py) ----
 
 
 def _read_table(path: str) -> pd.DataFrame:
@@ -223,42 +174,6 @@ def _read_table(path: str) -> pd.DataFrame:
     if frame.empty:
         raise UserError(f"{path}: no rows")
     return frame
-
-
-def _check_columns(frame: pd.DataFrame, path: str, cfg: DataConfig) -> None:
-    declared = [cfg.text_column] if cfg.text_column else (cfg.feature_columns or [])
-    for col in [*declared, cfg.label_column]:
-        if col not in frame.columns:
-            raise UserError(f"{path}: missing column {col!r} (has {list(frame.columns)})")
-    if declared:
-        extra = [c for c in frame.columns if c not in (*declared, cfg.label_column)]
-        if extra:
-            raise UserError(
-                f"{path}: unexpected column {extra[0]!r} (declare it in data.feature_columns "
-                "or remove it from the file)"
-            )
-
-
-def _infer_features(frame: pd.DataFrame, cfg: DataConfig) -> list[str]:
-    return [c for c in frame.columns if c != cfg.label_column]
-
-
-def _check_dtype(frame: pd.DataFrame, col: str, path: str, is_text: bool) -> None:
-    values = frame[col]
-    if is_text:
-        bad = ~values.map(lambda v: isinstance(v, str))
-        expected = "text"
-    else:
-        numeric = pd.to_numeric(values, errors="coerce")
-        bad = numeric.isna() | ~np.isfinite(numeric.astype(float).fillna(0))
-        expected = "a finite number"
-    if bad.any():
-        row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise UserError(
-            f"{path}: column {col!r} row {row}: expected {expected}, got {values.iloc[row]!r}"
-        )
-    if not is_text:
-        frame[col] = values.astype(np.float64)
 
 
 def _existing_path(path: str | None) -> str:

@@ -21,3 +21,8 @@ def _no_subprocess_or_ray(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "init", _refuse("Ray"))
+    # A source read in pieces runs the same per-piece functions in this process (the
+    # integration and e2e tiers run them as Ray Data tasks).
+    from app.data import pieces, prepare
+
+    monkeypatch.setattr(prepare, "ray_tasks", pieces.InProcess)

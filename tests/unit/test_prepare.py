@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from sklearn import datasets
 
 import app.data.prepare
+from app.data.pieces import SplitRule, row_keys
 from app.data.prepare import (
     GENERATION_MARK,
     MANIFEST,
@@ -25,6 +27,7 @@ from app.data.prepare import (
     split_rows,
     verify_shards,
 )
+from app.data.table_source import plan
 from app.errors import UserError
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
@@ -207,6 +210,7 @@ def table_frame(n: int = 20) -> pd.DataFrame:
 
 
 def write_table(frame: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".csv":
         frame.to_csv(path, index=False)
     elif path.suffix == ".jsonl":
@@ -222,18 +226,52 @@ def test_table_file_formats(config_factory, tmp_path, suffix):
     path = write_table(raw, tmp_path / f"rows{suffix}")
     config = config_factory("data.source=table", f"data.path={path}")
     summary = prepare(config)
-    assert summary["rows"] == {"train": 16, "val": 4}
+    assert sum(summary["rows"].values()) == 20 and summary["rows"]["val"] >= 1
     manifest = check_dataset(config.data_output, summary)
     assert manifest.kind == "tabular"
     assert manifest.feature_columns == ["a", "b"]  # inferred: every column but the label
     assert manifest.label_names == ["c0", "c1", "c2"]
     assert manifest.source["files"] == [path.name]
-    idx = split_rows(20, 0.2, 0.0, seed=0)
-    frame = read_split(config.data_output, manifest, "train")
-    np.testing.assert_array_equal(
-        frame[["a", "b"]].to_numpy(), raw[["a", "b"]].to_numpy()[idx["train"]]
+    # Each row's split is a function of (seed, its values): the shards hold the rows in the
+    # source's order, raw values unchanged.
+    spec, _ = plan(config.data)
+    rows = pa.table({"a": raw["a"], "b": raw["b"], "label": raw["label"].astype(str)})
+    codes = SplitRule(0, 0.2, 0.0).codes(row_keys(rows.cast(spec.schema()), rows.column_names))
+    for code, split in ((0, "train"), (1, "val")):
+        frame = read_split(config.data_output, manifest, split)
+        np.testing.assert_array_equal(
+            frame[["a", "b"]].to_numpy(), raw[["a", "b"]].to_numpy()[codes == code]
+        )
+        assert frame["label"].tolist() == raw["label"][codes == code].tolist()
+
+
+def test_a_tables_split_holds_however_it_is_cut_and_appended_to(config_factory, tmp_path):
+    """The same rows in one file or three give the same splits; rows appended later move no
+    earlier row; duplicate rows share a split; the val share is near data.val_fraction."""
+    raw = table_frame(3000).assign(a=np.arange(3000) % 1000 / 8)  # every row thrice
+    raw["b"] = raw["a"] * 2
+    raw["label"] = [f"c{int(x) % 3}" for x in raw["a"]]
+    one = write_table(raw, tmp_path / "one" / "rows.parquet")
+    folder = tmp_path / "three"
+    for i in range(3):
+        write_table(raw.iloc[i * 1000 : (i + 1) * 1000], folder / f"part-{i}.csv")
+    grown = write_table(
+        pd.concat([raw, raw.assign(a=raw["a"] + 1e6)]), tmp_path / "grown" / "rows.parquet"
     )
-    assert frame["label"].tolist() == raw["label"].iloc[idx["train"]].tolist()
+
+    def val_rows(path: Path, name: str) -> set[tuple]:
+        config = config_factory(
+            "data.source=table", f"data.path={path}", f"data.output={tmp_path / name}"
+        )
+        manifest = read_manifest(prepare(config)["output"])
+        frame = read_split(config.data_output, manifest, "val")
+        return set(zip(frame["a"], frame["b"], frame["label"], strict=True))
+
+    val = val_rows(one, "d1")
+    assert val == val_rows(folder, "d3")
+    assert val <= val_rows(grown, "dg")
+    share = len(val) / 1000  # distinct rows: each one's three copies share its split
+    assert abs(share - 0.2) <= 4 * np.sqrt(0.2 * 0.8 / 1000)
 
 
 def test_table_folder_of_mixed_files_with_declared_columns(config_factory, tmp_path):
@@ -447,3 +485,36 @@ def test_verify_shards_refuses_a_damaged_shard_by_name(prepared_small, damage, p
     assert message.startswith(f"{output}/{shard}: ") and problem in message, message
     assert "\n" not in message
     verify_shards(output, manifest, "val")  # the other split is still fine
+
+
+def test_a_rows_split_depends_on_its_key_and_seed_alone():
+    from app.data.pieces import split_codes
+
+    keys = np.arange(200_000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    codes = split_codes(keys, 0, 0.2, 0.1)
+    shares = np.bincount(codes, minlength=3) / len(keys)
+    assert np.abs(shares - [0.7, 0.2, 0.1]).max() < 4 * np.sqrt(0.2 * 0.8 / len(keys))
+    assert (split_codes(keys[::-1], 0, 0.2, 0.1) == codes[::-1]).all()  # order does not matter
+    assert (split_codes(keys, 1, 0.2, 0.1) != codes).mean() > 0.3  # the seed does
+
+
+def test_a_pieces_shards_are_cut_at_the_bound_and_named_by_piece_and_order(tmp_path):
+    from app.data.pieces import ShardWriter, SplitRule, Target
+
+    schema = pa.schema([("x", pa.float64()), ("label", pa.string())])
+    writer = ShardWriter(Target(str(tmp_path), "gen", 300, SplitRule(0, 0.5, 0.0)), 7, schema)
+    for start in range(0, 1000, 250):
+        rows = pa.table({"x": np.arange(start, start + 250, dtype=float), "label": ["a"] * 250})
+        writer.add(rows, np.arange(start, start + 250, dtype=np.uint64) * np.uint64(2654435761))
+    records = writer.close()
+    assert sum(r.rows for r in records) == 1000 and max(r.rows for r in records) == 300
+    names = [r.file for r in records if r.split == "train"]
+    assert names[0] == "gen/train/part-000007-0000.parquet"
+    xs = np.concatenate(
+        [
+            pq.read_table(tmp_path / r.file.split("/", 1)[1])["x"]
+            for r in records
+            if r.split == "train"
+        ]
+    )
+    assert (np.diff(xs) > 0).all()  # the source's order within a split

@@ -9,7 +9,7 @@ import pytest
 from app.data import kinds
 from app.data.ingest import fit_preprocessor, iter_shards
 from app.data.kinds.text import PAD
-from app.data.prepare import prepare, read_manifest, split_files, split_rows
+from app.data.prepare import prepare, read_manifest, split_files
 from app.data.preprocess import LABEL_KEY, FitOptions
 from app.errors import UserError
 from tests.unit.unit_helpers import read_split
@@ -202,10 +202,15 @@ def test_fitted_on_train_split_only(config_factory):
 
 
 def test_labels_come_from_train_and_val_only_label_is_refused(config_factory, tmp_path):
+    import pyarrow as pa
+
+    from app.data.pieces import SplitRule, row_keys
+
     n = 20
-    val_rows = split_rows(n, 0.2, 0.0, seed=0)["val"]
+    rare = pa.table({"a": np.arange(n, dtype=float), "label": ["rare"] * n})
+    codes = SplitRule(0, 0.2, 0.0).codes(row_keys(rare, ["a", "label"]))
     labels = ["common"] * n
-    labels[int(val_rows[0])] = "rare"  # only in the val split
+    labels[int(np.flatnonzero(codes == 1)[0])] = "rare"  # a row whose split (by key) is val
     path = tmp_path / "t.csv"
     pd.DataFrame({"a": np.arange(n, dtype=float), "label": labels}).to_csv(path, index=False)
     config = config_factory("data.source=table", f"data.path={path}")

@@ -1,0 +1,397 @@
+"""The table source (`data.source: table`): CSV, JSON Lines or Parquet, one file or a folder of
+them, on local disk or an object store, prepared in pieces that tasks read, check and write on
+their own (app/data/pieces.py).
+
+`plan` lists the files and reads the first one's column names (nothing more) to settle what a
+row holds. Pass one (`scan_piece`) counts each piece's rows and labels and finds its first bad
+row; pass two (`write_piece`) checks again, splits each row by its key (`data.key_column`, else
+the row's own values, so duplicates share a split) and writes its shards. Every piece streams
+its rows in record batches, so a task holds one batch and the shards it is filling, never a
+file. A bad row is named by file and row; with `data.skip_bad_rows` it is counted and left out.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from app import storage
+from app.config import DataConfig
+from app.data.pieces import ShardRecord, ShardWriter, SplitRule, Target, row_keys, split_counts
+from app.errors import UserError
+
+TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
+ROWS_PER_PIECE = 1_000_000  # Parquet row groups are read by tasks of about this many rows
+BATCH_ROWS = 65_536  # rows a task checks and splits at a time
+MAX_LABELS = 100_000  # more distinct labels than this is not a classification table
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What every row must hold, settled once from the config and the first file's columns."""
+
+    features: tuple[str, ...]
+    label: str
+    text: bool  # the one feature is text (`data.text_column`), else every feature is a number
+    declared: bool  # features named in the config: any other column in a file is refused
+    labels: tuple[str, ...] | None  # data.labels: a label outside them is a bad row
+    key: str | None  # data.key_column: the split key, else the row's own values
+    skip_bad_rows: bool
+    max_examples: int = 5
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns a file must have (the key column too, when it is not a feature)."""
+        own = [*self.features, self.label]
+        return own + ([self.key] if self.key and self.key not in own else [])
+
+    def schema(self) -> pa.Schema:
+        kind = pa.string() if self.text else pa.float64()
+        return pa.schema([*((f, kind) for f in self.features), (self.label, pa.string())])
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # its place in the source's order
+    path: str  # a local path or URI
+    row_groups: tuple[int, ...] | None = None  # Parquet: these groups; None: the whole file
+    first_row: int = 0  # the piece's first row within its file
+
+
+@dataclass
+class PieceScan:
+    """Pass one's record of a piece: small whatever the piece's size."""
+
+    index: int
+    rows: int = 0
+    bad: int = 0
+    problem: str | None = None  # the file cannot be read as the spec says: always fatal
+    first_bad: str | None = None  # "<file> row <n>: why", the piece's lowest bad row
+    examples: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    splits: dict[str, int] = field(default_factory=dict)  # good rows by split
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+
+def plan(cfg: DataConfig) -> tuple[TableSpec, list[Piece]]:
+    """The spec and the pieces, in source order (sorted file paths; row groups in order)."""
+    files = table_files(cfg.path)
+    names = column_names(files[0])
+    for column in (cfg.label_column, *([cfg.text_column] if cfg.text_column else [])):
+        if column not in names:
+            raise UserError(f"{files[0]}: missing column {column!r} (has {names})")
+    declared = [cfg.text_column] if cfg.text_column else cfg.feature_columns
+    features = declared or [c for c in names if c not in (cfg.label_column, cfg.key_column)]
+    spec = TableSpec(
+        tuple(features),
+        cfg.label_column,
+        bool(cfg.text_column),
+        bool(cfg.feature_columns) and not cfg.text_column,
+        tuple(cfg.labels) if cfg.labels is not None else None,
+        cfg.key_column,
+        cfg.skip_bad_rows,
+    )
+    return spec, [p for i, f in enumerate(files) for p in file_pieces(f, i)]
+
+
+def table_files(path: str | None) -> list[str]:
+    if not path:
+        raise UserError("data.path is required for source 'table'")
+    if storage.is_local(path):
+        if not os.path.exists(path):
+            raise UserError(f"data.path {path!r} does not exist")
+        if os.path.isfile(path):
+            return [path]
+        found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
+    elif storage.is_file(path):
+        return [path]
+    else:
+        found = [storage.join(path, name) for name, _, _ in storage.list_files(path)]
+    files = sorted(p for p in found if p.lower().endswith(TABLE_EXTENSIONS))
+    if not files:
+        raise UserError(f"{path}: no CSV, JSONL or Parquet files")
+    return files
+
+
+def file_pieces(path: str, number: int) -> list[Piece]:
+    """A CSV or JSONL file is one piece; a Parquet file's row groups are cut into runs of about
+    ROWS_PER_PIECE rows (`number` orders the file among the source's files)."""
+    base = number * 1_000_000  # a file's pieces sort after the previous file's
+    if not path.lower().endswith(".parquet"):
+        return [Piece(base, path)]
+    try:
+        meta = _parquet(path).metadata
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{path}: cannot read ({type(e).__name__}: {_first_line(e)})") from None
+    pieces: list[Piece] = []
+    groups: list[int] = []
+    rows, first = 0, 0
+    for g in range(meta.num_row_groups):
+        groups.append(g)
+        rows += meta.row_group(g).num_rows
+        if rows >= ROWS_PER_PIECE or g == meta.num_row_groups - 1:
+            pieces.append(Piece(base + len(pieces), path, tuple(groups), first))
+            first += rows
+            groups, rows = [], 0
+    return pieces or [Piece(base, path, ())]
+
+
+def column_names(path: str) -> list[str]:
+    """A file's column names from its header alone (Parquet's schema, CSV's first line, the
+    first JSON line's keys)."""
+    try:
+        if path.lower().endswith(".parquet"):
+            return list(_parquet(path).schema_arrow.names)
+        if path.lower().endswith(".csv"):
+            first = next(batches(Piece(0, path)), None)
+            names = first[0].column_names if first and first[0].num_rows else None
+        else:
+            frame = next(_json_frames(path), None)
+            names = list(frame.columns) if frame is not None and len(frame) else None
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise UserError(f"{path}: cannot read ({type(e).__name__}: {_first_line(e)})") from None
+    if names is None:
+        raise UserError(f"{path}: no rows")
+    return [str(n) for n in names]
+
+
+def file_names(pieces: list[Piece]) -> list[str]:
+    """The source's files, in order, by name (the manifest's description)."""
+    return list(dict.fromkeys(os.path.basename(p.path) for p in pieces))
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def batches(piece: Piece, spec: TableSpec | None = None) -> Iterator[tuple[pa.Table, int]]:
+    """The piece's rows, BATCH_ROWS at a time, with each batch's first row within the file
+    (JSON Lines, whose values have no column type, read as `spec` wants them)."""
+    path, row = piece.path, piece.first_row
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        groups = list(piece.row_groups) if piece.row_groups is not None else None
+        for batch in _parquet(path).iter_batches(BATCH_ROWS, row_groups=groups):
+            yield pa.Table.from_batches([batch]), row
+            row += batch.num_rows
+    elif lower.endswith(".csv"):
+        import pyarrow.csv as pcsv
+
+        fs, local = storage.filesystem(path)
+        with fs.open_input_stream(local) as f:
+            options = pcsv.ReadOptions(block_size=16 << 20)
+            for batch in pcsv.open_csv(f, read_options=options):
+                yield pa.Table.from_batches([batch]), row
+                row += batch.num_rows
+    else:
+        assert spec is not None, "JSON Lines are read as a spec wants them"
+        for frame in _json_frames(path):
+            yield _typed(frame, spec), row
+            row += len(frame)
+
+
+def _json_frames(path: str) -> Iterator[pd.DataFrame]:
+    """JSON Lines through pandas, which keeps each value as written (pyarrow's reader fixes a
+    column's type from the first block and fails a later row that differs)."""
+    fs, local = storage.filesystem(path)
+    with fs.open_input_stream(local) as f:
+        yield from pd.read_json(
+            f,
+            lines=True,
+            chunksize=BATCH_ROWS,
+            precise_float=True,
+            dtype=False,
+            convert_dates=False,
+        )
+
+
+def _typed(frame: pd.DataFrame, spec: TableSpec) -> pa.Table:
+    """A JSON frame's columns as `checked` reads them: numbers as float64 (NaN where a value is
+    no number), text as text (null where a value is not a string), labels as text."""
+    columns = {}
+    for name in frame.columns:
+        values = frame[name]
+        if name in spec.features and not spec.text:
+            columns[name] = pa.array(pd.to_numeric(values, errors="coerce"), pa.float64())
+        elif name in spec.features:
+            columns[name] = pa.array(
+                [v if isinstance(v, str) else None for v in values], pa.string()
+            )
+        else:
+            columns[name] = pa.array([_label_text(v) for v in values], pa.string())
+    return pa.table(columns)
+
+
+def _label_text(value: object) -> str | None:
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _parquet(path: str) -> pq.ParquetFile:
+    fs, local = storage.filesystem(path)
+    return pq.ParquetFile(fs.open_input_file(local))
+
+
+# --- checking -----------------------------------------------------------------------------------
+
+
+def checked(
+    table: pa.Table, spec: TableSpec, path: str, first_row: int
+) -> tuple[pa.Table, np.ndarray, dict[int, str]]:
+    """A batch as its shards store it (features as float64 or text, the label as text), each
+    row's split key, and why each bad row is bad (by its row within the file)."""
+    missing = [c for c in spec.columns if c not in table.column_names]
+    if missing:
+        raise FileProblem(f"{path}: missing column {missing[0]!r} (has {table.column_names})")
+    if spec.declared:
+        extra = [c for c in table.column_names if c not in spec.columns]
+        if extra:
+            raise FileProblem(
+                f"{path}: unexpected column {extra[0]!r} (declare it in data.feature_columns "
+                "or remove it from the file)"
+            )
+    bad = np.zeros(table.num_rows, bool)
+    why: dict[int, str] = {}
+    columns = {}
+    for name in spec.features:
+        columns[name], wrong = (_texts if spec.text else _numbers)(table[name])
+        _note(
+            wrong,
+            bad,
+            why,
+            f"column {name!r}",
+            "expected text" if spec.text else "expected a finite number",
+            table[name],
+        )
+    columns[spec.label], wrong = _labels(table[spec.label], spec.labels)
+    _note(
+        wrong,
+        bad,
+        why,
+        f"column {spec.label!r}",
+        "missing label" if spec.labels is None else f"label not in data.labels {list(spec.labels)}",
+        table[spec.label],
+    )
+    out = pa.table(columns).cast(spec.schema())
+    keys = row_keys(table, [spec.key]) if spec.key else row_keys(out, out.column_names)
+    problems = {first_row + r: f"{path} row {first_row + r}: {why[r]}" for r in sorted(why)}
+    return out, keys, problems
+
+
+class FileProblem(Exception):
+    """A file that does not hold what the spec says (a column missing or extra)."""
+
+
+def _numbers(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+        values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
+    else:  # text that may hold numbers (CSV cells, JSON strings)
+        values = pd.to_numeric(column.to_pandas(), errors="coerce").to_numpy(np.float64)
+    values = np.asarray(values, np.float64)
+    wrong = ~np.isfinite(values)
+    return pa.array(np.where(wrong, 0.0, values)), wrong
+
+
+def _texts(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        wrong = column.is_null().to_numpy(zero_copy_only=False)
+        return pc.fill_null(column, "").combine_chunks(), wrong
+    return pa.array([""] * len(column)), np.ones(len(column), bool)
+
+
+def _labels(
+    column: pa.ChunkedArray, declared: tuple[str, ...] | None
+) -> tuple[pa.Array, np.ndarray]:
+    if pa.types.is_floating(column.type):  # 1.0 written for 1 by a reader: the label is "1"
+        floats = column.to_numpy(zero_copy_only=False)
+        whole = np.isfinite(floats) & (floats == np.round(floats))
+        texts = [str(int(v)) if w else str(v) for v, w in zip(floats, whole, strict=True)]
+        values = pa.array(texts, pa.string())
+        missing = np.isnan(floats)
+    else:
+        missing = column.is_null().to_numpy(zero_copy_only=False)
+        values = pc.cast(pc.fill_null(column.cast(pa.string()), ""), pa.string()).combine_chunks()
+        missing |= pc.equal(values, "").to_numpy(zero_copy_only=False)
+    wrong = missing.copy()
+    if declared is not None:
+        wrong |= ~pc.is_in(values, pa.array(declared, pa.string())).to_numpy(zero_copy_only=False)
+    return values, wrong
+
+
+def _note(
+    wrong: np.ndarray,
+    bad: np.ndarray,
+    why: dict[int, str],
+    where: str,
+    what: str,
+    raw: pa.ChunkedArray,
+) -> None:
+    for r in np.flatnonzero(wrong & ~bad)[:1000].tolist():
+        why[r] = f"{where}: {what}, got {_short(raw[r].as_py())}"
+    bad |= wrong
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- the two passes, one piece each -------------------------------------------------------------
+
+
+def scan_piece(piece: Piece, spec: TableSpec, rule: SplitRule) -> PieceScan:
+    out = PieceScan(piece.index)
+    labels: set[str] = set()
+    splits: Counter[str] = Counter()
+    try:
+        for table, first_row in batches(piece, spec):
+            clean, keys, problems = checked(table, spec, piece.path, first_row)
+            out.rows += table.num_rows
+            out.bad += len(problems)
+            if problems and out.first_bad is None:
+                out.first_bad = problems[min(problems)]
+            out.examples.extend(list(problems.values())[: spec.max_examples - len(out.examples)])
+            good = np.ones(table.num_rows, bool)
+            good[[r - first_row for r in problems]] = False
+            labels.update(pc.unique(clean[spec.label].filter(pa.array(good))).to_pylist())
+            splits.update(split_counts(rule.codes(keys[good])))
+            if len(labels) > MAX_LABELS:
+                out.problem = f"{piece.path}: column {spec.label!r} holds more than {MAX_LABELS} distinct labels"
+                break
+    except FileProblem as e:
+        out.problem = str(e)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        out.problem = f"{piece.path}: cannot read ({type(e).__name__}: {_first_line(e)})"
+    out.labels, out.splits = sorted(labels), dict(splits)
+    return out
+
+
+def write_piece(piece: Piece, spec: TableSpec, target: Target) -> list[ShardRecord]:
+    """Pass two: the piece's good rows into its shards (bad ones were counted by pass one and
+    are skipped here: the driver refused the source before this pass unless skipping)."""
+    writer = ShardWriter(target, piece.index, spec.schema())
+    for table, first_row in batches(piece, spec):
+        clean, keys, problems = checked(table, spec, piece.path, first_row)
+        if problems:
+            good = np.ones(table.num_rows, bool)
+            good[[r - first_row for r in problems]] = False
+            clean, keys = clean.filter(pa.array(good)), keys[good]
+        writer.add(clean, keys)
+    return writer.close()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -1,0 +1,83 @@
+"""Prepare on two machines that share no disk: a table on an S3 server (moto, 127.0.0.1) is read,
+checked, split and written to S3 by Ray Data tasks on two worker nodes (each with its own HOME
+and temp folder; the head has no CPUs), and the shards are byte-identical to those of the same
+table prepared in one process."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app import storage
+from app.data.pieces import InProcess
+from app.data.prepare import prepare, read_manifest
+from app.data.ray_tasks import RayTasks
+from tests.conftest import make_config
+from tests.integration.test_elastic import node_env
+from tests.s3_server import moto_s3
+
+pytestmark = pytest.mark.integration
+
+
+def upload_table(root: str, tmp_path) -> None:
+    """Four files (two Parquet, two CSV) under `root`: pieces enough for both nodes."""
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        frame = pd.DataFrame({f"x{j}": rng.normal(size=2000) for j in range(3)})
+        frame["label"] = [f"c{k % 4}" for k in range(2000)]
+        local = tmp_path / f"part-{i}.{'parquet' if i % 2 else 'csv'}"
+        if i % 2:
+            pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), local)
+        else:
+            frame.to_csv(local, index=False)
+        storage.upload_file(str(local), f"{root}/{local.name}")
+
+
+def shards(output: str) -> dict[str, bytes]:
+    manifest = read_manifest(output)
+    return {
+        s.file.split("/", 1)[1]: storage.read_bytes(storage.join(output, s.file))
+        for entry in manifest.splits.values()
+        for s in entry.shards
+    }
+
+
+def test_a_table_prepared_to_s3_on_two_nodes_equals_one_process(tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # its own cluster; later tests re-init a local one
+    with moto_s3() as bucket:
+        root = f"{bucket}/{uuid.uuid4().hex[:8]}"
+        upload_table(f"{root}/source", tmp_path)
+
+        def config(name: str):
+            return make_config(
+                tmp_path / name,
+                "data.source=table",
+                f"data.path={root}/source",
+                f"data.output={root}/{name}",
+                "data.rows_per_shard=900",
+            )
+
+        one = prepare(config("one"), InProcess())
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        nodes = [
+            cluster.add_node(num_cpus=1, env_vars=node_env(tmp_path, f"n{i}")) for i in range(2)
+        ]
+        try:
+            ray.init(address=cluster.address, log_to_driver=False)
+            cluster.wait_for_nodes()
+            tasks = RayTasks(cpus=1)
+            two = prepare(config("two"), tasks)
+            assert tasks.nodes == {n.node_id for n in nodes}  # both nodes read and wrote
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        assert two["rows"] == one["rows"] and sum(two["rows"].values()) == 8000
+        assert shards(two["output"]) == shards(one["output"])

@@ -1,0 +1,105 @@
+"""Prepare in Ray Data tasks on a real local Ray: a table of several files and Parquet row
+groups is read, checked, split and written by tasks, the driver holding only their records; the
+shards are byte-identical to the same functions run in one process; the first bad row in source order is refused by file and row, or skipped and
+counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.data import table_source
+from app.data.pieces import InProcess
+from app.data.prepare import MANIFEST, prepare
+from app.data.ray_tasks import RayTasks
+from app.errors import UserError
+from tests.conftest import make_config
+
+pytestmark = pytest.mark.integration
+
+
+def frame(n: int, offset: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(offset)
+    out = pd.DataFrame({f"x{i}": rng.normal(size=n) for i in range(4)})
+    out["label"] = [f"c{(offset + i) % 3}" for i in range(n)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> Path:
+    """Three files: a Parquet file of 7 row groups, a CSV and a JSON Lines file."""
+    root = tmp_path_factory.mktemp("table") / "rows"
+    root.mkdir()
+    pq.write_table(
+        pa.Table.from_pandas(frame(7000), preserve_index=False),
+        root / "a.parquet",
+        row_group_size=1000,
+    )
+    frame(1500, 7000).to_csv(root / "b.csv", index=False)
+    frame(500, 8500).to_json(root / "c.jsonl", orient="records", lines=True)
+    return root
+
+
+def prepared(tmp_path: Path, name: str, source: Path, tasks, *overrides: str) -> dict:
+    config = make_config(
+        tmp_path / name,
+        "data.source=table",
+        f"data.path={source}",
+        "data.rows_per_shard=800",
+        *overrides,
+    )
+    return prepare(config, tasks)
+
+
+def shard_bytes(output: str) -> dict[str, bytes]:
+    manifest = json.loads((Path(output) / MANIFEST).read_text())
+    return {
+        s["file"].split("/", 1)[1]: (Path(output) / s["file"]).read_bytes()
+        for entry in manifest["splits"].values()
+        for s in entry["shards"]
+    }
+
+
+def test_tasks_write_the_same_shards_as_one_process_in_any_order(
+    table, tmp_path, ray_local, monkeypatch
+):
+    """The pieces (a fixed rule over the source) decide the shards; which task or process ran
+    a piece, and when it finished, do not."""
+    monkeypatch.setattr(table_source, "ROWS_PER_PIECE", 2000)  # the Parquet file in 4 pieces
+    local = prepared(tmp_path, "local", table, InProcess())
+    ray = prepared(tmp_path, "ray", table, RayTasks(cpus=0.5))
+    assert ray["rows"] == local["rows"] and sum(ray["rows"].values()) == 9000
+    assert shard_bytes(ray["output"]) == shard_bytes(local["output"])
+    assert ray["throughput"]["rows_per_s"] > 0 and ray["throughput"]["bytes"] > 0
+    val = ray["rows"]["val"] / 9000
+    assert abs(val - 0.2) <= 4 * np.sqrt(0.2 * 0.8 / 9000)
+
+
+def test_the_first_bad_row_in_source_order_is_refused_or_skipped(table, tmp_path, ray_local):
+    source = tmp_path / "bad"
+    source.mkdir()
+    for name in ("a.parquet", "b.csv", "c.jsonl"):
+        (source / name).write_bytes((table / name).read_bytes())
+    rows = frame(1500, 7000)
+    rows.loc[10, "x2"] = np.inf
+    rows.loc[900, "label"] = None
+    rows.to_csv(source / "b.csv", index=False)
+    later = frame(500, 8500).astype({"x0": object})
+    later.loc[3, "x0"] = "not a number"
+    later.to_json(source / "c.jsonl", orient="records", lines=True)
+    with pytest.raises(UserError, match=r"b\.csv row 10: column 'x2': expected a finite number"):
+        prepared(tmp_path, "refused", source, RayTasks(cpus=0.5))
+    assert not (tmp_path / "refused" / "data" / MANIFEST).exists()
+    summary = prepared(tmp_path, "skipped", source, RayTasks(cpus=0.5), "data.skip_bad_rows=true")
+    assert summary["skipped"] == 3 and sum(summary["rows"].values()) == 8997
+    assert [e.split(": ", 1)[0].rsplit("/", 1)[-1] for e in summary["skipped_examples"]] == [
+        "b.csv row 10",
+        "b.csv row 900",
+        "c.jsonl row 3",
+    ]
