@@ -1,9 +1,9 @@
 """Index: a retrieval model's embeddings of a corpus (jobs.predict's output) -> a versioned vector
 index artifact (app/runtime/index.py), published as `<registry>/<model>/index/<version>`.
 
-The embeddings stream from the prediction parts `index.batch_rows` at a time into faiss (never
-all on the driver beside the index): exact inner product by default, HNSW or IVF when
-`index.method` says so. For an approximate index the report holds its recall@10 against exact
+The embeddings stream from the prediction parts `index.batch_rows` at a time into faiss (exact
+inner product by default, HNSW or IVF when `index.method` says so), and the items' ids and
+metadata to a Parquet file beside it: only the faiss index is ever whole in memory. For an approximate index the report holds its recall@10 against exact
 search on held-out queries (corpus vectors with noise added, so none is an item itself), the
 exact answers found by a second streamed pass. Build time and peak memory are in the report.
 """
@@ -11,7 +11,6 @@ exact answers found by a second streamed pass. Build time and peak memory are in
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import Config, IndexConfig
+from app.data.prepare import sha256_file
 from app.errors import UserError
 from app.export.publish import publish
 from app.predict.write import verify_output
@@ -42,14 +42,20 @@ TOP = 10
 
 
 def build_index(config: Config, embeddings: str) -> dict[str, Any]:
-    cfg = config.index
     predicted = verify_output(embeddings)  # every part's sha256, and what model embedded them
     parts = [storage.join(embeddings, s.file) for s in predicted.files]
     if not parts:
         raise UserError(f"{embeddings}: no embeddings to index")
     check_embeddings(embeddings, predicted.model_name, parts[0])
+    with tempfile.TemporaryDirectory() as work:
+        return build_in(config, predicted, parts, work)
+
+
+def build_in(config: Config, predicted: Any, parts: list[str], work: str) -> dict[str, Any]:
+    """The index built in `work` (its items streamed to Parquet there), then published."""
+    cfg = config.index
     started, peak = time.perf_counter(), Peak()
-    index, items = fill(cfg, parts, peak)
+    index, columns = fill(cfg, parts, peak, os.path.join(work, ITEMS_FILE))
     build_s = time.perf_counter() - started
     name = cfg.name or f"{predicted.model_name}-index"
     report = {
@@ -66,7 +72,7 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
         "method": cfg.method,
         "metric": "inner_product",
         "embed_dim": int(index.d),
-        "metadata_columns": [c for c in items.column_names if c != ITEM_ID],
+        "metadata_columns": [c for c in columns if c != ITEM_ID],
         "encoder": {
             "uri": storage.resolved(predicted.artifact),
             "name": predicted.model_name,
@@ -75,7 +81,7 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
         "ef_search": cfg.ef_search,
         "nprobe": cfg.nprobe,
     }
-    uri = publish_index(config, name, predicted.model_name, index, items, schema, report)
+    uri = publish_index(config, name, predicted.model_name, index, work, schema, report)
     log.info(
         "index: %d vectors of %s %s -> %s",
         index.ntotal,
@@ -138,29 +144,35 @@ def check_embeddings(uri: str, model: str, first_part: str) -> None:
         )
 
 
-def fill(cfg: IndexConfig, parts: list[str], peak: Peak) -> tuple[Any, pa.Table]:
-    """Every part's vectors added in order; the items' ids and metadata beside them. An IVF
-    index is trained first on the first `batch_rows` vectors."""
-    index, metadata, offset = None, [], 0
-    for table in batches(parts, cfg.batch_rows):
-        x = vectors(table)
-        if index is None:
-            index = empty_index(cfg, x.shape[1])
-            if not index.is_trained:
-                if len(x) < cfg.nlist:
-                    raise UserError(
-                        f"index.nlist={cfg.nlist}: the first {len(x)} vectors cannot train that "
-                        "many lists; lower index.nlist or raise index.batch_rows"
-                    )
-                index.train(x)
-        index.add(x)
-        items = item_table(table.drop([c for c in NOT_METADATA if c in table.column_names]))
-        check_metadata(items, cfg.max_metadata_bytes, offset)
-        metadata.append(items)
-        offset += table.num_rows
-        peak.sample()
-    assert index is not None
-    return index, pa.concat_tables(metadata)
+def fill(cfg: IndexConfig, parts: list[str], peak: Peak, items_path: str) -> tuple[Any, list[str]]:
+    """Every part's vectors added in order; the items' ids and metadata streamed beside them to
+    `items_path` (never held whole). An IVF index is trained first on the first `batch_rows`
+    vectors. Returns the index and the items' columns."""
+    index, writer, offset = None, None, 0
+    try:
+        for table in batches(parts, cfg.batch_rows):
+            x = vectors(table)
+            if index is None:
+                index = empty_index(cfg, x.shape[1])
+                if not index.is_trained:
+                    if len(x) < cfg.nlist:
+                        raise UserError(
+                            f"index.nlist={cfg.nlist}: the first {len(x)} vectors cannot train "
+                            "that many lists; lower index.nlist or raise index.batch_rows"
+                        )
+                    index.train(x)
+            index.add(x)
+            items = item_table(table.drop([c for c in NOT_METADATA if c in table.column_names]))
+            check_metadata(items, cfg.max_metadata_bytes, offset)
+            writer = writer or pq.ParquetWriter(items_path, items.schema)
+            writer.write_table(items.cast(writer.schema))
+            offset += table.num_rows
+            peak.sample()
+    finally:
+        if writer is not None:
+            writer.close()
+    assert index is not None and writer is not None
+    return index, list(writer.schema.names)
 
 
 def item_table(table: pa.Table) -> pa.Table:
@@ -244,36 +256,34 @@ def publish_index(
     name: str,
     model: str,
     index: Any,
-    items: pa.Table,
+    work: str,
     schema: dict[str, Any],
     report: dict[str, Any],
 ) -> str:
+    """`work` (the items already there) with the index, schema, report and manifest, published
+    as the next version of `<registry>/<model>/index`."""
     import faiss
 
-    with tempfile.TemporaryDirectory() as work:
-        raw = faiss.serialize_index(index).tobytes()
-        report["index_bytes"] = len(raw)
-        with open(os.path.join(work, INDEX_FILE), "wb") as f:
-            f.write(raw)
-        buffer = io.BytesIO()
-        pq.write_table(items, buffer)
-        files = {
-            ITEMS_FILE: buffer.getvalue(),
-            "schema.json": (json.dumps(schema, indent=2) + "\n").encode(),
-            "report.json": (json.dumps(report, indent=2, sort_keys=True) + "\n").encode(),
-        }
-        for file, data in files.items():
-            with open(os.path.join(work, file), "wb") as f:
-                f.write(data)
-        listed = {}
-        for file in sorted(os.listdir(work)):
-            with open(os.path.join(work, file), "rb") as f:
-                data = f.read()
-            listed[file] = art.ArtifactFile(sha256=art.sha256_bytes(data), size=len(data))
-        art.ArtifactManifest(
-            name=name,
-            created=datetime.now(UTC).isoformat(),
-            workload=config.workload,
-            files=listed,
-        ).write(os.path.join(work, art.MANIFEST))
-        return publish(work, config.registry, f"{model}/index")
+    raw = faiss.serialize_index(index).tobytes()
+    report["index_bytes"] = len(raw)
+    files = {
+        INDEX_FILE: raw,
+        "schema.json": (json.dumps(schema, indent=2) + "\n").encode(),
+        "report.json": (json.dumps(report, indent=2, sort_keys=True) + "\n").encode(),
+    }
+    for file, data in files.items():
+        with open(os.path.join(work, file), "wb") as f:
+            f.write(data)
+    del raw, files
+    listed = {
+        file: art.ArtifactFile(sha256=sha256_file(path), size=os.path.getsize(path))
+        for file in sorted(os.listdir(work))
+        if os.path.isfile(path := os.path.join(work, file))
+    }
+    art.ArtifactManifest(
+        name=name,
+        created=datetime.now(UTC).isoformat(),
+        workload=config.workload,
+        files=listed,
+    ).write(os.path.join(work, art.MANIFEST))
+    return publish(work, config.registry, f"{model}/index")

@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from app import storage
 from app.config import Config, ModelConfig
 from app.data.kinds import processor
-from app.data.pieces import ShardRecord, SplitRule, Target, Tasks, ordered
+from app.data.pieces import ShardRecord, SplitRule, Target, Tasks, ordered, split_rows_of
 from app.data.preprocess import Preprocessor
 from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
@@ -140,9 +140,10 @@ def ray_tasks() -> Tasks:
 
 
 def prepare_table(config: Config, tasks: Tasks) -> dict[str, Any]:
-    """A table in two passes over its pieces: one that counts rows and labels and finds the
-    first bad row, one that writes (app/data/table_source.py). The driver holds the pieces'
-    small records, never a row."""
+    """A table in one pass over its pieces, a task each, that checks, splits and writes
+    (app/data/table_source.py). The driver holds the tasks' small records, never a row; a bad
+    source is refused once the tasks are done, naming its first bad row in source order, and
+    what they wrote is removed with the unpublished generation."""
     from app.data import table_source as t
 
     cfg, output = config.data, config.data_output
@@ -150,51 +151,49 @@ def prepare_table(config: Config, tasks: Tasks) -> dict[str, Any]:
     spec, pieces = t.plan(cfg)
     log.info("prepare: %d piece(s) of %s -> %s", len(pieces), cfg.path, output)
     rule = SplitRule(cfg.seed, cfg.val_fraction, cfg.test_fraction)
-    scan = functools.partial(t.scan_piece, spec=spec, rule=rule)
-    scans = tasks.map(scan, pieces, "prepare: scan")
-    labels = scanned_labels(scans, cfg.skip_bad_rows)
-    skipped = sum(s.bad for s in scans)
-    written: list[ShardRecord] = []
+    results: list[Any] = []
 
     def write(folder: str, prefix: str) -> DatasetManifest:
         target = Target(folder, prefix, cfg.rows_per_shard, rule)
-        write_one = functools.partial(t.write_piece, spec=spec, target=target)
-        records = [r for done in tasks.map(write_one, pieces, "prepare: write") for r in done]
-        written.extend(records)
+        one = functools.partial(t.prepare_piece, spec=spec, target=target)
+        results.extend(tasks.map(one, pieces, "prepare"))
+        labels = checked_results(results, cfg.skip_bad_rows)
         kind: Kind = "text" if spec.text else "tabular"
         description = {"source": "table", "path": cfg.path, "files": t.file_names(pieces)}
+        records = [r for result in results for r in result.shards]
         return manifest_of(records, kind, spec, labels, description)
 
     manifest = publish_written(output, write, cfg.keep_generations)
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
+    skipped = sum(r.bad for r in results)
     seconds = time.perf_counter() - started
     summary = {"stage": "prepare", "output": output, "rows": rows}
     summary["throughput"] = {
         "seconds": round(seconds, 2),
         "rows_per_s": round((sum(rows.values()) + skipped) / max(seconds, 1e-9)),
-        "bytes": sum(r.bytes for r in written),
+        "bytes": sum(s.bytes for r in results for s in r.shards),
         "driver_peak_rss_mib": round(peak_rss_mib(), 1),
     }
     log.info("prepare: wrote %s%s", rows, f", skipped {skipped}" if skipped else "")
-    examples = [e for s in scans for e in s.examples][: spec.max_examples]
+    examples = [e for r in results for e in r.examples][: spec.max_examples]
     return summary | ({"skipped": skipped, "skipped_examples": examples} if skipped else {})
 
 
-def scanned_labels(scans: list[Any], skip: bool) -> list[str]:
-    """The label set of pass one's records; the first problem in source order refuses the
-    source in one line (a bad row too, unless skipped)."""
-    for scan in scans:
-        if scan.problem:
-            raise UserError(scan.problem)
-        if scan.first_bad and not skip:
-            raise UserError(f"{scan.first_bad} (data.skip_bad_rows=true skips such rows)")
-    rows = sum(s.rows - s.bad for s in scans)
+def checked_results(results: list[Any], skip: bool) -> list[str]:
+    """The label set of the pieces' records; the first problem in source order refuses the
+    source in one line (a bad row too, unless skipped), as do splits left empty."""
+    for result in results:
+        if result.problem:
+            raise UserError(result.problem)
+        if result.first_bad and not skip:
+            raise UserError(f"{result.first_bad} (data.skip_bad_rows=true skips such rows)")
+    rows = sum(r.rows - r.bad for r in results)
     if not rows:
         raise UserError("data source 'table' produced no rows")
-    splits = {name for s in scans for name in s.splits}
-    if not {"train", "val"} <= splits:
+    splits = split_rows_of([s for r in results for s in r.shards])
+    if not (splits.get("train") and splits.get("val")):
         raise UserError(f"only {rows} rows: too few to split into train/val/test")
-    return sorted({label for s in scans for label in s.labels})
+    return sorted({label for r in results for label in r.labels})
 
 
 def manifest_of(
@@ -301,6 +300,7 @@ def publish_written(
     dataset stays whole."""
     stamp = f"{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
     generation = f"{GENERATION_MARK}{stamp}-{uuid.uuid4().hex[:8]}"
+    existed = storage.exists(output)
     try:
         manifest = write(storage.join(output, generation), generation)
         manifest.write(storage.join(output, MANIFEST))  # the commit point
@@ -309,6 +309,8 @@ def publish_written(
         with contextlib.suppress(Exception):
             if current_generation(output) != generation:
                 storage.delete_dir(storage.join(output, generation))
+            if not existed and not storage.list_dir(output):  # this run made it: leave none
+                storage.delete_dir(output)
         raise
     collect_generations(output, generation, keep)
     return manifest

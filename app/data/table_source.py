@@ -3,18 +3,17 @@ them, on local disk or an object store, prepared in pieces that tasks read, chec
 their own (app/data/pieces.py).
 
 `plan` lists the files and reads the first one's column names (nothing more) to settle what a
-row holds. Pass one (`scan_piece`) counts each piece's rows and labels and finds its first bad
-row; pass two (`write_piece`) checks again, splits each row by its key (`data.key_column`, else
-the row's own values, so duplicates share a split) and writes its shards. Every piece streams
-its rows in record batches, so a task holds one batch and the shards it is filling, never a
-file. A bad row is named by file and row; with `data.skip_bad_rows` it is counted and left out.
+row holds. One pass (`prepare_piece`, a task a piece) checks each row, splits it by its key
+(`data.key_column`, else the row's own values, so duplicates share a split) and streams it into
+its shard, counting rows, labels and bad rows as it goes. Every piece streams its rows in record
+batches, so a task holds one batch, never a file or a shard. A bad row is named by file and
+row; with `data.skip_bad_rows` it is counted and left out.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import DataConfig
-from app.data.pieces import ShardRecord, ShardWriter, SplitRule, Target, row_keys, split_counts
+from app.data.pieces import ShardRecord, ShardWriter, Target, row_keys
 from app.errors import UserError
 
 TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
@@ -68,8 +67,8 @@ class Piece:
 
 
 @dataclass
-class PieceScan:
-    """Pass one's record of a piece: small whatever the piece's size."""
+class PieceResult:
+    """What a task did with its piece: small whatever the piece's size."""
 
     index: int
     rows: int = 0
@@ -78,7 +77,7 @@ class PieceScan:
     first_bad: str | None = None  # "<file> row <n>: why", the piece's lowest bad row
     examples: list[str] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
-    splits: dict[str, int] = field(default_factory=dict)  # good rows by split
+    shards: list[ShardRecord] = field(default_factory=list)
 
 
 # --- planning -----------------------------------------------------------------------------------
@@ -154,8 +153,7 @@ def column_names(path: str) -> list[str]:
         if path.lower().endswith(".parquet"):
             return list(_parquet(path).schema_arrow.names)
         if path.lower().endswith(".csv"):
-            first = next(batches(Piece(0, path)), None)
-            names = first[0].column_names if first and first[0].num_rows else None
+            names = _csv_header(path)
         else:
             frame = next(_json_frames(path), None)
             names = list(frame.columns) if frame is not None and len(frame) else None
@@ -198,6 +196,22 @@ def batches(piece: Piece, spec: TableSpec | None = None) -> Iterator[tuple[pa.Ta
         for frame in _json_frames(path):
             yield _typed(frame, spec), row
             row += len(frame)
+
+
+def _csv_header(path: str) -> list[str] | None:
+    """A CSV file's column names from its first block (None: no rows), read without the
+    threads that would read ahead into the rest of the file."""
+    import pyarrow.csv as pcsv
+
+    fs, local = storage.filesystem(path)
+    options = pcsv.ReadOptions(use_threads=False, block_size=1 << 20)
+    with fs.open_input_stream(local) as f:
+        reader = pcsv.open_csv(f, read_options=options)
+        try:
+            first = reader.read_next_batch()
+        except StopIteration:  # a header alone
+            return None
+        return reader.schema.names if first.num_rows else None
 
 
 def _json_frames(path: str) -> Iterator[pd.DataFrame]:
@@ -248,11 +262,24 @@ def _parquet(path: str) -> pq.ParquetFile:
 # --- checking -----------------------------------------------------------------------------------
 
 
-def checked(
-    table: pa.Table, spec: TableSpec, path: str, first_row: int
-) -> tuple[pa.Table, np.ndarray, dict[int, str]]:
+@dataclass
+class Checked:
     """A batch as its shards store it (features as float64 or text, the label as text), each
-    row's split key, and why each bad row is bad (by its row within the file)."""
+    row's split key, which rows are bad, and why (by row within the file; the lowest bad rows of
+    each column, the batch's first bad row always among them)."""
+
+    table: pa.Table
+    keys: np.ndarray
+    bad: np.ndarray
+    problems: dict[int, str]
+
+    def good(self) -> tuple[pa.Table, np.ndarray]:
+        if not self.bad.any():
+            return self.table, self.keys
+        return self.table.filter(pa.array(~self.bad)), self.keys[~self.bad]
+
+
+def checked(table: pa.Table, spec: TableSpec, path: str, first_row: int) -> Checked:
     missing = [c for c in spec.columns if c not in table.column_names]
     if missing:
         raise FileProblem(f"{path}: missing column {missing[0]!r} (has {table.column_names})")
@@ -288,7 +315,7 @@ def checked(
     out = pa.table(columns).cast(spec.schema())
     keys = row_keys(table, [spec.key]) if spec.key else row_keys(out, out.column_names)
     problems = {first_row + r: f"{path} row {first_row + r}: {why[r]}" for r in sorted(why)}
-    return out, keys, problems
+    return Checked(out, keys, bad, problems)
 
 
 class FileProblem(Exception):
@@ -349,48 +376,42 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# --- the two passes, one piece each -------------------------------------------------------------
+# --- one piece, in one task ---------------------------------------------------------------------
 
 
-def scan_piece(piece: Piece, spec: TableSpec, rule: SplitRule) -> PieceScan:
-    out = PieceScan(piece.index)
+def prepare_piece(piece: Piece, spec: TableSpec, target: Target) -> PieceResult:
+    """The piece read once: its rows checked, its good rows written to their shards, and a
+    record of it all (rows, bad rows, the first one, labels, the shards). A file that cannot be
+    read as the spec says is a `problem`; the driver refuses the source on the first problem or
+    bad row in source order (unless bad rows are skipped) and removes what was written."""
+    out = PieceResult(piece.index)
     labels: set[str] = set()
-    splits: Counter[str] = Counter()
+    writer = ShardWriter(target, piece.index, spec.schema())
     try:
         for table, first_row in batches(piece, spec):
-            clean, keys, problems = checked(table, spec, piece.path, first_row)
+            batch = checked(table, spec, piece.path, first_row)
             out.rows += table.num_rows
-            out.bad += len(problems)
-            if problems and out.first_bad is None:
-                out.first_bad = problems[min(problems)]
-            out.examples.extend(list(problems.values())[: spec.max_examples - len(out.examples)])
-            good = np.ones(table.num_rows, bool)
-            good[[r - first_row for r in problems]] = False
-            labels.update(pc.unique(clean[spec.label].filter(pa.array(good))).to_pylist())
-            splits.update(split_counts(rule.codes(keys[good])))
+            out.bad += int(batch.bad.sum())
+            if batch.problems and out.first_bad is None:
+                out.first_bad = batch.problems[min(batch.problems)]
+            room = spec.max_examples - len(out.examples)
+            out.examples.extend(list(batch.problems.values())[:room])
+            good, keys = batch.good()
+            labels.update(pc.unique(good[spec.label]).to_pylist())
             if len(labels) > MAX_LABELS:
-                out.problem = f"{piece.path}: column {spec.label!r} holds more than {MAX_LABELS} distinct labels"
+                out.problem = (
+                    f"{piece.path}: column {spec.label!r} holds more than {MAX_LABELS} "
+                    "distinct labels"
+                )
                 break
+            writer.add(good, keys)
     except FileProblem as e:
         out.problem = str(e)
     except (OSError, pa.ArrowException, ValueError) as e:
         out.problem = f"{piece.path}: cannot read ({type(e).__name__}: {_first_line(e)})"
-    out.labels, out.splits = sorted(labels), dict(splits)
+    out.shards = writer.close()
+    out.labels = sorted(labels)
     return out
-
-
-def write_piece(piece: Piece, spec: TableSpec, target: Target) -> list[ShardRecord]:
-    """Pass two: the piece's good rows into its shards (bad ones were counted by pass one and
-    are skipped here: the driver refused the source before this pass unless skipping)."""
-    writer = ShardWriter(target, piece.index, spec.schema())
-    for table, first_row in batches(piece, spec):
-        clean, keys, problems = checked(table, spec, piece.path, first_row)
-        if problems:
-            good = np.ones(table.num_rows, bool)
-            good[[r - first_row for r in problems]] = False
-            clean, keys = clean.filter(pa.array(good)), keys[good]
-        writer.add(clean, keys)
-    return writer.close()
 
 
 def _first_line(e: BaseException) -> str:

@@ -11,21 +11,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import pyarrow as pa
-
 from app import storage
 from app.config import Config, PredictConfig
+from app.data.prepare import Shard
 from app.errors import UserError
-from app.predict.actor import PREDICTOR, Scorer, split_predictions
+from app.predict.actor import PREDICTOR, Scorer
 from app.predict.read import check_columns, header, input_files, read_input
 from app.predict.rows import InputSpec
 from app.predict.write import (
     REJECTS,
     RUN_MARK,
-    PartWriter,
     PredictionManifest,
+    Written,
     check_output,
     commit,
+    write_block,
+    written_records,
 )
 from app.runtime.artifact import open_artifact
 from app.tasks.registry import task_of_schema
@@ -42,12 +43,11 @@ class Tally:
     rejected: int = 0
     examples: list[dict[str, str]] = field(default_factory=list)
 
-    def add(self, good: int, bad: pa.Table) -> None:
-        self.output += good
-        self.rejected += bad.num_rows
-        room = self.max_examples - len(self.examples)
-        for row in bad.slice(0, max(room, 0)).to_pylist():
-            self.examples.append({"id": row["id"], "reason": row["reason"]})
+    def add(self, written: Written) -> None:
+        self.output += written.output
+        self.rejected += written.rejected
+        room = max(self.max_examples - len(self.examples), 0)
+        self.examples += written.examples[:room]
 
     def line(self) -> str:
         return "; ".join(f"id {e['id']}: {e['reason']}" for e in self.examples)
@@ -88,7 +88,7 @@ def predict(
     ds = _pipeline(config, files, spec, scorer, artifact.uri, variant)
     run = f"{RUN_MARK}{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     try:
-        tally, (parts, rejects) = _write(ds, output, run, spec, cfg)
+        tally, (parts, rejects) = _write(ds, output, run, spec, cfg, config.data.task_cpus)
         rows = {
             "input": tally.output + tally.rejected,
             "output": tally.output,
@@ -206,26 +206,43 @@ def _pipeline(
     )
 
 
-def _write(ds, output: str, run: str, spec: InputSpec, cfg: PredictConfig):
-    tag = run.rsplit("-", 1)[-1]
-    predictions = PartWriter(output, run, cfg.rows_per_file, tag)
-    rejects = PartWriter(output, f"{run}/{REJECTS}", cfg.rows_per_file, tag)
-    tally = Tally(cfg.max_examples)
+def _write(ds, output: str, run: str, spec: InputSpec, cfg: PredictConfig, task_cpus: float):
+    """Each block's parts written by a task beside the predictions; the driver reads only the
+    tasks' records (what they wrote, their counts, the first rejects)."""
+    written = ds.map_batches(
+        write_block,
+        fn_kwargs={
+            "output": output,
+            "run": run,
+            "id_column": spec.id_column,
+            "rows_per_file": cfg.rows_per_file,
+            "examples": cfg.max_examples,
+        },
+        batch_format="pyarrow",
+        batch_size=None,
+        num_cpus=task_cpus,
+    )
+    tally, parts, rejects, schemas = Tally(cfg.max_examples), [], [], set()
     last_log = time.monotonic()
-    for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        good, bad = split_predictions(table, spec.id_column)
-        tally.add(good.num_rows, bad)
-        if bad.num_rows and cfg.on_bad_rows == "fail":
+    for block in written.iter_batches(batch_format="pyarrow", batch_size=None):
+        for record in written_records(block):
+            tally.add(record)
+            parts += [Shard(**p) for p in record.parts]
+            rejects += [Shard(**p) for p in record.rejects]
+            schemas |= {record.schema} if record.output else set()
+        if tally.rejected and cfg.on_bad_rows == "fail":
             raise UserError(
                 f"input: malformed rows ({tally.rejected} in the first "
                 f"{tally.output + tally.rejected} read): {tally.line()}; "
                 "predict.on_bad_rows=reject writes them to <output>/rejects instead"
             )
-        if good.num_rows:
-            predictions.write(good)
-        if bad.num_rows:
-            rejects.write(bad)
+        if len(schemas) > 1:
+            raise UserError(
+                "input: column types differ between files or rows: "
+                + " | ".join(sorted(schemas))[:300]
+            )
         if time.monotonic() - last_log > 10:
             log.info("predict: %d rows predicted, %d rejected", tally.output, tally.rejected)
             last_log = time.monotonic()
-    return tally, (predictions.close(), rejects.close())
+    key = lambda s: s.file  # noqa: E731 - the manifest lists parts by name
+    return tally, (sorted(parts, key=key), sorted(rejects, key=key))

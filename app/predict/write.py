@@ -1,8 +1,9 @@
-"""Writing the output: Parquet parts streamed to `<output>/_run-<id>/` as they fill, the
-manifest written last as the commit.
+"""Writing the output: Parquet parts written to `<output>/_run-<id>/` by the tasks that hold the
+predictions (`write_block`: one record of what it wrote comes back to the driver), the manifest
+written last as the commit.
 
 - Parts go straight to the output (local disk), or are uploaded and dropped one by one (object
-  stores): nothing is staged whole on the driver's disk.
+  stores): nothing passes through the driver, nothing is staged whole on any disk.
 - A run's folder starts with `_`, which pyarrow, Spark and Ray Data skip when they read a
   folder: until the manifest names its parts, no reader counts them, and a run that crashes
   leaves only such a folder behind.
@@ -13,10 +14,13 @@ manifest written last as the commit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
-from typing import Literal
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -124,6 +128,43 @@ class PredictionManifest(storage.Contract):
     files: list[Shard]  # relative to the output folder
     rejects: list[Shard]
     bad_row_examples: list[dict[str, str]] = []
+
+
+@dataclass
+class Written:
+    """What one task wrote of a block of predictions: its parts and rejects, their counts, the
+    first rejects (id, reason) and the predictions' schema (every part must share it)."""
+
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    output: int = 0
+    rejected: int = 0
+    examples: list[dict[str, str]] = field(default_factory=list)
+    schema: str = ""
+
+
+def write_block(
+    table: pa.Table, output: str, run: str, id_column: str, rows_per_file: int, examples: int
+) -> pa.Table:
+    """A block of predictions (and rejects) written as parts under `<output>/<run>/`, named by
+    a tag of its own; the record of what was written, as a one-row table."""
+    from app.predict.actor import split_predictions
+
+    good, bad = split_predictions(table, id_column)
+    tag = uuid.uuid4().hex[:12]
+    done = Written(output=good.num_rows, rejected=bad.num_rows, schema=str(good.schema))
+    for rows, rel, into in ((good, run, done.parts), (bad, f"{run}/{REJECTS}", done.rejects)):
+        if rows.num_rows:
+            writer = PartWriter(output, rel, rows_per_file, tag)
+            writer.write(rows)
+            into.extend(s.model_dump() for s in writer.close())
+    for row in bad.slice(0, examples).to_pylist():
+        done.examples.append({"id": row["id"], "reason": row["reason"]})
+    return pa.table({"written": [json.dumps(asdict(done))]})
+
+
+def written_records(table: pa.Table) -> list[Written]:
+    return [Written(**json.loads(w)) for w in table["written"].to_pylist()]
 
 
 def verify_output(uri: str) -> PredictionManifest:

@@ -3,7 +3,7 @@ both ways with every caption of a picture counted as that picture's.
 
 The loss (OpenCLIP's `ClipLoss` with local loss): each rank scores its own pictures against the
 captions of every rank's batch, and its captions against every rank's pictures; the embeddings
-are gathered with their gradients (`torch.distributed.nn.functional.all_gather`), so the
+are gathered with their gradients (torch's functional `all_gather_single_autograd`), so the
 averaged gradients equal one process's on the whole batch. Rows of the same picture in a batch
 are not each other's negatives.
 
@@ -73,9 +73,12 @@ def gather_rows(x: torch.Tensor, grad: bool = True) -> tuple[torch.Tensor, int]:
     sizes = [int(c) for c in counts]
     padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, max(sizes) - len(x)))
     if grad:
-        from torch.distributed.nn.functional import all_gather
+        # torch's functional collectives: their all-gather carries gradients back to each
+        # rank's rows (torch.distributed.nn.functional's, which did so, is deprecated).
+        from torch.distributed import _functional_collectives as funcol
 
-        parts = list(all_gather(padded))
+        gathered = funcol.all_gather_single_autograd(padded, 0, list(range(world)))
+        parts = list(funcol.wait_tensor(gathered).chunk(world))
     else:
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded)

@@ -1,7 +1,8 @@
 """Retrieval served on the suite's cluster (cluster/start.sh: HAProxy and Serve's gRPC transport
 between deployments), in make test: one small from-scratch retrieval pipeline (the README's
 `configs/retrieval.yaml`, shortened) deploys a model and its index, and a second index whose
-items carry about a kilobyte of metadata each makes the largest answer the search caps allow.
+items carry about a kilobyte of metadata each (and a binary column, answered base64) makes the
+largest answer the search caps allow.
 
 Hostile and careless requests get a 4xx naming what is wrong, never a 5xx; a request that could
 take a replica's memory is refused before it costs any (the replica's PSS, read by pid, stays
@@ -58,6 +59,7 @@ def served(cluster, tmp_path_factory):
             "id": [f"note-{i}" for i in range(120)],
             "caption": [f"a small red circle number {i}" for i in range(120)],
             "note": [f"{i:04d}" + "n" * (NOTE_BYTES - 4) for i in range(120)],
+            "blob": [bytes([i, 0, 255]) for i in range(120)],  # binary: a 500 in search once
         }
     ).to_parquet(corpus)
     artifact = summary["stages"]["export"]["artifact"]
@@ -184,6 +186,7 @@ def test_the_largest_answer_the_search_caps_allow_is_served(served):
     [own] = [h for h in results[7] if h["id"] == "note-7"]
     assert own["score"] == pytest.approx(results[7][0]["score"], abs=1e-5)
     assert own["metadata"]["note"].startswith("0007") and len(own["metadata"]["note"]) == NOTE_BYTES
+    assert own["metadata"]["blob"] == base64.b64encode(bytes([7, 0, 255])).decode()
     over = requests.post(
         NOTES, json={**body, "queries": body["queries"] + [{"id": "x"}]}, timeout=30
     )

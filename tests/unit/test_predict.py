@@ -165,6 +165,27 @@ def test_every_row_comes_out_once_as_a_prediction_or_a_reject():
     ]
 
 
+def test_a_task_writes_its_blocks_parts_and_rejects_and_returns_only_their_record(tmp_path):
+    from app.predict.write import write_block, written_records
+
+    spec = tabular()
+    columns = {
+        "id": pa.array([1, 2, 3, 4, 5]),
+        "a": pa.array([1.0, None, 2.0, 3.0, 4.0]),
+        "b": pa.array([1.0] * 5),
+    }
+    checked = check_batch(columns, 5, spec)
+    outputs = classifier_outputs(np.full((4, 2), 0.5, np.float32), np.asarray(["n", "y"], object))
+    table = outputs_table(columns, "id", checked, outputs, None, ("m", "3"))
+    [record] = written_records(write_block(table, str(tmp_path), "_run-x", "id", 3, 5))
+    assert (record.output, record.rejected) == (4, 1)
+    assert [p["rows"] for p in record.parts] == [3, 1] and len(record.rejects) == 1
+    assert record.examples == [{"id": "2", "reason": "column 'a': null"}]
+    ids = [i for p in record.parts for i in pq.read_table(tmp_path / p["file"])["id"].to_pylist()]
+    assert ids == [1, 3, 4, 5] and all(p["file"].startswith("_run-x/part-") for p in record.parts)
+    assert record.rejects[0]["file"].startswith("_run-x/rejects/part-")
+
+
 def test_input_files_by_extension_and_folder(tmp_path):
     (tmp_path / "one.csv").write_text("id,a,b\n1,2,3\n")
     assert input_files(str(tmp_path / "one.csv")) == ("csv", [str(tmp_path / "one.csv")])
