@@ -72,6 +72,7 @@ def predict(
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)
+    existed = storage.exists(output)
     variant = artifact.choose_variant(cfg.variant or config.serve.variant)
     log.info(
         "predict: %s %s (%s) on %d %s file(s) from %s -> %s",
@@ -114,6 +115,8 @@ def predict(
     except BaseException:
         with contextlib.suppress(Exception):  # best effort: readers skip `_run-` folders anyway
             storage.delete_dir(storage.join(output, run))
+            if not existed and not storage.list_dir(output):  # the tasks made it: leave none
+                storage.delete_dir(output)
         raise
     elapsed = time.perf_counter() - started
     log.info("predict: %s in %.1f s", rows, elapsed)
