@@ -113,10 +113,7 @@ def predict(
         )
         commit(output, manifest, overwrite)  # last: the output counts only with it
     except BaseException:
-        with contextlib.suppress(Exception):  # best effort: readers skip `_run-` folders anyway
-            storage.delete_dir(storage.join(output, run))
-            if not existed and not storage.list_dir(output):  # the tasks made it: leave none
-                storage.delete_dir(output)
+        discard_run(output, run, existed)
         raise
     elapsed = time.perf_counter() - started
     log.info("predict: %s in %.1f s", rows, elapsed)
@@ -135,6 +132,15 @@ def predict(
         "bad_rows": {"count": tally.rejected, "examples": tally.examples},
         "elapsed_s": round(elapsed, 3),
     }
+
+
+def discard_run(output: str, run: str, existed: bool) -> None:
+    """What a failed run's tasks wrote, and the output folder if they made it (best effort:
+    readers skip `_run-` folders anyway)."""
+    with contextlib.suppress(Exception):
+        storage.delete_dir(storage.join(output, run))
+        if not existed and not storage.list_dir(output):
+            storage.delete_dir(output)
 
 
 def scorer_of(schema: dict[str, Any]) -> Scorer:

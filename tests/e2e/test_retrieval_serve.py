@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -97,6 +98,28 @@ def pss_mb(pid: int) -> float:
     raise AssertionError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
+class PeakPss:
+    """The largest PSS of a process, sampled every 20 ms while the block runs."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak = pid, pss_mb(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, pss_mb(self.pid))
+
+    def __enter__(self) -> PeakPss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, pss_mb(self.pid))
+
+
 def error_of(r: requests.Response) -> str:
     """The refusal's message: OpenAI's error object on /v1/embeddings, a string elsewhere."""
     error = r.json()["error"]
@@ -156,9 +179,10 @@ def test_a_costly_request_is_refused_before_it_costs_the_replica_memory(
 ):
     pid = int(good(url).headers["x-model-replica"])
     idle = pss_mb(pid)
-    r = requests.post(url, json=body, timeout=60)
+    with PeakPss(pid) as memory:  # while it refuses, not only after
+        r = requests.post(url, json=body, timeout=60)
     assert (r.status_code, error_of(r)[: len(message)]) == (status, message), r.text
-    assert pss_mb(pid) - idle < 100
+    assert memory.peak - idle < 100, (idle, memory.peak)
     assert int(good(url).headers["x-model-replica"]) == pid  # the same replica, still serving
 
 
