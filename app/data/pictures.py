@@ -1,5 +1,6 @@
-"""Image-caption pairs for retrieval: a table of pictures and captions, the Karpathy-split JSON
-of COCO and Flickr30k, or generated scenes every machine can make.
+"""Image-caption pairs for retrieval: where a table's pictures may be read from and how they are
+checked (a table or a Karpathy JSON is prepared in pieces by app/data/image_text_source.py), and
+generated scenes every machine can make.
 
 Each row is one caption of one picture; rows of the same picture share its `image_id` (and a
 generated picture and its twin share a group), so the split never puts a picture in two splits.
@@ -11,13 +12,10 @@ naming its row, or skipped and counted when `data.skip_bad_rows` is set.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import posixpath
 import stat
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +24,6 @@ import pandas as pd
 from app import storage
 from app.config import DataConfig
 from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits, decode
-from app.errors import UserError
 
 IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT = "image", "caption", "image_id", "twin", "split"
 RESERVED = (IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT)  # the columns prepare writes itself
@@ -44,104 +41,6 @@ def check_picture(data: bytes, limits: PictureLimits = PictureLimits()) -> str |
 
 def data_limits(cfg: DataConfig) -> PictureLimits:
     return PictureLimits(MAX_PIXELS, cfg.max_image_aspect, None, aspect_key="data.max_image_aspect")
-
-
-# --- a table of pictures and captions ------------------------------------------------------------
-
-
-def table(
-    cfg: DataConfig, read_table: Callable[[str], pd.DataFrame]
-) -> tuple[pd.DataFrame, dict[str, Any], int]:
-    """(rows, description, skipped): `cfg.path` a CSV/JSONL/Parquet file (read by `read_table`,
-    the table source's reader); the image column a path (relative to the table's folder), a
-    URI (under `data.image_roots`), or the picture's bytes."""
-    assert cfg.path is not None
-    frame = read_table(cfg.path)
-    for column in (cfg.image_column, cfg.caption_column):
-        if column not in frame.columns:
-            raise UserError(f"{cfg.path}: missing column {column!r} (has {list(frame.columns)})")
-    extra = [c for c in frame.columns if c not in (cfg.image_column, cfg.caption_column)]
-    for column in extra:
-        if column in RESERVED:
-            raise UserError(
-                f"{cfg.path}: column {column!r} is a name prepare writes itself "
-                f"({', '.join(RESERVED)}); rename it"
-            )
-    folder = os.path.dirname(os.path.abspath(cfg.path)) if "://" not in cfg.path else None
-    rows = [
-        (f"{cfg.path} row {i}", image, caption)
-        for i, (image, caption) in enumerate(
-            zip(frame[cfg.image_column], frame[cfg.caption_column], strict=True)
-        )
-    ]
-    reader = PictureReader(folder or cfg.path.rsplit("/", 1)[0], cfg)
-    out, skipped = _pictures(rows, reader, cfg.skip_bad_rows)
-    kept = frame.iloc[out.pop("row")].reset_index(drop=True)
-    for column in extra:  # other columns travel as the items' metadata
-        out[column] = kept[column].tolist()
-    description = {"source": "image_text", "path": cfg.path, "format": "table"}
-    return pd.DataFrame(out), description, skipped
-
-
-def karpathy(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
-    """The Karpathy-split JSON (COCO, Flickr30k): `images[]` with `filename` (and `filepath`),
-    `split` and `sentences[].raw`; pictures under `data.images` (default: the JSON's folder)."""
-    assert cfg.path is not None
-    try:
-        document = json.loads(storage.read_bytes(cfg.path))
-        images = document["images"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(
-            f"{cfg.path}: not a Karpathy-split JSON ({type(e).__name__}: {e})"
-        ) from None
-    root = cfg.images or os.path.dirname(os.path.abspath(cfg.path))
-    rows, splits = [], []
-    for i, entry in enumerate(images):
-        where = f"{cfg.path} images[{i}]"
-        if not isinstance(entry, dict) or "filename" not in entry or "sentences" not in entry:
-            raise UserError(f"{where}: expected an object with filename and sentences")
-        split = entry.get("split", "train")
-        if split not in KARPATHY_SPLITS:
-            raise UserError(
-                f"{where}: split {str(split)[:40]!r} is none of {', '.join(KARPATHY_SPLITS)}"
-            )
-        path = os.path.join(entry.get("filepath", ""), entry["filename"])
-        for sentence in entry["sentences"]:
-            rows.append((where, path, sentence.get("raw") if isinstance(sentence, dict) else None))
-            splits.append(KARPATHY_SPLITS[split])
-    out, skipped = _pictures(rows, PictureReader(root, cfg), cfg.skip_bad_rows)
-    out[SPLIT] = [splits[r] for r in out.pop("row")]
-    description = {"source": "image_text", "path": cfg.path, "format": "karpathy"}
-    return pd.DataFrame(out), description, skipped
-
-
-def _pictures(
-    rows: list[tuple[str, Any, Any]], reader: PictureReader, skip: bool
-) -> tuple[dict[str, list[Any]], int]:
-    """Each row's picture read (and checked once per distinct picture) with its caption; the
-    rows kept (`row`) and how many were skipped."""
-    out: dict[str, list[Any]] = {IMAGE: [], CAPTION: [], IMAGE_ID: [], "row": []}
-    seen: dict[str, tuple[bytes | None, str | None]] = {}
-    skipped = 0
-    for i, (where, image, caption) in enumerate(rows):
-        key = image if isinstance(image, str) else hashlib.sha256(bytes(image)).hexdigest()
-        if key not in seen:
-            seen[key] = reader.read(image)
-        data, problem = seen[key]
-        if problem is None and (not isinstance(caption, str) or not caption.strip()):
-            problem = f"caption: expected non-empty text, got {caption!r}"[:120]
-        if problem is not None:
-            if not skip:
-                raise UserError(f"{where}: {problem} (data.skip_bad_rows=true skips such rows)")
-            skipped += 1
-            continue
-        out[IMAGE].append(data)
-        out[CAPTION].append(caption.strip())
-        out[IMAGE_ID].append(key)
-        out["row"].append(i)
-    if not out[IMAGE]:
-        raise UserError(f"{reader.base}: no readable picture with a caption")
-    return out, skipped
 
 
 class PictureReader:
@@ -237,7 +136,7 @@ POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 Scene = tuple[tuple[str, str, str, str], ...]  # (shape, colour, size, position) per object
 
 
-def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
+def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
     """`cfg.num_rows` distinct pictures of 2-3 objects (5 shapes x 6 colours x 2 sizes x 4
     positions), each with `captions_per_image` captions naming only what is drawn, in different
     orders. A tenth of them come with a twin: the same objects with two colours swapped (the
@@ -274,7 +173,7 @@ def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any], int]:
         "image_size": cfg.image_size,
         "captions_per_image": cfg.captions_per_image,
     }
-    return pd.DataFrame(out), description, 0
+    return pd.DataFrame(out), description
 
 
 def _scene(rng: np.random.Generator) -> Scene:

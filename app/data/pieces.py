@@ -20,8 +20,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -122,8 +122,10 @@ class ShardWriter:
         self.open: dict[str, _OpenShard] = {}
         self.written: list[ShardRecord] = []
 
-    def add(self, table: pa.Table, keys: np.ndarray) -> None:
-        codes = self.target.rule.codes(keys)
+    def add(self, table: pa.Table, keys: np.ndarray, codes: np.ndarray | None = None) -> None:
+        """The rows into their splits' shards: by key, or by `codes` when the source has its
+        own split (0 train, 1 val, 2 test)."""
+        codes = self.target.rule.codes(keys) if codes is None else codes
         for code, split in enumerate(SPLITS):
             mask = codes == code
             if mask.any():
@@ -192,6 +194,54 @@ def sha256_and_size(path: str) -> tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
+
+
+# --- what a task returns, and what prepare needs to run a source in pieces -----------------------
+
+
+@dataclass
+class PieceResult:
+    """What a task did with its piece: small whatever the piece's size."""
+
+    index: int
+    rows: int = 0
+    bad: int = 0
+    problem: str | None = None  # the piece cannot be read as the source says: always fatal
+    first_bad: str | None = None  # "<file> row <n>: why", the piece's lowest bad row
+    examples: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    shards: list[ShardRecord] = field(default_factory=list)
+
+    def note_bad(self, count: int, problems: dict[int, str], limit: int) -> None:
+        """`count` bad rows of one batch, `problems` saying why by row in the source (the
+        lowest among them): counted, the first kept, examples up to `limit`."""
+        self.bad += count
+        if not problems:
+            return
+        if self.first_bad is None:
+            self.first_bad = problems[min(problems)]
+        room = limit - len(self.examples)
+        self.examples.extend([problems[r] for r in sorted(problems)][: max(room, 0)])
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """A source cut into pieces, and what its dataset's manifest says of it. `run(piece,
+    target)` is what one task does with one piece (a module-level function or a partial of one,
+    so it pickles)."""
+
+    kind: str
+    features: tuple[str, ...]
+    label: str
+    schema: pa.Schema
+    pieces: Sequence[Any]
+    run: Callable[..., PieceResult]
+    description: dict[str, Any]
+    skip_bad_rows: bool = False
+    own_split: bool = False  # the source says each row's split (Karpathy's JSON)
+    scratch: tuple[str, ...] = ()  # files planning wrote for the tasks, removed once they ran
+    image_shape: tuple[int, int, int] | None = None
+    max_examples: int = 5
 
 
 def split_rows_of(records: Sequence[ShardRecord]) -> dict[str, int]:

@@ -31,9 +31,18 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from app import storage
-from app.config import Config, ModelConfig
+from app.config import Config, DataConfig, ModelConfig
 from app.data.kinds import processor
-from app.data.pieces import ShardRecord, SplitRule, Target, Tasks, ordered, split_rows_of
+from app.data.pieces import (
+    PieceResult,
+    ShardRecord,
+    SourcePlan,
+    SplitRule,
+    Target,
+    Tasks,
+    ordered,
+    split_rows_of,
+)
 from app.data.preprocess import Preprocessor
 from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
@@ -43,6 +52,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 GENERATION_MARK = "gen-"
 REQUIRED_SPLITS = ("train", "val")
+LAYOUT = 2  # 2: image pixels stored as uint8; shards named by the piece that wrote them
 
 
 class Prepare(Protocol):
@@ -79,6 +89,9 @@ class Split(storage.Contract):
 class DatasetManifest(storage.Contract):
     """`<data.output>/manifest.json`: what a prepared dataset holds, and the only way into it."""
 
+    # How the shards are laid out; a dataset of an older layout is prepared again (absent: 1,
+    # pictures as float32 pixels).
+    layout: int = 1
     created: str
     source: dict[str, Any]  # the source's own description (name, path, seed, ...)
     kind: Kind
@@ -105,14 +118,16 @@ class DatasetManifest(storage.Contract):
 
 
 def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
-    """The source -> a published dataset. A source read in pieces (a table) is read, checked,
-    split and written by `tasks` (default: Ray Data tasks on the cluster this job joins)."""
+    """The source -> a published dataset. A source read in pieces (a table, an image folder,
+    pictures and captions) is read, checked, split and written by `tasks` (default: Ray Data
+    tasks on the cluster this job joins)."""
     from app.models.families import base_for  # torch: only where a dataset is prepared
 
     cfg = config.data
     base_for(config.model)  # a bad pretrained folder fails before any data is read
-    if cfg.source == "table":
-        return prepare_table(config, tasks or ray_tasks())
+    planner = planner_for(cfg)
+    if planner is not None:
+        return prepare_pieces(config, planner, tasks or ray_tasks())
     data = load_source(cfg)
     splits = source_splits(data, cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
@@ -131,6 +146,25 @@ def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
     return summary | ({"skipped": data.skipped} if data.skipped else {})
 
 
+class Planner(Protocol):
+    """A source's pieces, planned once a generation `folder` exists (a source may first write
+    a listing of itself there, in a task)."""
+
+    def __call__(self, cfg: DataConfig, tasks: Tasks, folder: str, /) -> SourcePlan: ...
+
+
+def planner_for(cfg: DataConfig) -> Planner | None:
+    """How a source is cut into pieces, by `data.source` (None: read whole, one process)."""
+    from app.data import image_folder, image_text_source, table_source
+
+    planners: dict[str, Planner] = {
+        "table": table_source.planned,
+        "imagefolder": image_folder.planned,
+        "image_text": image_text_source.planned,
+    }
+    return planners.get(cfg.source)
+
+
 def ray_tasks() -> Tasks:
     from app.data.ray_tasks import RayTasks
     from app.ray_runtime import connect_ray
@@ -139,29 +173,31 @@ def ray_tasks() -> Tasks:
     return RayTasks()
 
 
-def prepare_table(config: Config, tasks: Tasks) -> dict[str, Any]:
-    """A table in one pass over its pieces, a task each, that checks, splits and writes
-    (app/data/table_source.py). The driver holds the tasks' small records, never a row; a bad
-    source is refused once the tasks are done, naming its first bad row in source order, and
-    what they wrote is removed with the unpublished generation."""
-    from app.data import table_source as t
+def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, Any]:
+    """A source in one pass over its pieces, a task each, that checks, splits and writes. The
+    driver holds the tasks' small records, never a row; a bad source is refused once the tasks
+    are done, naming its first bad row in source order, and what they wrote is removed with the
+    unpublished generation."""
+    from app.models.families import base_for
 
     cfg, output = config.data, config.data_output
     started = time.perf_counter()
-    spec, pieces = t.plan(cfg)
-    log.info("prepare: %d piece(s) of %s -> %s", len(pieces), cfg.path, output)
     rule = SplitRule(cfg.seed, cfg.val_fraction, cfg.test_fraction)
-    results: list[Any] = []
+    results: list[PieceResult] = []
+    plans: list[SourcePlan] = []
 
     def write(folder: str, prefix: str) -> DatasetManifest:
+        plan = planner(cfg, tasks, folder)
+        plans.append(plan)
+        base_for(config.model, processor(plan.kind))  # the pretrained model must take this data
+        log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)
         target = Target(folder, prefix, cfg.rows_per_shard, rule)
-        one = functools.partial(t.prepare_piece, spec=spec, target=target)
-        results.extend(tasks.map(one, pieces, "prepare"))
-        labels = checked_results(results, cfg.skip_bad_rows)
-        kind: Kind = "text" if spec.text else "tabular"
-        description = {"source": "table", "path": cfg.path, "files": t.file_names(pieces)}
-        records = [r for result in results for r in result.shards]
-        return manifest_of(records, kind, spec, labels, description)
+        run = functools.partial(plan.run, target=target)
+        results.extend(tasks.map(run, plan.pieces, "prepare"))
+        for scratch in plan.scratch:
+            storage.delete_file(scratch)
+        labels = checked_results(results, plan, cfg.source)
+        return manifest_of([r for result in results for r in result.shards], plan, labels)
 
     manifest = publish_written(output, write, cfg.keep_generations)
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
@@ -175,34 +211,31 @@ def prepare_table(config: Config, tasks: Tasks) -> dict[str, Any]:
         "driver_peak_rss_mib": round(peak_rss_mib(), 1),
     }
     log.info("prepare: wrote %s%s", rows, f", skipped {skipped}" if skipped else "")
-    examples = [e for r in results for e in r.examples][: spec.max_examples]
+    examples = [e for r in results for e in r.examples][: plans[0].max_examples]
     return summary | ({"skipped": skipped, "skipped_examples": examples} if skipped else {})
 
 
-def checked_results(results: list[Any], skip: bool) -> list[str]:
+def checked_results(results: list[PieceResult], plan: SourcePlan, source: str) -> list[str]:
     """The label set of the pieces' records; the first problem in source order refuses the
     source in one line (a bad row too, unless skipped), as do splits left empty."""
     for result in results:
         if result.problem:
             raise UserError(result.problem)
-        if result.first_bad and not skip:
+        if result.first_bad and not plan.skip_bad_rows:
             raise UserError(f"{result.first_bad} (data.skip_bad_rows=true skips such rows)")
     rows = sum(r.rows - r.bad for r in results)
     if not rows:
-        raise UserError("data source 'table' produced no rows")
+        raise UserError(f"data source {source!r} produced no rows")
     splits = split_rows_of([s for r in results for s in r.shards])
-    if not (splits.get("train") and splits.get("val")):
+    missing = [s for s in REQUIRED_SPLITS if not splits.get(s)]
+    if missing and plan.own_split:
+        raise UserError(f"the source's own split has no {missing[0]!r} rows")
+    if missing:
         raise UserError(f"only {rows} rows: too few to split into train/val/test")
     return sorted({label for r in results for label in r.labels})
 
 
-def manifest_of(
-    records: list[ShardRecord],
-    kind: Kind,
-    spec: Any,
-    labels: list[str],
-    description: dict[str, Any],
-) -> DatasetManifest:
+def manifest_of(records: list[ShardRecord], plan: SourcePlan, labels: list[str]) -> DatasetManifest:
     by_split = ordered(records)
     splits = {
         name: Split(
@@ -212,13 +245,15 @@ def manifest_of(
         for name, shards in by_split.items()
     }
     return DatasetManifest(
+        layout=LAYOUT,
         created=datetime.now(UTC).isoformat(),
-        source=description,
-        kind=kind,
-        feature_columns=list(spec.features),
-        label_column=spec.label,
+        source=plan.description,
+        kind=plan.kind,
+        feature_columns=list(plan.features),
+        label_column=plan.label,
         label_names=labels,
-        columns={f.name: str(f.type) for f in spec.schema()},
+        image_shape=list(plan.image_shape) if plan.image_shape else None,
+        columns={f.name: str(f.type) for f in plan.schema},
         rows={name: s.rows for name, s in splits.items()},
         splits=splits,
     )
@@ -394,6 +429,7 @@ def build_manifest(
 ) -> DatasetManifest:
     sample = to_arrow(data.frame.iloc[:1], data)
     return DatasetManifest(
+        layout=LAYOUT,
         created=datetime.now(UTC).isoformat(),
         source=data.description,
         kind=data.kind,
@@ -428,7 +464,13 @@ def read_manifest(output: str) -> DatasetManifest:
         raise UserError(
             f"{output}: no prepared dataset (manifest.json missing); run jobs.prepare first"
         )
-    return DatasetManifest.read(uri)
+    manifest = DatasetManifest.read(uri)
+    if manifest.layout != LAYOUT:
+        raise UserError(
+            f"{uri}: prepared in layout {manifest.layout}, this version reads layout {LAYOUT}; "
+            "run jobs.prepare again"
+        )
+    return manifest
 
 
 def split_files(output: str, manifest: DatasetManifest, split: str) -> list[str]:

@@ -50,11 +50,9 @@ def load_source(cfg: DataConfig) -> SourceData:
         "digits": _sklearn,
         "breast_cancer": _sklearn,
         "wine": _sklearn,
-        "imagefolder": _imagefolder,
         "synthetic_text": _synthetic_text,
         "synthetic_image": _synthetic_image,
         "text_files": _text_files,
-        "image_text": _image_text,
         "synthetic_image_text": _image_text,
     }
     if cfg.source not in loaders:
@@ -108,78 +106,6 @@ def _sklearn(cfg: DataConfig) -> SourceData:
 
 def _column_name(name: str) -> str:
     return "_".join(name.replace("/", " ").replace("(", " ").replace(")", " ").split())
-
-
-# --- an image folder: one subfolder of PNG/JPEG files per class ---------------------------------
-
-
-def _imagefolder(cfg: DataConfig) -> SourceData:
-    root = _existing_path(cfg.path)
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    if not classes:
-        raise UserError(f"{root}: no class subfolders (expected one folder of images per class)")
-    size = cfg.image_size
-    rows, labels = [], []
-    for label in classes:
-        for path in sorted(glob.glob(os.path.join(root, label, "*"))):
-            if not path.lower().endswith(IMAGE_EXTENSIONS):
-                continue
-            pixels = _read_image(path, size)
-            rows.append(pixels.transpose(2, 0, 1).reshape(-1).astype(np.float32))
-            labels.append(label)
-    if not rows:
-        raise UserError(f"{root}: no PNG or JPEG images found in {classes}")
-    frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
-    description = {"source": "imagefolder", "path": root, "classes": classes, "image_size": size}
-    return SourceData(
-        frame, "image", [IMAGE_COLUMN], cfg.label_column, (3, size, size), description
-    )
-
-
-def _read_image(path: str, size: int) -> np.ndarray:
-    """One image as (size, size, 3) uint8; any failure to decode it is one line naming the file.
-
-    Pillow signals a bad file in many ways: UnidentifiedImageError, OSError (truncated),
-    DecompressionBombError (more pixels than Image.MAX_IMAGE_PIXELS allows), ValueError,
-    SyntaxError from some plugins. All of them are the file's fault, not the program's.
-    """
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            # Decoding to a fixed size is part of reading the source; values stay 0..255.
-            return np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8)
-    except Exception as e:  # noqa: BLE001 - see above
-        detail = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"{path}: unreadable image ({type(e).__name__}: {detail})") from None
-
-
-# --- CSV / JSONL / Parquet (the table source itself is read in pieces: table_source.py) ----
-
-
-def _read_table(path: str) -> pd.DataFrame:
-    try:
-        if path.lower().endswith(".csv"):
-            frame = pd.read_csv(path)
-        elif path.lower().endswith((".jsonl", ".json")):
-            frame = pd.read_json(
-                path, lines=True, precise_float=True, dtype=False, convert_dates=False
-            )
-        else:
-            frame = pd.read_parquet(path)
-    except Exception as e:  # noqa: BLE001 - any parser error becomes one line naming the file
-        raise UserError(
-            f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0]})"
-        ) from None
-    if frame.empty:
-        raise UserError(f"{path}: no rows")
-    return frame
-
-
-def _existing_path(path: str | None) -> str:
-    if not path or not os.path.exists(path):
-        raise UserError(f"data.path {path!r} does not exist")
-    return path
 
 
 # --- a corpus of text files: one document per file, for language modelling ----------------------
@@ -310,31 +236,18 @@ def _synthetic_image(cfg: DataConfig) -> SourceData:
 
 
 def _image_text(cfg: DataConfig) -> SourceData:
+    """Generated scenes (pictures of your own are prepared in pieces:
+    app/data/image_text_source.py)."""
     from app.data import pictures
 
-    if cfg.source == "synthetic_image_text":
-        frame, description, skipped = pictures.synthetic(cfg)
-    elif cfg.format == "karpathy":
-        frame, description, skipped = pictures.karpathy(cfg)
-    else:
-        frame, description, skipped = pictures.table(cfg, _read_table)
-    fixed = None
-    if "split" in frame:  # the source's own split (Karpathy's)
-        names = frame.pop("split").astype(str).to_numpy()
-        fixed = {name: np.flatnonzero(names == name) for name in ("train", "val", "test")}
-        fixed = {k: v for k, v in fixed.items() if len(v)}
-    shape = (3, cfg.image_size, cfg.image_size) if cfg.source == "synthetic_image_text" else None
-    features = [pictures.IMAGE, pictures.CAPTION]
-    columns = [*features, *(c for c in frame.columns if c not in features)]
-    description |= {"skipped": skipped} if skipped else {}
+    frame, description = pictures.synthetic(cfg)
+    shape = (3, cfg.image_size, cfg.image_size)
     return SourceData(
-        frame[columns],
+        frame,
         "image_text",
-        columns,
+        list(frame.columns),
         "",
         shape,
         description,
         groups=pictures.groups(frame),
-        fixed_splits=fixed,
-        skipped=skipped,
     )

@@ -12,10 +12,11 @@ row; with `data.skip_bad_rows` it is counted and left out.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -25,7 +26,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import DataConfig
-from app.data.pieces import ShardRecord, ShardWriter, Target, row_keys
+from app.data.pieces import PieceResult, ShardWriter, SourcePlan, Target, Tasks, row_keys
 from app.errors import UserError
 
 TABLE_EXTENSIONS = (".csv", ".jsonl", ".json", ".parquet")
@@ -66,21 +67,24 @@ class Piece:
     first_row: int = 0  # the piece's first row within its file
 
 
-@dataclass
-class PieceResult:
-    """What a task did with its piece: small whatever the piece's size."""
-
-    index: int
-    rows: int = 0
-    bad: int = 0
-    problem: str | None = None  # the file cannot be read as the spec says: always fatal
-    first_bad: str | None = None  # "<file> row <n>: why", the piece's lowest bad row
-    examples: list[str] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
-    shards: list[ShardRecord] = field(default_factory=list)
-
-
 # --- planning -----------------------------------------------------------------------------------
+
+
+def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
+    """The table as prepare runs it: a task a piece (`prepare_piece`); planning reads the
+    first file's header alone, here."""
+    spec, pieces = plan(cfg)
+    return SourcePlan(
+        kind="text" if spec.text else "tabular",
+        features=spec.features,
+        label=spec.label,
+        schema=spec.schema(),
+        pieces=pieces,
+        run=functools.partial(run_piece, spec=spec),
+        description={"source": "table", "path": cfg.path, "files": file_names(pieces)},
+        skip_bad_rows=spec.skip_bad_rows,
+        max_examples=spec.max_examples,
+    )
 
 
 def plan(cfg: DataConfig) -> tuple[TableSpec, list[Piece]]:
@@ -123,23 +127,23 @@ def table_files(path: str | None) -> list[str]:
     return files
 
 
-def file_pieces(path: str, number: int) -> list[Piece]:
+def file_pieces(path: str, number: int, rows_per_piece: int = ROWS_PER_PIECE) -> list[Piece]:
     """A CSV or JSONL file is one piece; a Parquet file's row groups are cut into runs of about
-    ROWS_PER_PIECE rows (`number` orders the file among the source's files)."""
+    `rows_per_piece` rows (`number` orders the file among the source's files)."""
     base = number * 1_000_000  # a file's pieces sort after the previous file's
     if not path.lower().endswith(".parquet"):
         return [Piece(base, path)]
     try:
-        meta = _parquet(path).metadata
+        meta = parquet_file(path).metadata
     except (OSError, pa.ArrowException) as e:
-        raise UserError(f"{path}: cannot read ({type(e).__name__}: {_first_line(e)})") from None
+        raise UserError(f"{path}: cannot read ({type(e).__name__}: {first_line(e)})") from None
     pieces: list[Piece] = []
     groups: list[int] = []
     rows, first = 0, 0
     for g in range(meta.num_row_groups):
         groups.append(g)
         rows += meta.row_group(g).num_rows
-        if rows >= ROWS_PER_PIECE or g == meta.num_row_groups - 1:
+        if rows >= rows_per_piece or g == meta.num_row_groups - 1:
             pieces.append(Piece(base + len(pieces), path, tuple(groups), first))
             first += rows
             groups, rows = [], 0
@@ -151,14 +155,14 @@ def column_names(path: str) -> list[str]:
     first JSON line's keys)."""
     try:
         if path.lower().endswith(".parquet"):
-            return list(_parquet(path).schema_arrow.names)
+            return list(parquet_file(path).schema_arrow.names)
         if path.lower().endswith(".csv"):
             names = _csv_header(path)
         else:
-            frame = next(_json_frames(path), None)
+            frame = next(json_frames(path), None)
             names = list(frame.columns) if frame is not None and len(frame) else None
     except (OSError, pa.ArrowException, ValueError) as e:
-        raise UserError(f"{path}: cannot read ({type(e).__name__}: {_first_line(e)})") from None
+        raise UserError(f"{path}: cannot read ({type(e).__name__}: {first_line(e)})") from None
     if names is None:
         raise UserError(f"{path}: no rows")
     return [str(n) for n in names]
@@ -172,14 +176,16 @@ def file_names(pieces: list[Piece]) -> list[str]:
 # --- reading ------------------------------------------------------------------------------------
 
 
-def batches(piece: Piece, spec: TableSpec | None = None) -> Iterator[tuple[pa.Table, int]]:
-    """The piece's rows, BATCH_ROWS at a time, with each batch's first row within the file
-    (JSON Lines, whose values have no column type, read as `spec` wants them)."""
+def batches(
+    piece: Piece, spec: TableSpec | None = None, rows: int = BATCH_ROWS
+) -> Iterator[tuple[pa.Table, int]]:
+    """The piece's rows, `rows` at a time (CSV: a block at a time), with each batch's first row
+    within the file (JSON Lines, whose values have no column type, read as `spec` wants them)."""
     path, row = piece.path, piece.first_row
     lower = path.lower()
     if lower.endswith(".parquet"):
         groups = list(piece.row_groups) if piece.row_groups is not None else None
-        for batch in _parquet(path).iter_batches(BATCH_ROWS, row_groups=groups):
+        for batch in parquet_file(path).iter_batches(rows, row_groups=groups):
             yield pa.Table.from_batches([batch]), row
             row += batch.num_rows
     elif lower.endswith(".csv"):
@@ -193,7 +199,7 @@ def batches(piece: Piece, spec: TableSpec | None = None) -> Iterator[tuple[pa.Ta
                 row += batch.num_rows
     else:
         assert spec is not None, "JSON Lines are read as a spec wants them"
-        for frame in _json_frames(path):
+        for frame in json_frames(path, rows):
             yield _typed(frame, spec), row
             row += len(frame)
 
@@ -214,7 +220,7 @@ def _csv_header(path: str) -> list[str] | None:
         return reader.schema.names if first.num_rows else None
 
 
-def _json_frames(path: str) -> Iterator[pd.DataFrame]:
+def json_frames(path: str, rows: int = BATCH_ROWS) -> Iterator[pd.DataFrame]:
     """JSON Lines through pandas, which keeps each value as written (pyarrow's reader fixes a
     column's type from the first block and fails a later row that differs)."""
     fs, local = storage.filesystem(path)
@@ -222,7 +228,7 @@ def _json_frames(path: str) -> Iterator[pd.DataFrame]:
         yield from pd.read_json(
             f,
             lines=True,
-            chunksize=BATCH_ROWS,
+            chunksize=rows,
             precise_float=True,
             dtype=False,
             convert_dates=False,
@@ -254,7 +260,7 @@ def _label_text(value: object) -> str | None:
     return str(value)
 
 
-def _parquet(path: str) -> pq.ParquetFile:
+def parquet_file(path: str) -> pq.ParquetFile:
     fs, local = storage.filesystem(path)
     return pq.ParquetFile(fs.open_input_file(local))
 
@@ -379,6 +385,10 @@ def _short(value: object) -> str:
 # --- one piece, in one task ---------------------------------------------------------------------
 
 
+def run_piece(piece: Piece, target: Target, spec: TableSpec) -> PieceResult:
+    return prepare_piece(piece, spec, target)
+
+
 def prepare_piece(piece: Piece, spec: TableSpec, target: Target) -> PieceResult:
     """The piece read once: its rows checked, its good rows written to their shards, and a
     record of it all (rows, bad rows, the first one, labels, the shards). A file that cannot be
@@ -391,11 +401,7 @@ def prepare_piece(piece: Piece, spec: TableSpec, target: Target) -> PieceResult:
         for table, first_row in batches(piece, spec):
             batch = checked(table, spec, piece.path, first_row)
             out.rows += table.num_rows
-            out.bad += int(batch.bad.sum())
-            if batch.problems and out.first_bad is None:
-                out.first_bad = batch.problems[min(batch.problems)]
-            room = spec.max_examples - len(out.examples)
-            out.examples.extend(list(batch.problems.values())[:room])
+            out.note_bad(int(batch.bad.sum()), batch.problems, spec.max_examples)
             good, keys = batch.good()
             labels.update(pc.unique(good[spec.label]).to_pylist())
             if len(labels) > MAX_LABELS:
@@ -408,11 +414,11 @@ def prepare_piece(piece: Piece, spec: TableSpec, target: Target) -> PieceResult:
     except FileProblem as e:
         out.problem = str(e)
     except (OSError, pa.ArrowException, ValueError) as e:
-        out.problem = f"{piece.path}: cannot read ({type(e).__name__}: {_first_line(e)})"
+        out.problem = f"{piece.path}: cannot read ({type(e).__name__}: {first_line(e)})"
     out.shards = writer.close()
     out.labels = sorted(labels)
     return out
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

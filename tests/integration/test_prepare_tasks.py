@@ -103,3 +103,57 @@ def test_the_first_bad_row_in_source_order_is_refused_or_skipped(table, tmp_path
         "b.csv row 900",
         "c.jsonl row 3",
     ]
+
+
+def image_folder(root: Path, per_class: int = 30) -> Path:
+    """Three classes of JPEG and PNG pictures of varied sizes; one JPEG truncated."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 255, (20 + i % 7, 24, 3), dtype=np.uint8)
+            pixels[..., c] = 250
+            suffix = "jpg" if i % 2 else "png"
+            Image.fromarray(pixels).save(root / f"class{c}" / f"{i:03d}.{suffix}")
+    broken = root / "class1" / "007.jpg"
+    broken.write_bytes(broken.read_bytes()[:200])
+    return root
+
+
+def test_an_image_folder_is_decoded_in_tasks_into_the_same_uint8_shards(
+    tmp_path, ray_local, monkeypatch
+):
+    from app.data import image_folder as folder_source
+
+    monkeypatch.setattr(folder_source, "PICTURES_PER_PIECE", 8)  # 12 pieces, planned here
+    root = image_folder(tmp_path / "pictures")
+
+    def run(name: str, tasks, *overrides: str) -> dict:
+        config = make_config(
+            tmp_path / name,
+            "data.source=imagefolder",
+            f"data.path={root}",
+            "data.image_size=8",
+            "data.rows_per_shard=10",
+            *overrides,
+        )
+        return prepare(config, tasks)
+
+    with pytest.raises(UserError, match=r"class1/007\.jpg: unreadable image \(OSError"):
+        run("refused", RayTasks(cpus=0.5))
+    assert not (tmp_path / "refused" / "data").exists()
+    local = run("local", InProcess(), "data.skip_bad_rows=true")
+    ray = run("ray", RayTasks(cpus=0.5), "data.skip_bad_rows=true")
+    assert ray["skipped"] == 1 and sum(ray["rows"].values()) == 89
+    assert shard_bytes(ray["output"]) == shard_bytes(local["output"])
+    manifest = json.loads((Path(ray["output"]) / MANIFEST).read_text())
+    assert manifest["label_names"] == ["class0", "class1", "class2"]
+    shards = [Path(ray["output"]) / s["file"] for s in manifest["splits"]["train"]["shards"]]
+    rows = pq.read_table(shards[0]).to_pandas()
+    pixels = np.stack(rows["image"].to_list()).reshape(-1, 3, 8, 8)
+    assert pixels.dtype == np.uint8
+    for image, label in zip(pixels, rows["label"], strict=True):
+        means = image.reshape(3, -1).mean(axis=1)  # its class's channel high, as drawn
+        assert means.argmax() == int(label[-1]) and means.max() > 230, means

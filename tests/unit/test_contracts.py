@@ -18,6 +18,7 @@ pytestmark = pytest.mark.unit
 
 # Every key tools and tests read in a dataset manifest; none may be removed or renamed.
 DATASET_KEYS = {
+    "layout",
     "created",
     "source",
     "kind",
@@ -67,6 +68,18 @@ def test_manifest_on_disk_keeps_its_keys_and_reads_back_typed(dataset):
     assert manifest.kind == "tabular" and manifest.rows == on_disk["rows"]
     assert manifest.columns == on_disk["schema"]
     assert manifest.to_json_dict() == on_disk  # the same file, written again
+
+
+@pytest.mark.parametrize("layout", [None, 1])
+def test_a_dataset_of_an_older_layout_is_refused_asking_to_prepare_again(
+    dataset, manifest_file, layout
+):
+    data = real(dataset)
+    data.pop("layout")
+    if layout is not None:
+        data["layout"] = layout
+    with pytest.raises(UserError, match=r"prepared in layout 1, .* run jobs.prepare again"):
+        read_manifest(manifest_file(data))
 
 
 def test_unknown_keys_are_kept(dataset, manifest_file):

@@ -18,10 +18,10 @@ import pytest
 
 from app.config import DataConfig, ServeConfig, load_config
 from app.data.kinds.image_text import BadPicture, PictureLimits, picture_size
-from app.data.sources import load_source
 from app.errors import ConfigError, GateError, UserError
 from app.runtime.types import RequestError
 from app.serve.http.requests import EmbeddingsRequest, SearchBody, read
+from tests.unit.unit_helpers import prepared_rows
 
 pytestmark = pytest.mark.unit
 
@@ -261,15 +261,21 @@ def table_folder(tmp_path):
     data = tmp_path / "data"
     (data / "pics").mkdir(parents=True)
     (data / "pics" / "ok.png").write_bytes(png(8, 8))
+    for i in range(GOOD):
+        (data / "pics" / f"ok{i}.png").write_bytes(png(8 + i, 8))
     (tmp_path / "outside.png").write_bytes(png(8, 8))
     return data
 
 
+GOOD = 8  # good pictures besides the one under test: a split by picture has train and val
+
+
 def one_row_table(folder, image: str) -> DataConfig:
-    pd.DataFrame({"image": [image, "pics/ok.png"], "caption": ["x", "y"]}).to_csv(
+    images = [image, *(f"pics/ok{i}.png" for i in range(GOOD))]
+    pd.DataFrame({"image": images, "caption": ["x"] * len(images)}).to_csv(
         folder / "pairs.csv", index=False
     )
-    return DataConfig(source="image_text", path=str(folder / "pairs.csv"))
+    return DataConfig(source="image_text", path=str(folder / "pairs.csv"), val_fraction=0.5)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +287,7 @@ def test_a_picture_outside_its_place_and_a_missing_one_get_the_same_refusal(tabl
     image = image.format(outside=table_folder.parent / "outside.png")
     cfg = one_row_table(table_folder, image)
     with pytest.raises(UserError) as refused:
-        load_source(cfg)
+        prepared_rows(cfg, table_folder.parent / "out")
     assert (
         f"pairs.csv row 0: image {image[:60]!r}: cannot read (missing, not a regular file"
         in str(refused.value)
@@ -292,18 +298,18 @@ def test_an_absolute_path_under_a_listed_root_is_read_and_big_files_are_bounded(
     outside = str(table_folder.parent / "outside.png")
     cfg = one_row_table(table_folder, outside)
     allowed = cfg.model_copy(update={"image_roots": [str(table_folder.parent)]})
-    assert len(load_source(allowed).frame) == 2
+    assert len(prepared_rows(allowed, table_folder.parent / "out")[0]) == 1 + GOOD
     small = allowed.model_copy(update={"max_image_bytes": 1024})
     (table_folder.parent / "outside.png").write_bytes(png(8, 8) + b"\0" * 2000)
     with pytest.raises(UserError, match=r"row 0: image .*more than data.max_image_bytes=1024"):
-        load_source(small)
+        prepared_rows(small, table_folder.parent / "out")
 
 
 def test_prepare_refuses_an_extreme_aspect_ratio_by_its_data_key(table_folder):
     (table_folder / "pics" / "sliver.png").write_bytes(png(2000, 10))
     cfg = one_row_table(table_folder, "pics/sliver.png")
     with pytest.raises(UserError, match=r"row 0: .*over data.max_image_aspect=20"):
-        load_source(cfg)
+        prepared_rows(cfg, table_folder.parent / "out")
 
 
 # --- item 7: reserved columns and splits -----------------------------------------------------------
@@ -314,7 +320,8 @@ def test_a_metadata_column_named_as_the_products_own_is_refused(table_folder, co
     frame = pd.DataFrame({"image": ["pics/ok.png"], "caption": ["x"], column: ["v"]})
     frame.to_csv(table_folder / "pairs.csv", index=False)
     with pytest.raises(UserError, match=f"column '{column}' is a name prepare writes itself"):
-        load_source(DataConfig(source="image_text", path=str(table_folder / "pairs.csv")))
+        cfg = DataConfig(source="image_text", path=str(table_folder / "pairs.csv"))
+        prepared_rows(cfg, table_folder.parent / "out")
 
 
 def test_an_unknown_karpathy_split_is_refused_naming_it_and_its_entry(table_folder):
@@ -327,7 +334,7 @@ def test_an_unknown_karpathy_split_is_refused_naming_it_and_its_entry(table_fold
         source="image_text", format="karpathy", path=str(table_folder / "dataset.json")
     )
     with pytest.raises(UserError, match=r"images\[1\]: split 'validation' is none of train, "):
-        load_source(cfg)
+        prepared_rows(cfg, table_folder.parent / "out")
 
 
 # --- item 8: a folder's chat template is checked when the folder is read -------------------------

@@ -170,7 +170,7 @@ def test_synthetic_image(config_factory):
 COLOURS = {"cat": (255, 0, 0), "dog": (0, 0, 255)}
 
 
-def make_image_folder(root: Path, per_class: int = 3) -> Path:
+def make_image_folder(root: Path, per_class: int = 10) -> Path:
     for name, colour in COLOURS.items():
         (root / name).mkdir(parents=True)
         for i in range(per_class):
@@ -183,10 +183,11 @@ def test_imagefolder(config_factory, tmp_path):
     folder = make_image_folder(tmp_path / "images")
     config = config_factory("data.source=imagefolder", f"data.path={folder}", "data.image_size=4")
     summary = prepare(config)
-    assert sum(summary["rows"].values()) == 6
+    assert sum(summary["rows"].values()) == 20
     manifest = check_dataset(config.data_output, summary)
     assert manifest.kind == "image"
     assert manifest.image_shape == [3, 4, 4]
+    assert manifest.columns["image"] == "fixed_size_list<item: uint8>[48]"  # bytes, not floats
     assert manifest.label_names == ["cat", "dog"]
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
     for pixels, label in zip(frame["image"], frame["label"], strict=True):

@@ -21,6 +21,7 @@ from app.data.preprocess import FitOptions
 from app.data.sources import load_source
 from app.errors import UserError
 from app.tasks.retrieval import recall
+from tests.unit.unit_helpers import prepared_rows
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,7 @@ def png(pixels: np.ndarray) -> bytes:
 
 def test_generated_scenes_are_distinct_and_their_captions_name_only_what_is_drawn():
     cfg = DataConfig(source="synthetic_image_text", num_rows=300, image_size=32, seed=1)
-    frame, description, _ = synthetic(cfg)
+    frame, description = synthetic(cfg)
     assert frame["image_id"].nunique() == description["pictures"] == 300
     assert (frame.groupby("image_id").size() == cfg.captions_per_image).all()
     words = set(SHAPES) | set(COLOURS) | set(SIZES) | {w for p in POSITIONS for w in p.split()}
@@ -115,19 +116,26 @@ def test_the_preprocessor_decodes_resizes_tokenizes_and_refuses_what_is_not_a_pi
 def test_a_table_row_whose_picture_cannot_be_read_is_named_or_skipped(tmp_path):
     (tmp_path / "ok.png").write_bytes(png(np.zeros((8, 8, 3))))
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    others = [f"p{i}.png" for i in range(8)]  # distinct pictures: a split by picture has val
+    for i, name in enumerate(others):
+        (tmp_path / name).write_bytes(png(np.full((8, 8, 3), i)))
     rows = pd.DataFrame(
         {
-            "image": ["ok.png", "broken.png", "missing.png", "ok.png"],
-            "caption": ["one", "two", "three", "four"],
+            "image": ["ok.png", "broken.png", "missing.png", "ok.png", *others],
+            "caption": ["one", "two", "three", "four", *others],
         }
     )
     rows.to_csv(tmp_path / "pairs.csv", index=False)
     cfg = DataConfig(source="image_text", path=str(tmp_path / "pairs.csv"))
     with pytest.raises(UserError, match=r"pairs.csv row 1: image 'broken.png': not a picture"):
-        load_source(cfg)
-    skipping = load_source(cfg.model_copy(update={"skip_bad_rows": True}))
-    assert skipping.skipped == 2 and list(skipping.frame["caption"]) == ["one", "four"]
-    assert skipping.frame["image_id"].nunique() == 1  # one picture, two captions
+        prepared_rows(cfg, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "data").exists()  # nothing published, nothing left
+    skipping = cfg.model_copy(update={"skip_bad_rows": True, "val_fraction": 0.5})
+    rows, summary = prepared_rows(skipping, tmp_path / "skipping")
+    assert summary["skipped"] == 2 and sorted(rows["caption"]) == sorted(["one", "four", *others])
+    assert summary["skipped_examples"][1].startswith(f"{tmp_path / 'pairs.csv'} row 2: image")
+    ok = rows[rows["image_id"] == "ok.png"]
+    assert list(ok["caption"]) == ["one", "four"] and ok["split"].nunique() == 1
 
 
 def test_karpathy_json_keeps_its_own_split(tmp_path):
@@ -139,9 +147,12 @@ def test_karpathy_json_keeps_its_own_split(tmp_path):
     ]
     (tmp_path / "dataset.json").write_text(json.dumps({"images": images}))
     cfg = DataConfig(source="image_text", format="karpathy", path=str(tmp_path / "dataset.json"))
-    data = load_source(cfg)
-    splits = source_splits(data, 0.5, 0.0, 0)
-    assert splits["train"].tolist() == [0, 1] and splits["val"].tolist() == [2]
+    rows, _ = prepared_rows(cfg, tmp_path)
+    assert rows.groupby("split")["caption"].apply(list).to_dict() == {
+        "train": ["a", "b"],
+        "val": ["c"],
+    }
+    assert not list((tmp_path / "data").rglob("_listing*"))  # the JSON's listing is removed
 
 
 @pytest.fixture(scope="module")

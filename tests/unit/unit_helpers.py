@@ -10,7 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data.prepare import DatasetManifest, Split
+from app.config import DataConfig
+from app.data.prepare import LAYOUT, DatasetManifest, Split
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = REPO / "configs" / "digits.yaml"
@@ -48,9 +49,26 @@ def read_split(output: str, manifest: DatasetManifest, split: str) -> pd.DataFra
     return pd.concat(frames, ignore_index=True)
 
 
+def prepared_rows(data: DataConfig, root: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict]:
+    """`data` prepared by jobs.prepare's own code, its pieces run in this process: every row
+    with its split (a `split` column), in source order within a split, and the summary."""
+    from app.data.pieces import InProcess
+    from app.data.prepare import prepare, read_manifest
+    from tests.conftest import make_config
+
+    config = make_config(root)
+    output = str(Path(root) / "data")
+    config = config.model_copy(update={"data": data.model_copy(update={"output": output})})
+    summary = prepare(config, InProcess())
+    manifest = read_manifest(output)
+    frames = [read_split(output, manifest, name).assign(split=name) for name in manifest.splits]
+    return pd.concat(frames, ignore_index=True), summary
+
+
 def manifest_with_rows(rows: dict[str, int]) -> DatasetManifest:
     """A dataset manifest with these split sizes and no shards (for code that only counts)."""
     return DatasetManifest(
+        layout=LAYOUT,
         created="2024-01-01T00:00:00+00:00",
         source={"source": "test"},
         kind="tabular",

@@ -1,5 +1,6 @@
-"""Images: one column of flat pixel values (channels, height, width in the manifest), scaled by
-the train split's mean and std, or a pretrained model's own image processor."""
+"""Images: one column of flat pixel values (channels, height, width in the manifest; stored as
+uint8 when they are bytes), scaled by the train split's mean and std, or a pretrained model's
+own image processor."""
 
 from __future__ import annotations
 
@@ -63,11 +64,19 @@ class Image(Preprocessor):
 
     @classmethod
     def arrow_column(cls, name: str, values: pd.Series) -> pa.Array:
-        flat = np.stack(values.to_list()).astype(np.float32)
-        return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+        return pixel_column(np.stack(values.to_list()))
 
     @classmethod
     def check_columns(
         cls, columns: dict[str, Column], names: list[str], width: int
     ) -> tuple[Any, Problems]:
         return checks.pixels(columns[names[0]], names[0], width)
+
+
+def pixel_column(flat: np.ndarray) -> pa.Array:
+    """Rows of flat pixels as shards store them: uint8 when every value is one (decoded
+    pictures, 0..255), else float32; read back, both are float32 pixels of the same values."""
+    narrow = flat.astype(np.uint8)
+    if not np.array_equal(narrow, flat):
+        narrow = flat.astype(np.float32)
+    return pa.FixedSizeListArray.from_arrays(pa.array(narrow.reshape(-1)), flat.shape[1])
