@@ -3,10 +3,11 @@ prepared in pieces (app/data/pieces.py): a task reads its rows, reads and checks
 picture (app/data/pictures.py: `PictureReader`) and writes the picture's encoded bytes, the
 caption, the picture's id and the table's other columns, a few hundred rows at a time.
 
-A table is cut as the table source cuts one (a CSV or JSONL file a piece, a Parquet file's row
-groups in runs of PICTURE_ROWS_PER_PIECE rows). The Karpathy JSON is one document: one task
-parses it and writes a listing of its rows (picture, caption, split, where) into the generation,
-in row groups of PICTURE_ROWS_PER_PIECE, which tasks then prepare like a table. A row's split is
+A Parquet table is cut into runs of its row groups of about PICTURE_ROWS_PER_PIECE rows. A CSV
+or JSONL file cannot be cut where a task starts reading, and a Karpathy JSON is one document: a
+task each lists its rows (picture, caption, the rest as text, where each came from; Karpathy's
+split) into a Parquet file in the generation, whose runs of rows tasks then prepare; the
+listings are removed once the pieces are done. A row's split is
 a pure function of (`data.seed`, its picture), so a picture's captions share one; Karpathy's
 rows keep their own split.
 """
@@ -44,16 +45,29 @@ WHERE, SPLIT = "where", "split"
 @dataclass(frozen=True)
 class Rows:
     """How a task reads its piece's rows: which columns hold the picture and caption, what
-    else travels with them, and (a Karpathy listing) where pictures lie and the rows' own
-    split and names."""
+    else travels with them, where pictures lie and whether rows carry their own split."""
 
     image: str
     caption: str
     extra: tuple[str, ...]
     images_root: str | None  # None: each table's own folder
-    listing: bool
+    own_split: bool  # a `split` column says each row's split (Karpathy's)
     schema: pa.Schema  # what the shards hold
     max_examples: int = 5
+
+
+@dataclass(frozen=True)
+class PicturePiece:
+    """A run of rows to prepare: of a Parquet table itself, or of a listing this job wrote of
+    a CSV/JSONL table or a Karpathy JSON (whose `where` column names each row's origin)."""
+
+    piece: tables.Piece
+    origin: str  # the source file: a relative picture path is read under its folder
+    listed: bool
+
+    @property
+    def index(self) -> int:
+        return self.piece.index
 
 
 def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
@@ -73,15 +87,34 @@ def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
             )
     schema = _schema(files[0], extra)
     rows = Rows(cfg.image_column, cfg.caption_column, tuple(extra), None, False, schema)
+    # A CSV or JSONL file cannot be cut where a task starts reading: one task each lists it
+    # (picture, caption, the rest, as text) so that many can read its pictures.
+    listings = {
+        f: storage.join(folder, f"_listing-{i:05d}.parquet")
+        for i, f in enumerate(files)
+        if not f.lower().endswith(".parquet")
+    }
+    if listings:
+        write = functools.partial(write_table_listing, rows=rows, group_rows=READ_ROWS)
+        problems = tasks.map(write, list(listings.items()), "prepare: list")
+        first = next((p for p in problems if p), None)
+        if first:
+            raise UserError(first)
     pieces = [
-        p for i, f in enumerate(files) for p in tables.file_pieces(f, i, PICTURE_ROWS_PER_PIECE)
+        PicturePiece(p, f, f in listings)
+        for i, f in enumerate(files)
+        for p in tables.file_pieces(listings.get(f, f), i, PICTURE_ROWS_PER_PIECE)
     ]
     description = {"source": "image_text", "path": cfg.path, "format": "table"}
-    return _plan(cfg, rows, pieces, description)
+    return _plan(cfg, rows, pieces, description, tuple(listings.values()))
 
 
 def _plan(
-    cfg: DataConfig, rows: Rows, pieces: list[tables.Piece], described: dict[str, Any]
+    cfg: DataConfig,
+    rows: Rows,
+    pieces: list[PicturePiece],
+    described: dict[str, Any],
+    scratch: tuple[str, ...],
 ) -> SourcePlan:
     return SourcePlan(
         kind="image_text",
@@ -92,8 +125,8 @@ def _plan(
         run=functools.partial(prepare_piece, rows=rows, cfg=cfg),
         description=described,
         skip_bad_rows=cfg.skip_bad_rows,
-        own_split=rows.listing,
-        scratch=tuple({p.path for p in pieces}) if rows.listing else (),
+        own_split=rows.own_split,
+        scratch=scratch,
     )
 
 
@@ -110,6 +143,46 @@ def _schema(first_file: str, extra: list[str]) -> pa.Schema:
     return pa.schema(fields)
 
 
+def write_table_listing(job: tuple[str, str], rows: Rows, group_rows: int) -> str | None:
+    """A CSV or JSONL table's rows, their values as text, into a Parquet listing (`job`: the
+    table, the listing); a problem is returned as the line to refuse the source with."""
+    source, listing = job
+    wanted = [rows.image, rows.caption, *rows.extra]
+    schema = pa.schema([(WHERE, pa.string()), *((c, pa.string()) for c in wanted)])
+    try:
+        with storage.local_path_for(listing) as local, pq.ParquetWriter(local, schema) as out:
+            for values, first in _text_batches(source, wanted):
+                count = len(values[rows.image])
+                columns: dict[str, list[str | None]] = {
+                    WHERE: [f"{source} row {first + i}" for i in range(count)]
+                }
+                columns |= {c: [_text(v) for v in values[c]] for c in wanted}
+                out.write_table(pa.table(columns, schema), row_group_size=group_rows)
+    except KeyError as e:
+        return f"{source}: missing column {e.args[0]!r}"
+    except (OSError, pa.ArrowException, ValueError) as e:
+        return f"{source}: cannot read ({type(e).__name__}: {tables.first_line(e)})"
+    return None
+
+
+def _text_batches(path: str, wanted: list[str]) -> Iterator[tuple[dict[str, list[Any]], int]]:
+    piece = tables.Piece(0, path)
+    if path.lower().endswith(".csv"):
+        for table, row in tables.batches(piece, rows=READ_ROWS):
+            yield {c: table[c].to_pylist() for c in wanted}, row
+        return
+    row = 0
+    for frame in tables.json_frames(path, READ_ROWS):
+        yield {c: frame[c].tolist() for c in wanted}, row
+        row += len(frame)
+
+
+def _text(value: Any) -> str | None:
+    if value is None or (isinstance(value, float) and value != value):  # NaN: missing
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
 # --- Karpathy's JSON: listed by one task, prepared by many --------------------------------------
 
 
@@ -122,9 +195,12 @@ def _karpathy_plan(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
         raise UserError(problem)
     root = cfg.images or _folder_of(cfg.path)
     rows = Rows(IMAGE, CAPTION, (), root, True, _schema(listing, []))
-    pieces = tables.file_pieces(listing, 0, PICTURE_ROWS_PER_PIECE)
+    pieces = [
+        PicturePiece(p, cfg.path, True)
+        for p in tables.file_pieces(listing, 0, PICTURE_ROWS_PER_PIECE)
+    ]
     description = {"source": "image_text", "path": cfg.path, "format": "karpathy"}
-    return _plan(cfg, rows, pieces, description)
+    return _plan(cfg, rows, pieces, description, (listing,))
 
 
 def _folder_of(path: str) -> str:
@@ -166,12 +242,12 @@ def write_listing(listing: str, cfg: DataConfig, group_rows: int) -> str | None:
 # --- one piece, in one task ---------------------------------------------------------------------
 
 
-def prepare_piece(piece: tables.Piece, target: Target, rows: Rows, cfg: DataConfig) -> PieceResult:
+def prepare_piece(piece: PicturePiece, target: Target, rows: Rows, cfg: DataConfig) -> PieceResult:
     """The piece's rows with their pictures read and checked, written to their splits' shards;
     a row whose picture or caption is bad is counted and named (by file and row)."""
     out = PieceResult(piece.index)
     writer = ShardWriter(target, piece.index, rows.schema)
-    base = rows.images_root or _folder_of(piece.path)
+    base = rows.images_root or _folder_of(piece.origin)
     reader = _Recent(PictureReader(base, cfg))
     pending: dict[str, list[Any]] = {name: [] for name in [*rows.schema.names, SPLIT]}
     try:
@@ -179,7 +255,7 @@ def prepare_piece(piece: tables.Piece, target: Target, rows: Rows, cfg: DataConf
             problems: dict[int, str] = {}
             for i in range(len(batch[rows.image])):
                 row = first_row + i
-                where = batch[WHERE][i] if rows.listing else f"{piece.path} row {row}"
+                where = batch[WHERE][i] if piece.listed else f"{piece.origin} row {row}"
                 problem = _add_row(batch, i, rows, reader, pending)
                 if problem:
                     problems[row] = f"{where}: {problem}"
@@ -188,24 +264,21 @@ def prepare_piece(piece: tables.Piece, target: Target, rows: Rows, cfg: DataConf
             out.rows += len(batch[rows.image])
             out.note_bad(len(problems), problems, rows.max_examples)
     except KeyError as e:
-        out.problem = f"{piece.path}: missing column {e.args[0]!r}"
+        out.problem = f"{piece.origin}: missing column {e.args[0]!r}"
     except (OSError, pa.ArrowException, ValueError) as e:
-        out.problem = f"{piece.path}: cannot read ({type(e).__name__}: {tables.first_line(e)})"
+        out.problem = f"{piece.origin}: cannot read ({type(e).__name__}: {tables.first_line(e)})"
     _flush(pending, writer, rows)
     out.shards = writer.close()
     return out
 
 
-def _column_batches(piece: tables.Piece, rows: Rows) -> Iterator[tuple[dict[str, list[Any]], int]]:
-    """The piece's rows as lists by column, READ_ROWS at a time, with their first row."""
-    wanted = [rows.image, rows.caption, *rows.extra, *((WHERE, SPLIT) if rows.listing else ())]
-    if piece.path.lower().endswith((".jsonl", ".json")):
-        row = 0
-        for frame in tables.json_frames(piece.path, READ_ROWS):
-            yield {c: frame[c].tolist() for c in wanted}, row
-            row += len(frame)
-        return
-    for table, row in tables.batches(piece, rows=READ_ROWS):
+def _column_batches(piece: PicturePiece, rows: Rows) -> Iterator[tuple[dict[str, list[Any]], int]]:
+    """The piece's rows (Parquet: a table or a listing) as lists by column, READ_ROWS at a
+    time, with their first row."""
+    wanted = [rows.image, rows.caption, *rows.extra]
+    wanted += [WHERE] if piece.listed else []
+    wanted += [SPLIT] if rows.own_split else []
+    for table, row in tables.batches(piece.piece, rows=READ_ROWS):
         yield {c: table[c].to_pylist() for c in wanted}, row
 
 
@@ -225,7 +298,7 @@ def _add_row(
     for column in rows.extra:
         value = batch[column][i]
         pending[column].append(value if isinstance(value, bytes) else str(value))
-    pending[SPLIT].append(batch[SPLIT][i] if rows.listing else None)
+    pending[SPLIT].append(batch[SPLIT][i] if rows.own_split else None)
     return None
 
 
@@ -235,7 +308,7 @@ def _flush(pending: dict[str, list[Any]], writer: ShardWriter, rows: Rows) -> No
     table = pa.table({f.name: pa.array(pending[f.name], f.type) for f in rows.schema})
     keys = row_keys(table, [IMAGE_ID])
     codes = None
-    if rows.listing:
+    if rows.own_split:
         codes = np.asarray([SPLITS.index(s) for s in pending[SPLIT]], np.int8)
     writer.add(table, keys, codes)
     for values in pending.values():

@@ -23,7 +23,7 @@ import pandas as pd
 
 from app import storage
 from app.config import DataConfig
-from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits, decode
+from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits
 
 IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT = "image", "caption", "image_id", "twin", "split"
 RESERVED = (IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT)  # the columns prepare writes itself
@@ -31,11 +31,19 @@ KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "
 
 
 def check_picture(data: bytes, limits: PictureLimits = PictureLimits()) -> str | None:
-    """Why these bytes are not a picture PIL can decode within `limits`, or None."""
+    """Why these bytes are not a picture PIL can decode within `limits`, or None: decoded
+    whole (a truncated file fails), not converted (the shards keep the bytes)."""
+    from PIL import Image
+
     try:
-        decode(data, limits)
+        with Image.open(io.BytesIO(data)) as img:
+            limits.check(*img.size)
+            img.load()
     except BadPicture as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
+        detail = (str(e).strip().splitlines() or [""])[0][:80]
+        return f"not a picture ({type(e).__name__}: {detail})"
     return None
 
 

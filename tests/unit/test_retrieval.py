@@ -134,6 +134,7 @@ def test_a_table_row_whose_picture_cannot_be_read_is_named_or_skipped(tmp_path):
     rows, summary = prepared_rows(skipping, tmp_path / "skipping")
     assert summary["skipped"] == 2 and sorted(rows["caption"]) == sorted(["one", "four", *others])
     assert summary["skipped_examples"][1].startswith(f"{tmp_path / 'pairs.csv'} row 2: image")
+    assert not list((tmp_path / "skipping").rglob("_listing*"))  # the CSV's listing is removed
     ok = rows[rows["image_id"] == "ok.png"]
     assert list(ok["caption"]) == ["one", "four"] and ok["split"].nunique() == 1
 
