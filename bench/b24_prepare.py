@@ -10,7 +10,9 @@ files batch by batch, hashes each row as prepare does (pandas' stable row hash),
 same rule, writes Parquet shards of the same size and sha256s them: one core. A sampler sums
 the PSS of the job's process tree every 0.2 s: the driver (the job's own process) and the rest
 (GCS, raylet, object store, the Ray Data task processes). Median of 3 per side at the smallest
-size; one run each at larger sizes (each takes minutes on 2 cores).
+size; one run each at larger sizes (each takes minutes on 2 cores). `B24_MAX_ROWS` caps the
+sizes; `B24_MIN_ROWS` runs only the sizes from it up and keeps the smaller ones from the last
+result file (marked `from_earlier_run`).
 Goals: rows/s >= 0.8x the peer's times the cores (the job's own time, from its summary: the
 wall time adds Ray's start and exit, reported beside it); the driver's and the workers' peaks
 at the largest size <= 1.2x those at the smallest.
@@ -225,16 +227,22 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         else [
             (1_000_000, "parquet"),
             (10_000_000, "parquet"),
+            (100_000_000, "parquet"),
             (1_000_000, "csv"),
             (10_000_000, "csv"),
         ]
     )
     limit = int(os.environ.get("B24_MAX_ROWS", "0")) or None
+    least = int(os.environ.get("B24_MIN_ROWS", "0"))
     results = [
         one_size(work, rows, fmt, 3 if rows == sizes[0][0] else 1)
         for rows, fmt in sizes
-        if limit is None or rows <= limit
+        if (limit is None or rows <= limit) and rows >= least
     ]
+    if least:  # the smaller sizes as the last full run measured them (each side by side)
+        earlier = json.loads((Path(out) / f"{ID}.json").read_text())["details"]["sizes"]
+        kept = [r | {"from_earlier_run": True} for r in earlier if r["rows"] < least]
+        results = sorted(kept + results, key=lambda r: (r["format"] != "parquet", r["rows"]))
     parquet = [r for r in results if r["format"] == "parquet"]
     small, large = parquet[0], parquet[-1]
     # Judged on the job's own time (its summary: plan, both passes, the manifest); the wall
