@@ -20,12 +20,11 @@ import pyarrow as pa
 from app.config import DataConfig
 from app.data.kinds.image import pixel_column
 from app.data.kinds.image_text import BadPicture, PictureLimits
-from app.data.pictures import data_limits
+from app.data.pictures import PICTURE_EXTENSIONS, data_limits
 from app.data.pieces import PieceResult, ShardWriter, SourcePlan, Target, Tasks, row_keys
 from app.errors import UserError
 
 IMAGE_COLUMN = "image"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 PICTURES_PER_PIECE = 1000
 WRITE_ROWS = 256  # pictures decoded before they are written, a row group each
 
@@ -88,7 +87,7 @@ def schema(size: int, label_column: str) -> pa.Schema:
 def pictures_in(root: str, label: str) -> list[str]:
     """A class folder's pictures by name, sorted (hidden files left out)."""
     names = os.listdir(os.path.join(root, label))
-    return sorted(n for n in names if n.lower().endswith(IMAGE_EXTENSIONS) and n[0] != ".")
+    return sorted(n for n in names if n.lower().endswith(PICTURE_EXTENSIONS) and n[0] != ".")
 
 
 def prepare_piece(piece: FolderPiece, target: Target, decode: Decode) -> PieceResult:

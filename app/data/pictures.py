@@ -25,6 +25,7 @@ from app import storage
 from app.config import DataConfig
 from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits
 
+PICTURE_EXTENSIONS = (".png", ".jpg", ".jpeg")  # what a folder of pictures is read for
 IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT = "image", "caption", "image_id", "twin", "split"
 RESERVED = (IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT)  # the columns prepare writes itself
 KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "val", "test": "test"}

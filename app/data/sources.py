@@ -22,7 +22,6 @@ from app.errors import UserError
 # "documents": a text corpus for language modelling (no labels); prepare turns it into "tokens".
 # "image_text": pictures and their captions (retrieval; no labels).
 Kind = Literal["image", "tabular", "text", "documents", "tokens", "image_text"]
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 IMAGE_COLUMN = "image"
 TEXT_COLUMN = "text"
 PATH_COLUMN = "path"

@@ -46,6 +46,7 @@ class Scorer(Protocol):
         fmt: str,
         present: list[str],
         config: Config,
+        source: str,
         /,
     ) -> InputSpec: ...
 
@@ -92,7 +93,12 @@ class Predictor(ArtifactBatches):
 
     @staticmethod
     def input_spec(
-        schema: dict[str, Any], id_column: str, fmt: str, present: list[str], config: Config
+        schema: dict[str, Any],
+        id_column: str,
+        fmt: str,
+        present: list[str],
+        config: Config,
+        source: str,
     ) -> InputSpec:
         return InputSpec.of(schema, id_column, fmt)
 

@@ -68,7 +68,13 @@ def predict(
     fmt, files = input_files(input_uri)
     artifact = open_artifact(artifact_uri)  # verified once here; resolves `latest` for every actor
     scorer = scorer_of(artifact.schema)
-    spec = scorer.input_spec(artifact.schema, id_column, fmt, header(files, fmt), config)
+    if fmt == "pictures" and artifact.schema["kind"] != "image_text":
+        raise UserError(
+            f"{input_uri}: a folder of pictures is embedded by a retrieval model; "
+            f"{artifact.name} reads {artifact.schema['kind']} rows"
+        )
+    present = header(files, fmt)
+    spec = scorer.input_spec(artifact.schema, id_column, fmt, present, config, input_uri)
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)

@@ -5,12 +5,15 @@ beside the embedding as they are (the metadata a vector index keeps and filters 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from app.config import Config
+from app import storage
+from app.config import Config, DataConfig
+from app.data.checks import values_of
 from app.data.kinds.image_text import (
     CAPTIONS,
     MAX_ASPECT,
@@ -20,6 +23,8 @@ from app.data.kinds.image_text import (
     decode,
     require,
 )
+from app.data.pictures import PictureReader
+from app.data.preprocess import Column
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, good_values, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, check_batch
@@ -27,32 +32,61 @@ from app.predict.rows import CheckedBatch, InputSpec, check_batch
 EMBEDDING = "embedding"
 
 
+def _folder(uri: str) -> str:
+    return uri.rsplit("/", 1)[0] if "://" in uri else os.path.dirname(os.path.abspath(uri))
+
+
 class EmbeddingPredictor(ArtifactBatches):
     @staticmethod
     def input_spec(
-        schema: dict[str, Any], id_column: str, fmt: str, present: list[str], config: Config
+        schema: dict[str, Any],
+        id_column: str,
+        fmt: str,
+        present: list[str],
+        config: Config,
+        source: str,
     ) -> InputSpec:
-        """The column embedded: the image column if the input has it, else the caption column
-        (JSON Lines, which has no header, carries captions)."""
+        """The column embedded: the image column if the input has it (a folder of pictures
+        is one), else the caption column (JSON Lines, which has no header, carries captions).
+        Pictures named by path are read under the input's folder or `data.image_roots`."""
         image, caption = schema["feature_columns"][:2]
-        column = image if image in present else caption
+        column = image if image in present or fmt == "pictures" else caption
         if column == id_column:
             raise UserError(f"--id-column {id_column!r} is the column to embed")
         width = PICTURES if column == image else CAPTIONS
         rest = tuple(c for c in present if c not in (id_column, image, column))
-        limits = json.dumps({"max_image_aspect": config.data.max_image_aspect})
-        return InputSpec(schema["kind"], (column,), width, id_column, fmt, rest, (), limits)  # type: ignore[arg-type]
+        data = config.data
+        settings = {
+            "base": source if not storage.is_file(source) else _folder(source),
+            "image_roots": data.image_roots,
+            "max_image_bytes": data.max_image_bytes,
+            "max_image_aspect": data.max_image_aspect,
+        }
+        kind, text = schema["kind"], json.dumps(settings)
+        return InputSpec(kind, (column,), width, id_column, fmt, rest, (), text)  # type: ignore[arg-type]
 
     def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
         super().__init__(artifact_uri, spec)
         self.pre = require(self.artifact.preprocessor)
         graph = "image" if spec.num_features == PICTURES else "text"
         self.session = self.artifact.session(variant, threads, graph)
-        aspect = json.loads(spec.settings or "{}").get("max_image_aspect", MAX_ASPECT)
+        settings = json.loads(spec.settings or "{}")
+        aspect = settings.get("max_image_aspect", MAX_ASPECT)
         self.limits = PictureLimits(max_aspect=aspect, aspect_key="data.max_image_aspect")
+        self.reader = None
+        if spec.num_features == PICTURES and "base" in settings:
+            data = DataConfig(
+                image_roots=settings["image_roots"],
+                max_image_bytes=settings["max_image_bytes"],
+                max_image_aspect=aspect,
+            )
+            self.reader = PictureReader(settings["base"], data)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         columns, n, known, where = self.columns(batch)
+        if self.reader is not None:
+            name = self.spec.feature_columns[0]
+            columns[name] = self._read_paths(columns[name], known)
         checked = check_batch(columns, n, self.spec, known)
         inputs = self._inputs(checked)  # may refuse more rows: pictures that do not decode
         vectors = self._embed(inputs)
@@ -65,6 +99,26 @@ class EmbeddingPredictor(ArtifactBatches):
         for name in self.spec.passthrough:
             outputs[name] = good_values(columns[name], checked.good)
         return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
+
+    def _read_paths(self, column: Column, known: list[str | None]) -> list[Any]:
+        """A picture named by path (text; any value of a CSV, JSON Lines or a folder of
+        pictures) read where it may be (`PictureReader`); bytes in Parquet are the picture
+        itself. A picture that cannot be read is its row's problem."""
+        assert self.reader is not None
+        name = self.spec.feature_columns[0]
+        named = self.spec.format != "parquet"
+        out: list[Any] = []
+        for i, value in enumerate(values_of(column)):
+            if isinstance(value, bytes | bytearray) and named:
+                value = bytes(value).decode("utf-8", errors="replace")
+            if not isinstance(value, str):
+                out.append(value)
+                continue
+            data, problem = self.reader.read(value)
+            if problem and known[i] is None:
+                known[i] = f"column {name!r}: {problem}"
+            out.append(data)
+        return out
 
     def _inputs(self, checked: CheckedBatch) -> dict[str, np.ndarray]:
         if self.spec.num_features == CAPTIONS:

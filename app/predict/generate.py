@@ -67,7 +67,12 @@ class Settings:
 class CompletionPredictor(ArtifactBatches):
     @staticmethod
     def input_spec(
-        schema: dict[str, Any], id_column: str, fmt: str, present: list[str], config: Config
+        schema: dict[str, Any],
+        id_column: str,
+        fmt: str,
+        present: list[str],
+        config: Config,
+        source: str,
     ) -> InputSpec:
         """The prompt column, or the messages column when the input has that and no prompts
         (JSON Lines, without a header: either, row by row). Sampling columns are read from

@@ -14,13 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app import storage
+from app.data.pictures import PICTURE_EXTENSIONS
 from app.errors import UserError
 from app.predict.rows import InputSpec, missing_columns
 
 log = logging.getLogger(__name__)
 
 
-FORMATS: dict[str, Literal["parquet", "csv", "jsonl"]] = {
+FORMATS: dict[str, Literal["parquet", "csv", "jsonl", "pictures"]] = {
     ".parquet": "parquet",
     ".csv": "csv",
     ".jsonl": "jsonl",
@@ -28,16 +29,20 @@ FORMATS: dict[str, Literal["parquet", "csv", "jsonl"]] = {
 }
 
 
-def input_files(uri: str) -> tuple[Literal["parquet", "csv", "jsonl"], list[str]]:
-    """A file, or a folder of files of one format (by extension; hidden and `_` files skipped)."""
+def input_files(uri: str) -> tuple[Literal["parquet", "csv", "jsonl", "pictures"], list[str]]:
+    """A file, a folder of files of one format (by extension; hidden and `_` files skipped),
+    or a folder of pictures (PNG/JPEG, in its subfolders too): ("pictures", [the folder])."""
     uri = uri.rstrip("/")
     if storage.is_file(uri):
         files = [uri]
     elif storage.exists(uri):
         names = [n for n in storage.list_dir(uri) if not n.startswith((".", "_"))]
         files = [storage.join(uri, n) for n in names if _format_of(n)]
+        if not files and picture_names(uri):
+            return "pictures", [uri]
         if not files:
-            raise UserError(f"{uri}: no {'/'.join(sorted(set(FORMATS.values())))} files")
+            kinds = "/".join(sorted(set(FORMATS.values())))
+            raise UserError(f"{uri}: no {kinds} files, and no PNG or JPEG pictures")
     else:
         raise UserError(f"{uri}: no such file or folder")
     formats = {_format_of(f) for f in files}
@@ -48,14 +53,26 @@ def input_files(uri: str) -> tuple[Literal["parquet", "csv", "jsonl"], list[str]
     return formats.pop(), files  # type: ignore[return-value]
 
 
-def _format_of(name: str) -> Literal["parquet", "csv", "jsonl"] | None:
+def picture_names(folder: str) -> list[str]:
+    """The pictures under `folder` (its subfolders too), by relative path, sorted; hidden
+    files and folders left out."""
+    names = [name for name, _, _ in storage.list_files(folder)]
+    return [
+        n
+        for n in names
+        if n.lower().endswith(PICTURE_EXTENSIONS)
+        and not any(part.startswith(".") for part in n.split("/"))
+    ]
+
+
+def _format_of(name: str) -> Literal["parquet", "csv", "jsonl", "pictures"] | None:
     return FORMATS.get(os.path.splitext(name)[1].lower())
 
 
 def check_columns(files: list[str], spec: InputSpec) -> int | None:
     """Refuse a file that lacks a column the model reads, naming both, before any work. Returns
     the input's row count where the format records it (Parquet), for the summary's check."""
-    if spec.format == "jsonl":
+    if spec.format in ("jsonl", "pictures"):
         return None  # no header: a line without a key is a bad row
     rows = 0
     for uri in files:
@@ -71,8 +88,8 @@ def check_columns(files: list[str], spec: InputSpec) -> int | None:
 
 
 def header(files: list[str], fmt: str) -> list[str]:
-    """The first file's column names (JSON Lines has none)."""
-    return [] if fmt == "jsonl" else _header(files[0], fmt)[0]
+    """The first file's column names (JSON Lines and pictures have none)."""
+    return [] if fmt in ("jsonl", "pictures") else _header(files[0], fmt)[0]
 
 
 def _header(uri: str, fmt: str) -> tuple[list[str], int | None]:
@@ -91,6 +108,7 @@ def _listed(names: Sequence[str], limit: int = 8) -> str:
 
 
 PIECE_ROWS = 100_000  # Parquet rows one read task reads (whole row groups): blocks stream early
+PIECE_PICTURES = 1_000  # pictures one read task names
 
 
 def read_input(files: list[str], spec: InputSpec, cpus: float):
@@ -102,7 +120,10 @@ def read_input(files: list[str], spec: InputSpec, cpus: float):
     import ray.data
 
     fs, _ = storage.filesystem(files[0])
-    pieces = input_pieces([storage.filesystem(f)[1] for f in files], spec.format, fs)
+    if spec.format == "pictures":
+        pieces = picture_pieces(files[0])
+    else:
+        pieces = input_pieces([storage.filesystem(f)[1] for f in files], spec.format, fs)
     return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
         read_piece,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
         fn_kwargs={"spec": spec, "fs": fs},
@@ -131,10 +152,24 @@ def input_pieces(paths: list[str], fmt: str, fs: Any) -> list[dict[str, Any]]:
     return pieces
 
 
+def picture_pieces(folder: str) -> list[dict[str, Any]]:
+    """Runs of PIECE_PICTURES of a folder's pictures (relative paths, in order)."""
+    names = picture_names(folder)
+    return [
+        {"path": folder, "start": i, "stop": i + len(chunk), "names": chunk}
+        for i in range(0, len(names), PIECE_PICTURES)
+        if (chunk := names[i : i + PIECE_PICTURES])
+    ]
+
+
 def read_piece(piece: pa.Table, spec: InputSpec, fs: Any) -> Iterator[pa.Table]:
-    """One piece's rows: the spec's columns (Parquet, CSV) or raw lines (JSON Lines)."""
+    """One piece's rows: the spec's columns (Parquet, CSV), raw lines (JSON Lines), or the
+    pictures' relative paths as both id and picture (read where they are embedded)."""
     path, start, stop = (piece[c][0].as_py() for c in ("path", "start", "stop"))
-    if spec.format == "parquet":
+    if spec.format == "pictures":
+        names = pa.array(piece["names"][0].as_py(), pa.string())
+        yield pa.table({spec.id_column: names, spec.feature_columns[0]: names})
+    elif spec.format == "parquet":
         shard = pq.ParquetFile(path, filesystem=fs)
         names = set(shard.schema_arrow.names)
         columns = [c for c in spec.columns if c in names]

@@ -29,7 +29,7 @@ class InputSpec:
     feature_columns: tuple[str, ...]
     num_features: int
     id_column: str
-    format: Literal["parquet", "csv", "jsonl"] = "parquet"
+    format: Literal["parquet", "csv", "jsonl", "pictures"] = "parquet"
     passthrough: tuple[str, ...] = ()  # input columns copied to the output as they are
     options: tuple[str, ...] = ()  # columns a row may set its own options with (may be absent)
     settings: str = ""  # the task's own settings for its actors, as JSON

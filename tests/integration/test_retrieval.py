@@ -191,3 +191,59 @@ def test_both_encoders_export_every_program_and_a_replica_serves_the_pt2(run):
     aoti, _ = Encoders(artifact, "aoti", 1).embed(items, "input", 10**7)
     cosine = (fp32 * aoti).sum(1) / (np.linalg.norm(fp32, axis=1) * np.linalg.norm(aoti, axis=1))
     assert cosine.min() >= config.export.min_cosine
+
+
+def embeddings_by_id(output: str) -> dict[str, np.ndarray]:
+    from app import storage
+    from app.predict.write import verify_output
+
+    manifest = verify_output(output)
+    tables = [pq.read_table(storage.join(output, s.file)) for s in manifest.files]
+    return {
+        row_id: np.asarray(vector, np.float32)
+        for t in tables
+        for row_id, vector in zip(t["id"].to_pylist(), t["embedding"].to_pylist(), strict=True)
+    }
+
+
+def test_predict_embeds_a_folder_of_pictures_and_a_table_naming_them(run, embedded, workspace):
+    """Pictures under a folder (subfolders too) are embedded with their relative path as id, and
+    a CSV whose image column names pictures by path reads them under its own folder; both give
+    the embeddings of the same pictures given as bytes. A path outside the folder is a
+    rejected row, named."""
+    from app.predict.driver import predict
+
+    config = run["config"].model_copy(
+        update={"predict": run["config"].predict.model_copy(update={"on_bad_rows": "reject"})}
+    )
+    table, bytes_out, _ = embedded
+    root = workspace / "picture-table"
+    names = []
+    pictures, ids = table["image"].to_pylist()[:12], table["id"].to_pylist()[:12]
+    for i, (data, pid) in enumerate(zip(pictures, ids, strict=True)):
+        name = f"{'a' if i % 2 else 'b/c'}/{i:02d}.png"
+        (root / "pics" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "pics" / name).write_bytes(data)
+        names.append((name, pid))
+    (root / "pics" / ".hidden.png").write_bytes(b"left out")
+    (workspace / "elsewhere.png").write_bytes(table["image"][0].as_py())
+    expected = embeddings_by_id(bytes_out)
+
+    folder = predict(config, run["export"]["artifact"], str(root / "pics"), str(root / "out-a"))
+    assert folder["rows"] == 12 and folder["rejected"] == 0
+    got = embeddings_by_id(str(root / "out-a"))
+    assert sorted(got) == sorted(n for n, _ in names)
+    for name, pid in names:
+        np.testing.assert_allclose(got[name], expected[pid], atol=1e-5)
+
+    paths = [f"pics/{n}" for n, _ in names] + ["../elsewhere.png"]
+    with open(root / "pairs.csv", "w") as f:
+        f.write("id,image,note\n")
+        f.writelines(f"row{i},{p},n{i}\n" for i, p in enumerate(paths))
+    summary = predict(config, run["export"]["artifact"], str(root / "pairs.csv"), str(root / "b"))
+    assert summary["rows"] == 13 and summary["rejected"] == 1
+    [bad] = summary["bad_rows"]["examples"]
+    assert bad["id"] == "row12" and "cannot read" in bad["reason"], bad
+    got = embeddings_by_id(str(root / "b"))
+    for i, (_, pid) in enumerate(names):
+        np.testing.assert_allclose(got[f"row{i}"], expected[pid], atol=1e-5)

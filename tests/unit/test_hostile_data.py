@@ -379,7 +379,7 @@ def test_a_json_line_with_an_unknown_sampling_field_is_refused():
     from app.predict.rows import json_line_columns
 
     config = load_config(None, ["data.source=synthetic_text"])
-    spec = CompletionPredictor.input_spec({"kind": "tokens"}, "id", "jsonl", [], config)
+    spec = CompletionPredictor.input_spec({"kind": "tokens"}, "id", "jsonl", [], config, "in")
     lines = [b'{"id": 1, "prompt": "a", "temprature": 0.5}', b'{"id": 2, "prompt": "b"}']
     _, problems, _ = json_line_columns(lines, [1, 2], ["in.jsonl"] * 2, spec)
     assert problems[0] is not None and problems[0].startswith('line: unknown field "temprature"')

@@ -334,3 +334,20 @@ def test_two_runs_to_one_output_without_overwrite_publish_only_the_first(tmp_pat
     assert verify_output(str(out)).rows["output"] == 3  # the first run's output, whole
     commit(str(out), second, overwrite=True)  # --overwrite replaces it
     assert verify_output(str(out)).rows["output"] == 5
+
+
+def test_a_folder_of_pictures_is_an_input_of_its_own_read_in_runs_of_names(tmp_path, monkeypatch):
+    from app.predict import read
+
+    for name in ("b/2.jpg", "a/1.png", "a/deep/3.JPEG", ".hidden/4.png", "notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert read.input_files(str(tmp_path)) == ("pictures", [str(tmp_path)])
+    monkeypatch.setattr(read, "PIECE_PICTURES", 2)
+    pieces = read.picture_pieces(str(tmp_path))
+    assert [p["names"] for p in pieces] == [["a/1.png", "a/deep/3.JPEG"], ["b/2.jpg"]]
+    (tmp_path / "rows.csv").write_text("id,image\n")  # a table beside them: the table is read
+    assert read.input_files(str(tmp_path))[0] == "csv"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty: no csv/jsonl/parquet files, and no PNG or JPEG"):
+        read.input_files(str(tmp_path / "empty"))

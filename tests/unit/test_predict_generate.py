@@ -38,14 +38,18 @@ def test_a_rows_own_sampling_columns_override_the_configs_and_null_keeps_it():
 
 def test_the_columns_read_follow_the_input_and_bad_defaults_fail_up_front():
     spec = CompletionPredictor.input_spec(
-        SCHEMA, "id", "parquet", ["id", "prompt", "seed"], config()
+        SCHEMA, "id", "parquet", ["id", "prompt", "seed"], config(), "in"
     )
     assert (spec.feature_columns, spec.options) == (("prompt",), ("seed",))
-    chat = CompletionPredictor.input_spec(SCHEMA, "id", "parquet", ["id", "messages"], config())
+    chat = CompletionPredictor.input_spec(
+        SCHEMA, "id", "parquet", ["id", "messages"], config(), "in"
+    )
     assert chat.feature_columns == ("messages",)
-    lines = CompletionPredictor.input_spec(SCHEMA, "id", "jsonl", [], config())
+    lines = CompletionPredictor.input_spec(SCHEMA, "id", "jsonl", [], config(), "in")
     assert lines.feature_columns == ("prompt", "messages") and "temperature" in lines.options
-    csv = CompletionPredictor.input_spec(SCHEMA, "id", "csv", ["id", "prompt", "seed"], config())
+    csv = CompletionPredictor.input_spec(
+        SCHEMA, "id", "csv", ["id", "prompt", "seed"], config(), "in"
+    )
     assert csv.options == ()  # CSV values are text: sampling comes from the config alone
     with pytest.raises(UserError, match=r"^predict\.generation\.sampling\.temperature: "):
         CompletionPredictor.input_spec(
@@ -54,6 +58,7 @@ def test_the_columns_read_follow_the_input_and_bad_defaults_fail_up_front():
             "parquet",
             ["id", "prompt"],
             config("predict.generation.sampling={temperature: 9}"),
+            "in",
         )
     with pytest.raises(UserError, match="--id-column 'prompt'"):
-        CompletionPredictor.input_spec(SCHEMA, "prompt", "parquet", ["prompt"], config())
+        CompletionPredictor.input_spec(SCHEMA, "prompt", "parquet", ["prompt"], config(), "in")
