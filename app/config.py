@@ -165,8 +165,9 @@ class ModelConfig(_Section):
     vocab_size: int = Field(2000, ge=32)
     dropout: float = Field(0.1, ge=0, lt=1)
     # Retrieval (a dual encoder): the joint embedding's width; towers from one CLIP folder
-    # (`pretrained`), or a BERT-family text folder and a ViT folder with new projections, or
-    # the project's own encoders (neither set).
+    # (`pretrained`), or a BERT-family text folder, a ViT folder or both with new projections
+    # (a tower without a folder is the project's own, from scratch), or the project's own
+    # encoders (none set).
     embed_dim: int = Field(64, ge=8)
     pretrained_text: str | None = None
     pretrained_image: str | None = None
@@ -192,6 +193,12 @@ class ModelConfig(_Section):
             raise ValueError(
                 "model.name: leave it out with model.pretrained (the folder's model_type "
                 "decides the architecture)"
+            )
+        if self.pretrained and (self.pretrained_text or self.pretrained_image):
+            key = "pretrained_text" if self.pretrained_text else "pretrained_image"
+            raise ValueError(
+                f"model.{key}: leave it out with model.pretrained (a CLIP folder brings both "
+                "towers)"
             )
         if self.dim % self.heads:
             raise ValueError(

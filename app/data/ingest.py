@@ -208,7 +208,7 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     from app.models.families import base_for, tower_bases
 
     base = base_for(config.model, processor(manifest.kind))
-    text_base, image_base = tower_bases(config.model)
+    text_base, image_base = tower_bases(config.model, processor(manifest.kind))
     reads = base or text_base
     options = FitOptions(
         max_length=config.model.sequence_length(reads.max_positions if reads else None),

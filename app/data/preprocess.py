@@ -85,11 +85,9 @@ class Preprocessor:
         }
         if options.base is not None:
             state["pretrained"] = options.base.record()
-        if options.text_base is not None and options.image_base is not None:
-            state["towers"] = {
-                "text": options.text_base.record(),
-                "image": options.image_base.record(),
-            }
+        bases = {"text": options.text_base, "image": options.image_base}
+        if any(bases.values()):  # a dual encoder's pretrained towers (one may be from scratch)
+            state["towers"] = {name: b.record() for name, b in bases.items() if b is not None}
         state |= cls.fit_state(labelled(chunks), manifest, options)
         if not rows:
             raise UserError("the train split is empty: nothing to fit the preprocessor on")

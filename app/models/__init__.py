@@ -119,7 +119,7 @@ def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
         from app.models.families import family
 
         return family(record["model_type"]).build(record["architecture"], pre, cfg)
-    if "towers" in pre.state:  # a dual encoder of two pretrained folders
+    if "towers" in pre.state:  # a dual encoder with pretrained towers (one may be from scratch)
         from app.models.families import towers
 
         return towers(pre.state["towers"], pre, cfg)

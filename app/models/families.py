@@ -25,7 +25,7 @@ from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
 from app.models import bert, clip, gpt, vit
-from app.models.dual_encoder import DualEncoder, Pooled
+from app.models.dual_encoder import DualEncoder, Pooled, from_scratch
 from app.pretrained import IMAGE_PROCESSOR, TOKENIZER, VOCAB, Pretrained, open_pretrained
 
 Build = Callable[[dict[str, Any], Any, ModelConfig], nn.Module]
@@ -225,30 +225,41 @@ def base_for(model: ModelConfig, takes: type[Preprocessor] | None = None) -> Pre
     return base
 
 
-def tower_bases(model: ModelConfig) -> tuple[Pretrained | None, Pretrained | None]:
-    """(text folder, image folder) of a dual encoder of two folders, each checked to be a
-    text or an image family (`model.pretrained_text`, `model.pretrained_image`)."""
-    if not (model.pretrained_text or model.pretrained_image):
-        return None, None
-    if not (model.pretrained_text and model.pretrained_image):
+def tower_bases(
+    model: ModelConfig, takes: type[Preprocessor] | None = None
+) -> tuple[Pretrained | None, Pretrained | None]:
+    """(text folder, image folder) of a dual encoder's pretrained towers, each checked to be a
+    text or an image family (`model.pretrained_text`, `model.pretrained_image`); either may
+    be None (that tower is trained from scratch: LiT's recipe, or its mirror). `takes`: the
+    kind of data the run trains on, which must be pictures and captions when a tower is set."""
+    key = "pretrained_text" if model.pretrained_text else "pretrained_image"
+    if (model.pretrained_text or model.pretrained_image) and takes not in (None, ImageText):
+        assert takes is not None
         raise ConfigError(
-            "config error: model.pretrained_text: a dual encoder of two folders needs both "
-            "model.pretrained_text and model.pretrained_image (or one CLIP folder in "
-            "model.pretrained)"
+            f"config error: model.{key}: a dual encoder's tower, for pictures and captions; "
+            f"the dataset is {takes.kind}"
         )
-    text = base_for(model.model_copy(update={"pretrained": model.pretrained_text}), Text)
-    image = base_for(model.model_copy(update={"pretrained": model.pretrained_image}), Image)
+    text = image = None
+    if model.pretrained_text:
+        text = base_for(model.model_copy(update={"pretrained": model.pretrained_text}), Text)
+    if model.pretrained_image:
+        image = base_for(model.model_copy(update={"pretrained": model.pretrained_image}), Image)
     return text, image
 
 
 def towers(records: dict[str, dict[str, Any]], pre: Any, cfg: ModelConfig) -> DualEncoder:
-    """A dual encoder whose towers are two folders' encoders (their records: `text`, `image`),
-    with new projections into `model.embed_dim`."""
-    built = {}
+    """A dual encoder whose towers are pretrained folders' encoders (their records: `text`,
+    `image`) or, for a tower without one, the project's own from scratch; new projections
+    into `model.embed_dim`."""
+    built: dict[str, nn.Module] = {}
+    dims: dict[str, int] = {}
     for name, record in records.items():
         stand_in = SimpleNamespace(labels=["a"], state={"pretrained": record})
         encoder = family(record["model_type"]).build(record["architecture"], stand_in, cfg)
         built[name] = Pooled(encoder)
-    text_dim = records["text"]["architecture"]["hidden_size"]
-    image_dim = records["image"]["architecture"]["hidden_size"]
-    return DualEncoder(built["image"], built["text"], image_dim, text_dim, cfg.embed_dim)
+        dims[name] = int(record["architecture"]["hidden_size"])
+    scratch = from_scratch(cfg, pre.vocab_size, pre.output_size, int(pre.state["max_length"]))
+    image = built.get("image", scratch.image)
+    text = built.get("text", scratch.text)
+    image_dim, text_dim = dims.get("image", cfg.dim), dims.get("text", cfg.dim)
+    return DualEncoder(image, text, image_dim, text_dim, cfg.embed_dim)

@@ -247,3 +247,45 @@ def test_predict_embeds_a_folder_of_pictures_and_a_table_naming_them(run, embedd
     got = embeddings_by_id(str(root / "b"))
     for i, (_, pid) in enumerate(names):
         np.testing.assert_allclose(got[f"row{i}"], expected[pid], atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["image", "text"])
+def test_one_pretrained_tower_trains_beside_one_from_scratch(workspace, side):
+    """LiT's recipe (a pretrained ViT image tower, locked; a text tower from scratch) and its
+    mirror (a pretrained BERT-family text tower, locked; an image tower from scratch): the loss
+    falls, and the locked tower is the folder's encoder exactly (its weights as saved)."""
+    import torch
+
+    from app.data.prepare import prepare
+    from app.train.checkpoint import load_checkpoint
+    from app.train.driver import train
+    from tests.make_tiny_pretrained import make_bert, make_vit
+
+    make = make_vit if side == "image" else make_bert
+    folder = make(str(workspace / f"tower-{side}"))
+    config = workload_config(
+        workspace,
+        "retrieval",
+        *SHORT,
+        "data.num_rows=200",
+        "train.epochs=3",
+        f"model.pretrained_{side}={folder}",
+        f"train.freeze={side}",
+        f"data.output={workspace}/data/one-tower-{side}",
+        f"train.run_name=one-tower-{side}",
+    )
+    prepare(config)
+    ensure_local_ray()
+    trained = train(config)
+    losses = [h["train_loss"] for h in trained["history"] if "train_loss" in h]
+    assert losses[-1] < losses[0], losses
+    from app.models.families import family_of
+    from app.pretrained import open_pretrained
+
+    model = load_checkpoint(trained["checkpoint"]).model
+    own = getattr(model, side).encoder.state_dict()
+    base = open_pretrained(folder)
+    saved = family_of(base).rename(base.weights())
+    assert saved and all(torch.equal(own[k], v) for k, v in saved.items()), sorted(saved)[:3]
+    other = model.text if side == "image" else model.image
+    assert not hasattr(other, "encoder")  # the other tower is the project's own

@@ -250,3 +250,20 @@ def test_the_config_reference_lists_every_key_as_the_code_declares_it():
     assert reference == render(), "regenerate: python -m tests.config_reference > docs/config.md"
     assert all(f"| `{key}` |" in reference for key in all_keys())
     assert "docs/config.md" in (REPO / "README.md").read_text()
+
+
+def test_a_clip_folder_and_a_tower_folder_together_are_refused_naming_the_tower():
+    with pytest.raises(ConfigError, match=r"model\.pretrained_image: leave it out with model"):
+        load_config(None, ["model.pretrained=/clip", "model.pretrained_image=/vit"])
+
+
+def test_a_tower_folder_on_a_dataset_of_another_kind_is_refused(tmp_path):
+    from app.data.kinds.image import Image
+    from app.models.families import tower_bases
+    from tests.make_tiny_pretrained import make_vit
+
+    config = load_config(None, [f"model.pretrained_image={make_vit(str(tmp_path / 'vit'))}"])
+    with pytest.raises(ConfigError, match=r"model\.pretrained_image: a dual encoder's tower"):
+        tower_bases(config.model, Image)
+    text, image = tower_bases(config.model)  # one tower alone: the other from scratch
+    assert text is None and image is not None and image.model_type == "vit"
