@@ -377,3 +377,34 @@ def test_malformed_bodies_get_a_4xx_and_the_replicas_keep_serving(
         r = requests.post(url, data=body, headers={"Content-Type": content_type}, timeout=60)
         assert r.status_code == status, (url, r.text[:300])
     good(EMBED), good(SEARCH)
+
+
+def guide_curl_lines() -> list[str]:
+    """The `curl` commands of docs/guide.md's retrieval block, continuation lines joined."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    block = guide.split("<!-- retrieval-curl -->", 1)[1].split("```bash\n", 1)[1]
+    block = block.split("```", 1)[0].replace("\\\n", " ")
+    return [line for line in block.splitlines() if line.startswith("curl ")]
+
+
+def test_the_guides_curl_lines_answer_as_shown(served):
+    """The guide's requests, run as a user pastes them into a shell, answer with the shapes it
+    shows: one embedding of the model's width, and three hits with id, score and metadata."""
+    import subprocess
+
+    embed, search = guide_curl_lines()
+    assert SERVE in embed and SEARCH in search  # the pipeline's own names, as deployed
+    answers = [
+        json.loads(subprocess.run(line, shell=True, capture_output=True, check=True).stdout)
+        for line in (embed, search)
+    ]
+    vectors, hits = answers
+    assert vectors["object"] == "list" and vectors["model"] == "retrieval"
+    [row] = vectors["data"]
+    assert len(row["embedding"]) == 64 and abs(np.linalg.norm(row["embedding"]) - 1) < 1e-3
+    assert hits["model"] == "retrieval-index" and len(hits["results"]) == 1
+    [found] = hits["results"]
+    assert len(found) == 3 and all({"id", "score", "metadata"} <= set(h) for h in found)
+    assert found[0]["score"] >= found[-1]["score"] and "caption" in found[0]["metadata"]
