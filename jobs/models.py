@@ -1,8 +1,9 @@
 """python -m jobs.models [--config C] [section.key=value ...] list | undeploy NAME [NAME ...] | prune --keep N [--force]
 
-The registry's models and versions (with their gate reports and which version is live), taking a
-model off Serve without touching the others, and deleting old versions (never `latest` or the
-live one or any a running application pins; without a cluster only with --force). Without
+The registry's models and versions (with their gate reports and which version is live) and their
+vector indexes, taking a model off Serve without touching the others, and deleting old versions
+of models and indexes (never `latest` or the live one or any a running application pins, nor an
+encoder a remaining index needs; without a cluster only with --force). Without
 --config the defaults apply (registry outputs/registry)."""
 
 from __future__ import annotations

@@ -108,3 +108,50 @@ def test_a_language_models_gate_shows_perplexity_and_agreement():
     figures = lifecycle.gate_figures(report)
     assert figures["greedy_agreement"] == 0.97 and figures["perplexity_increase"] == 0.01
     assert "int8_accuracy" not in figures
+
+
+def make_index(registry: Path, model: str, version: int, encoder: int) -> None:
+    folder = registry / model / "index" / str(version)
+    folder.mkdir(parents=True)
+    schema = {"task": "index", "encoder": {"name": model, "version": str(encoder)}}
+    (folder / "schema.json").write_text(json.dumps(schema))
+    report = {"vectors": 100 * version, "index_bytes": 4096, "recall_at_10": 0.97, "method": "hnsw"}
+    (folder / "report.json").write_text(json.dumps(report))
+    manifest = {"name": f"{model}-index", "version": str(version), "files": {}, "created": "now"}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    (registry / model / "index" / LATEST).write_text(str(version))
+
+
+def test_listing_shows_a_models_indexes_with_encoder_size_count_and_recall(registry):
+    make_index(registry, "digits", 1, encoder=1)
+    make_index(registry, "digits", 2, encoder=3)
+    entry = lifecycle.model_entry(str(registry), "digits", live={"digits-index": "1"})
+    first, second = entry["indexes"]
+    assert first["encoder"] == {"name": "digits", "version": "1"} and first["live"] is True
+    assert second["latest"] is True and second["live"] is False
+    assert (second["vectors"], second["index_bytes"], second["recall_at_10"]) == (200, 4096, 0.97)
+    assert lifecycle.model_entry(str(registry), "text", live=None)["indexes"] == []
+
+
+def test_a_retrieval_models_gate_shows_recall_both_ways_and_the_cosine():
+    report = {
+        "recall": {"fp32": {"i2t_r1": 90.0, "t2i_r1": 88.0}, "int8": {"i2t_r1": 89.5}},
+        "recall_drop": {"i2t": 0.5, "t2i": 0.0},
+        "parity": {"min_cosine": {"image": 0.9999, "text": 0.9998}},
+    }
+    figures = lifecycle.gate_figures(report)
+    assert figures["fp32"]["i2t_r1"] == 90.0 and figures["int8"]["t2i_r1"] is None
+    assert figures["recall_drop_points"]["i2t"] == 0.5 and figures["min_cosine"]["text"] == 0.9998
+
+
+def test_prune_covers_index_versions_and_keeps_the_encoders_the_rest_need(registry):
+    """Index versions 1-4 (encoders 1, 1, 2, 4): keep 1 keeps index 4 (newest, latest) and 2
+    (served); the model then keeps 4 (newest), 3 (latest) and 2 (index 2's encoder), and
+    deletes 1, whose only index went."""
+    for version, encoder in ((1, 1), (2, 2), (3, 1), (4, 4)):
+        make_index(registry, "digits", version, encoder)
+    served = {"digits-index": {"2"}}
+    deleted = lifecycle.prune_model(str(registry), "digits", 1, set(), served)
+    assert deleted == ["1", "index/1", "index/3"]
+    assert lifecycle.complete_versions(str(registry / "digits" / "index")) == ["2", "4"]
+    assert lifecycle.complete_versions(str(registry / "digits")) == ["2", "3", "4"]

@@ -5,10 +5,11 @@ good version) is the source of truth for what exists; the running Serve applicat
 live. Without a cluster nothing is live, which `list` reports as "unknown" (a registry on shared
 storage may still be served by a cluster this machine cannot see).
 
-Pruning never deletes the version `latest` points at, nor one a running cluster serves or pins
-(nor the encoder version a served vector index, or a model's newest index, embeds its queries
-with), nor a version without its manifest (an export still writing it: the manifest is written last);
-it asks the cluster under the deploy lock, and without a cluster it refuses unless forced.
+Pruning covers a model's versions and its vector index's (`<name>/index/<version>`), keeping the
+newest N of each. It never deletes the version `latest` points at, nor one a running cluster
+serves or pins, nor an encoder version any remaining index embeds its queries with, nor a
+version without its manifest (an export still writing it: the manifest is written last); it asks
+the cluster under the deploy lock, and without a cluster it refuses unless forced.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from app.runtime import artifact as art
 
 log = logging.getLogger(__name__)
 UNKNOWN = "unknown"
+INDEX_FOLDER = "index"  # <registry>/<model>/index/<version>: the model's vector indexes
+INDEX_FIGURES = ("vectors", "dim", "method", "index_bytes", "recall_at_10", "build_seconds")
 
 
 def list_models(config: Config) -> dict[str, Any]:
@@ -44,6 +47,8 @@ def model_names(registry: str) -> list[str]:
 
 
 def model_entry(registry: str, name: str, live: dict[str, str] | None) -> dict[str, Any]:
+    """A model's versions (latest, live, gate figures) and its vector indexes' versions
+    (`<name>/index/`: encoder, vectors, bytes, held-out recall), oldest first."""
     folder = storage.join(registry, name)
     latest = str(storage.read_int(storage.join(folder, art.LATEST)))
     serving = UNKNOWN if live is None else live.get(name)
@@ -57,7 +62,41 @@ def model_entry(registry: str, name: str, live: dict[str, str] | None) -> dict[s
                 **version_facts(storage.join(folder, version)),
             }
         )
-    return {"name": name, "latest": latest, "live": serving, "versions": versions}
+    entry = {"name": name, "latest": latest, "live": serving, "versions": versions}
+    return entry | {"indexes": index_entries(storage.join(folder, INDEX_FOLDER), live)}
+
+
+def index_entries(folder: str, live: dict[str, str] | None) -> list[dict[str, Any]]:
+    """Every complete version of a model's vector index, as `list` shows it."""
+    if not storage.exists(storage.join(folder, art.LATEST)):
+        return []
+    latest = str(storage.read_int(storage.join(folder, art.LATEST)))
+    out = []
+    for version in complete_versions(folder):
+        uri = storage.join(folder, version)
+        manifest = art.read_manifest(uri)
+        report = _json(storage.join(uri, "report.json"))
+        out.append(
+            {
+                "version": version,
+                "name": manifest.name,
+                "latest": version == latest,
+                "live": UNKNOWN if live is None else live.get(manifest.name) == version,
+                "created": manifest.created,
+                "encoder": index_encoder(uri),
+                **{k: report.get(k) for k in INDEX_FIGURES},
+            }
+        )
+    return out
+
+
+def _json(path: str) -> dict[str, Any]:
+    from app.errors import ArtifactError
+
+    try:
+        return json.loads(storage.read_bytes(path))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
 
 
 def complete_versions(folder: str) -> list[str]:
@@ -71,14 +110,8 @@ def complete_versions(folder: str) -> list[str]:
 
 def version_facts(uri: str) -> dict[str, Any]:
     """When it was made, from what, and its gate report in brief (the whole one is report.json)."""
-    from app.errors import ArtifactError
-
     manifest = art.read_manifest(uri)
-    path = storage.join(uri, "report.json")
-    try:
-        report = json.loads(storage.read_bytes(path))
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
+    report = _json(storage.join(uri, "report.json"))
     return {
         "created": manifest.created,
         "source_checkpoint": manifest.source_checkpoint,
@@ -89,11 +122,22 @@ def version_facts(uri: str) -> dict[str, Any]:
 
 def gate_figures(report: dict[str, Any]) -> dict[str, Any]:
     """The gate's headline figures: accuracy for a classifier, perplexity and greedy agreement
-    for a language model (report.json has the rest)."""
+    for a language model, R@1 both ways and the cosine with torch for a retrieval model
+    (report.json has the rest)."""
     common = {
         "size_ratio_int8": report.get("size_ratio_int8"),
         "thresholds": report.get("thresholds", {}),
     }
+    if "recall_drop" in report:
+        recall = report.get("recall", {})
+        return {
+            variant: {k: recall.get(variant, {}).get(k) for k in ("i2t_r1", "t2i_r1", "rsum")}
+            for variant in ("fp32", "int8")
+        } | {
+            "recall_drop_points": report["recall_drop"],
+            "min_cosine": (report.get("parity") or {}).get("min_cosine"),
+            **common,
+        }
     if "perplexity" in report:
         return {
             "perplexity": report["perplexity"],
@@ -234,7 +278,7 @@ def _prune_under_lock(config: Config, keep: int, names: list[str]) -> dict[str, 
     with cluster_lock(ttl_s=ROLLBACK_TIMEOUT_S, wait_s=ROLLBACK_TIMEOUT_S):
         in_use = versions_in_use(config)
         deleted = {
-            name: prune_model(config.registry, name, keep, in_use.get(name, set()))
+            name: prune_model(config.registry, name, keep, in_use.get(name, set()), in_use)
             for name in names
         }
     return {"stage": "models", "action": "prune", "keep": keep, "deleted": deleted}
@@ -264,33 +308,55 @@ def index_encoder(folder: str) -> dict[str, str] | None:
     return schema.get("encoder") if schema.get("task") == INDEX_TASK else None
 
 
-def latest_index_encoder(folder: str, name: str) -> set[str]:
-    """The version of `name` its newest vector index (`<name>/index/latest`) was built with:
-    deploying that index needs it, with or without a cluster to ask."""
-    pointer = storage.join(folder, "index", art.LATEST)
-    if not storage.exists(pointer):
+def indexes_encoders(folder: str, name: str) -> set[str]:
+    """The versions of `name` its vector indexes (every complete one under `<name>/index/`)
+    were built with: deploying any of them needs its encoder, with or without a cluster."""
+    index = storage.join(folder, INDEX_FOLDER)
+    if not storage.exists(index):
         return set()
-    encoder = index_encoder(storage.join(folder, "index", str(storage.read_int(pointer))))
-    return {str(encoder["version"])} if encoder and encoder["name"] == name else set()
+    encoders = (index_encoder(storage.join(index, v)) for v in complete_versions(index))
+    return {str(e["version"]) for e in encoders if e and e["name"] == name}
 
 
-def prune_model(registry: str, name: str, keep: int, in_use: set[str]) -> list[str]:
+def prune_model(
+    registry: str,
+    name: str,
+    keep: int,
+    in_use: set[str],
+    served: dict[str, set[str]] | None = None,
+) -> list[str]:
+    """Delete `name`'s old versions and its index's (`index/<v>` in the list returned), keeping
+    the newest `keep` of each, the latest, those in use (`in_use`; an index's by its served
+    name in `served`) and every encoder version a remaining index needs."""
     from app.errors import UserError
 
     folder = storage.join(registry, name)
     if not storage.exists(storage.join(folder, art.LATEST)):
         raise UserError(f"{folder}: no such model in the registry")
+    index = storage.join(folder, INDEX_FOLDER)
+    doomed_indexes: list[str] = []
+    if storage.exists(storage.join(index, art.LATEST)):
+        index_name = art.read_manifest(storage.join(index, complete_versions(index)[-1])).name
+        index_in_use = (served or {}).get(index_name, set())
+        doomed_indexes = _prune_versions(index, f"{name}/{INDEX_FOLDER}", keep, index_in_use)
+    doomed = _prune_versions(folder, name, keep, in_use | indexes_encoders(folder, name))
+    return doomed + [f"{INDEX_FOLDER}/{v}" for v in doomed_indexes]
+
+
+def _prune_versions(folder: str, what: str, keep: int, in_use: set[str]) -> list[str]:
+    from app.errors import UserError
+
     unknown = sorted(v for v in in_use if not v.isdigit())
     if unknown:
-        raise UserError(f"{name}: cannot tell which version is live ({unknown[0]}); nothing pruned")
+        raise UserError(f"{what}: cannot tell which version is live ({unknown[0]}); nothing pruned")
     latest = str(storage.read_int(storage.join(folder, art.LATEST)))
     versions = complete_versions(folder)
-    protected = set(versions[-keep:]) | {latest} | in_use | latest_index_encoder(folder, name)
+    protected = set(versions[-keep:]) | {latest} | in_use
     doomed = [v for v in versions if v not in protected]
     for version in doomed:
         # The manifest goes first: a reader then sees an incomplete version, never a
         # half-deleted one that still claims to be whole.
         storage.delete_file(storage.join(folder, version, art.MANIFEST))
         storage.delete_dir(storage.join(folder, version))
-        log.info("prune: deleted %s/%s", name, version)
+        log.info("prune: deleted %s/%s", what, version)
     return doomed
