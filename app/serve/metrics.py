@@ -149,3 +149,35 @@ def _recorded(record: Any, value: float, tags: dict[str, str]) -> bool:
             _warned.add(type(e).__name__)
             log.warning("recording a buffered metric failed: %s: %s", type(e).__name__, e)
         return False
+
+
+class RetrievalMetrics:
+    """A retrieval replica's requests, by the name it serves (a model's embeddings, an index's
+    searches): the inputs or queries a request carries and its time in the replica; and, for
+    an index, the version served (so a dashboard shows a new version taking over)."""
+
+    def __init__(self, name: str, version: str | None = None):
+        self.tags = {"model": name}
+        self.items = model_histogram(
+            "raytorch_retrieval_items_per_request",
+            "inputs embedded or queries searched per request",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+        )
+        self.latency = model_histogram(
+            "raytorch_retrieval_latency_ms",
+            "embedding or search time in the replica (ms)",
+            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+        )
+        self.done = Deferred(self._record)
+        if version is not None and version.isdigit():
+            gauge = model_gauge("raytorch_index_version", "the index version a replica serves")
+            buffer, level = self.done.buffer, float(version)
+            buffer.sample(lambda: buffer.set(gauge, level, self.tags))
+
+    def observe(self, items: int, latency_ms: float) -> None:
+        self.done.append((items, latency_ms))
+
+    def _record(self, buffer: MetricBuffer, answer: tuple[int, float]) -> None:
+        items, latency_ms = answer
+        buffer.observe(self.items, items, self.tags)
+        buffer.observe(self.latency, latency_ms, self.tags)

@@ -408,3 +408,49 @@ def test_the_guides_curl_lines_answer_as_shown(served):
     [found] = hits["results"]
     assert len(found) == 3 and all({"id", "score", "metadata"} <= set(h) for h in found)
     assert found[0]["score"] >= found[-1]["score"] and "caption" in found[0]["metadata"]
+
+
+METRICS = "http://127.0.0.1:8080/metrics"  # cluster/start.sh's --metrics-export-port
+
+
+def exported(text: str, name: str, model: str) -> float:
+    """The value of `name` for `model` in a Prometheus scrape, summed over its other labels."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith(name + "{") and f'model="{model}"' in series:
+            total, found = total + float(value), True
+    return total if found else float("nan")
+
+
+def test_embedding_and_search_requests_and_the_index_version_are_exported(served):
+    """What a retrieval dashboard needs, scraped as Prometheus would (cluster/monitoring): each
+    replica's requests, their time and inputs or queries per request, and the index version."""
+    import math
+    import time
+
+    for _ in range(3):
+        body = {"model": "retrieval", "input": ["a red circle", "a blue square"]}
+        assert requests.post(EMBED, json=body, timeout=60).status_code == 200
+        queries = {"queries": [{"text": "a red circle"}, {"text": "a blue square"}], "top_k": 2}
+        assert requests.post(SEARCH, json=queries, timeout=60).status_code == 200
+    items = "ray_raytorch_retrieval_items_per_request"
+    deadline = time.monotonic() + 120  # replicas flush each second, Ray exports every few
+    while True:
+        text = requests.get(METRICS, timeout=10).text
+        figures = {
+            "embed requests": exported(text, f"{items}_count", "retrieval"),
+            "embed inputs": exported(text, f"{items}_sum", "retrieval"),
+            "searches": exported(
+                text, "ray_raytorch_retrieval_latency_ms_count", "retrieval-index"
+            ),
+            "queries": exported(text, f"{items}_sum", "retrieval-index"),
+            "index version": exported(text, "ray_raytorch_index_version", "retrieval-index"),
+        }
+        done = not any(math.isnan(v) for v in figures.values())
+        if (done and figures["embed requests"] >= 3) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert figures["embed requests"] >= 3 and figures["embed inputs"] >= 6, figures
+    assert figures["searches"] >= 3 and figures["queries"] >= 6, figures
+    assert figures["index version"] >= 1, figures

@@ -393,6 +393,9 @@ def test_grafana_dashboard_covers_training_and_serving_metrics() -> None:
         "ray_raytorch_generation_tokens_total",
         "ray_raytorch_generation_kv_cache_tokens",
         "ray_raytorch_generation_ended_total",
+        "ray_raytorch_retrieval_latency_ms_bucket",
+        "ray_raytorch_retrieval_items_per_request_sum",
+        "ray_raytorch_index_version",
     ):
         assert metric in exprs, f"no panel queries {metric}"
     for q in ("0.5", "0.95", "0.99"):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,6 +24,7 @@ from app.config import ServeConfig
 from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits, blank_png, require
 from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.types import EmbedRequest, EmbedResult, InferRequest, ModelInfo, RequestError
+from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.model_server import model_info
 
 log = logging.getLogger("ray.serve")
@@ -117,6 +119,7 @@ class EmbeddingServer:
         self.pool = ThreadPoolExecutor(
             cfg.batching.max_concurrent_batches, thread_name_prefix="onnx"
         )
+        self.metrics = RetrievalMetrics(self.artifact.name)
         log.info("retrieval model %s version %s loaded", self.artifact.name, self.artifact.version)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -125,8 +128,7 @@ class EmbeddingServer:
             self.encoders, self.variant = Encoders(self.artifact, variant, self.threads), variant
 
     async def check_health(self) -> None:
-        request = EmbedRequest(("health check", blank_png(8)))
-        await self.embed(request)
+        await self._embedded(EmbedRequest(("health check", blank_png(8))))
 
     async def info(self) -> ModelInfo:
         return model_info(self.artifact, self.variant, embeds=True)
@@ -135,6 +137,12 @@ class EmbeddingServer:
         raise RequestError(400, f"model {self.artifact.name!r} embeds: POST /v1/embeddings")
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
+        started = time.perf_counter()
+        result = await self._embedded(request)
+        self.metrics.observe(len(request.items), 1000 * (time.perf_counter() - started))
+        return result
+
+    async def _embedded(self, request: EmbedRequest) -> EmbedResult:
         loop = asyncio.get_running_loop()
         embeddings, tokens = await loop.run_in_executor(
             self.pool, self.encoders.embed, request.items, request.field, self.limits

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,7 @@ from app.runtime.types import (
     SearchRequest,
     SearchResult,
 )
+from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.embedding_server import Encoders, picture_limits
 
 log = logging.getLogger("ray.serve")
@@ -54,6 +56,7 @@ class SearchServer:
         set_search_params(
             self.vectors.index, self.vectors.schema["ef_search"], self.vectors.schema["nprobe"]
         )
+        self.metrics = RetrievalMetrics(self.vectors.name, str(self.vectors.version))
         log.info(
             "index %s version %s loaded (%d vectors, encoder %s version %s)",
             self.vectors.name,
@@ -69,7 +72,7 @@ class SearchServer:
             self.encoders, self.variant = Encoders(self.encoder, variant, self.threads), variant
 
     async def check_health(self) -> None:
-        await self.search(SearchRequest((SearchQuery(text="health check"),), 1))
+        await self._answer(SearchRequest((SearchQuery(text="health check"),), 1))
 
     async def info(self) -> ModelInfo:
         v = self.vectors
@@ -95,6 +98,12 @@ class SearchServer:
         )
 
     async def search(self, request: SearchRequest) -> SearchResult:
+        started = time.perf_counter()
+        result = await self._answer(request)
+        self.metrics.observe(len(request.queries), 1000 * (time.perf_counter() - started))
+        return result
+
+    async def _answer(self, request: SearchRequest) -> SearchResult:
         within_caps(request, self.cfg)
         loop = asyncio.get_running_loop()
         hits = await loop.run_in_executor(self.pool, self._search, request)
