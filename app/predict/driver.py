@@ -68,13 +68,7 @@ def predict(
     fmt, files = input_files(input_uri)
     artifact = open_artifact(artifact_uri)  # verified once here; resolves `latest` for every actor
     scorer = scorer_of(artifact.schema)
-    if fmt == "pictures" and artifact.schema["kind"] != "image_text":
-        raise UserError(
-            f"{input_uri}: a folder of pictures is embedded by a retrieval model; "
-            f"{artifact.name} reads {artifact.schema['kind']} rows"
-        )
-    present = header(files, fmt)
-    spec = scorer.input_spec(artifact.schema, id_column, fmt, present, config, input_uri)
+    spec = input_spec_of(scorer, artifact, config, input_uri, id_column, (fmt, files))
     expected_rows = check_columns(files, spec)
     output = output.rstrip("/")
     check_output(output, overwrite)
@@ -138,6 +132,25 @@ def predict(
         "bad_rows": {"count": tally.rejected, "examples": tally.examples},
         "elapsed_s": round(elapsed, 3),
     }
+
+
+def input_spec_of(
+    scorer: Scorer,
+    artifact: Any,
+    config: Config,
+    input_uri: str,
+    id_column: str,
+    found: tuple[str, list[str]],
+) -> InputSpec:
+    """What the task reads of this input; a folder of pictures only by a retrieval model."""
+    fmt, files = found
+    if fmt == "pictures" and artifact.schema["kind"] != "image_text":
+        raise UserError(
+            f"{input_uri}: a folder of pictures is embedded by a retrieval model; "
+            f"{artifact.name} reads {artifact.schema['kind']} rows"
+        )
+    present = header(files, fmt)
+    return scorer.input_spec(artifact.schema, id_column, fmt, present, config, input_uri)
 
 
 def discard_run(output: str, run: str, existed: bool) -> None:
