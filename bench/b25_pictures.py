@@ -114,9 +114,8 @@ def peer(kind: str, source: str, output: str) -> None:
     def flush(code: int) -> None:
         nonlocal shards
         values, pending[code] = pending[code], []
-        if kind == "folder":
-            flat = np.stack(values)
-            column = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+        if kind == "folder":  # a row's uint8 pixels as its bytes, as prepare stores them
+            column = pa.array([v.tobytes() for v in values], pa.large_binary())
         else:
             column = pa.array(values, pa.binary())
         path = Path(output) / f"{code}-{shards:05d}.parquet"

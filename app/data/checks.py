@@ -108,15 +108,25 @@ def pixels(column: Column, name: str, width: int) -> tuple[np.ndarray, Problems]
     for i, value in enumerate(values_of(column)):
         problem = absent(name, value)
         if problem is None and isinstance(value, str | bytes):
-            try:  # a list written as JSON text (CSV)
-                value = json.loads(value)
-            except ValueError:
-                problem = f"column {name!r}: not a list of {width} numbers"
+            value, problem = _pixel_text(value, name, width)
         if problem is None:
             out[i], problem = _pixel_row(value, name, width)
         if problem:
             problems[i] = problem
     return out, problems
+
+
+def _pixel_text(value: str | bytes, name: str, width: int) -> tuple[Any, str | None]:
+    """A list written as JSON text (CSV), or a row as prepared shards store it (its pixels'
+    bytes: `width` uint8 values, or float32 at four bytes each; such bytes are not JSON text,
+    which is tried first)."""
+    try:
+        return json.loads(value), None
+    except ValueError:
+        pass
+    if isinstance(value, bytes) and len(value) in (width, 4 * width):
+        return np.frombuffer(value, np.uint8 if len(value) == width else np.float32), None
+    return None, f"column {name!r}: not a list of {width} numbers"
 
 
 def _pixel_row(value: Any, name: str, width: int) -> tuple[np.ndarray, str | None]:

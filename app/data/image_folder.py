@@ -4,7 +4,7 @@ prepared in pieces (app/data/pieces.py) of at most PICTURES_PER_PIECE pictures o
 Planning lists each class folder to count its pictures (it keeps the counts, not the names); a
 task lists its folder again and takes its run of the sorted names, decodes each picture (its
 header checked against the limits first), resizes it to `data.image_size` and writes it as
-uint8 pixels, a few hundred at a time. A picture's split is a pure function of (`data.seed`,
+its uint8 pixels (a row's bytes), a few hundred at a time. A picture's split is a pure function of (`data.seed`,
 its path relative to the root), so adding pictures moves none that were there.
 """
 
@@ -69,7 +69,7 @@ def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
         kind="image",
         features=(IMAGE_COLUMN,),
         label=cfg.label_column,
-        schema=schema(size, cfg.label_column),
+        schema=schema(cfg.label_column),
         pieces=pieces,
         run=functools.partial(prepare_piece, decode=decode),
         description={"source": "imagefolder", "path": root, "classes": classes, "image_size": size},
@@ -78,10 +78,8 @@ def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
     )
 
 
-def schema(size: int, label_column: str) -> pa.Schema:
-    return pa.schema(
-        [(IMAGE_COLUMN, pa.list_(pa.uint8(), 3 * size * size)), (label_column, pa.string())]
-    )
+def schema(label_column: str) -> pa.Schema:
+    return pa.schema([(IMAGE_COLUMN, pa.large_binary()), (label_column, pa.string())])
 
 
 def pictures_in(root: str, label: str) -> list[str]:
@@ -93,7 +91,7 @@ def pictures_in(root: str, label: str) -> list[str]:
 def prepare_piece(piece: FolderPiece, target: Target, decode: Decode) -> PieceResult:
     """The piece's pictures decoded, resized and written to their splits' shards."""
     out = PieceResult(piece.index)
-    writer = ShardWriter(target, piece.index, schema(decode.size, decode.label_column))
+    writer = ShardWriter(target, piece.index, schema(decode.label_column))
     names = pictures_in(piece.root, piece.label)[piece.start : piece.stop]
     for first in range(0, len(names), WRITE_ROWS):
         rows, keys, problems = [], [], {}

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 GENERATION_MARK = "gen-"
 REQUIRED_SPLITS = ("train", "val")
-LAYOUT = 2  # 2: image pixels stored as uint8; shards named by the piece that wrote them
+LAYOUT = 2  # 2: a row's pixels one binary value (uint8 where bytes); shards named by piece
 
 
 class Prepare(Protocol):
@@ -90,7 +90,7 @@ class DatasetManifest(storage.Contract):
     """`<data.output>/manifest.json`: what a prepared dataset holds, and the only way into it."""
 
     # How the shards are laid out; a dataset of an older layout is prepared again (absent: 1,
-    # pictures as float32 pixels).
+    # pixels as lists of float32).
     layout: int = 1
     created: str
     source: dict[str, Any]  # the source's own description (name, path, seed, ...)

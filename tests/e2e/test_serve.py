@@ -71,11 +71,12 @@ def served(readme_chain):
 def val_rows(output: str, n: int) -> tuple[np.ndarray, list[str]]:
     import pandas as pd
 
+    from app.data.kinds.image import stored_pixels
     from app.data.prepare import read_manifest, split_files
 
     files = split_files(output, read_manifest(output), "val")  # through the manifest
     frame = pd.concat([pd.read_parquet(f) for f in files]).iloc[:n]
-    return np.stack(frame["image"].to_list()).astype(np.float32), frame["label"].tolist()
+    return stored_pixels(frame["image"], 64), frame["label"].tolist()
 
 
 def v2_body(x: np.ndarray) -> dict:

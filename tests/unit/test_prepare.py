@@ -15,6 +15,7 @@ from PIL import Image
 from sklearn import datasets
 
 import app.data.prepare
+from app.data.kinds.image import stored_pixels
 from app.data.pieces import SplitRule, row_keys
 from app.data.prepare import (
     GENERATION_MARK,
@@ -98,7 +99,8 @@ def test_digits_shards_hold_raw_pixels_and_every_row(config_factory):
     idx = split_rows(1797, 0.2, 0.0, seed=0)
     for split in ("train", "val"):
         frame = read_split(config.data_output, manifest, split)
-        pixels = np.stack(frame["image"].to_list())
+        assert {len(v) for v in frame["image"]} == {64}  # a row's pixels, a byte each
+        pixels = stored_pixels(frame["image"], 64)
         assert pixels.shape == (len(idx[split]), 64)
         # Raw values, unchanged: integers 0..16, exactly the source's rows in index order.
         assert pixels.min() == 0 and pixels.max() == 16
@@ -159,7 +161,7 @@ def test_synthetic_image(config_factory):
     assert sum(summary["rows"].values()) == 30
     manifest = check_dataset(config.data_output, summary)
     assert manifest.kind == "image" and manifest.image_shape == [1, 8, 8]
-    pixels = np.stack(read_split(config.data_output, manifest, "train")["image"].to_list())
+    pixels = stored_pixels(read_split(config.data_output, manifest, "train")["image"], 64)
     assert pixels.shape[1] == 64
     assert pixels.min() >= 0 and pixels.max() <= 255 and pixels.max() > 16
     np.testing.assert_array_equal(pixels, np.round(pixels))  # raw 0..255 integers
@@ -187,11 +189,12 @@ def test_imagefolder(config_factory, tmp_path):
     manifest = check_dataset(config.data_output, summary)
     assert manifest.kind == "image"
     assert manifest.image_shape == [3, 4, 4]
-    assert manifest.columns["image"] == "fixed_size_list<item: uint8>[48]"  # bytes, not floats
+    assert manifest.columns["image"] == "large_binary"  # a row's uint8 pixels as its bytes
     assert manifest.label_names == ["cat", "dog"]
     frame = pd.concat([read_split(config.data_output, manifest, s) for s in ("train", "val")])
+    assert {len(v) for v in frame["image"]} == {48}
     for pixels, label in zip(frame["image"], frame["label"], strict=True):
-        image = np.asarray(pixels).reshape(3, 4, 4)  # channels first, raw 0..255
+        image = np.frombuffer(pixels, np.uint8).reshape(3, 4, 4)  # channels first, raw 0..255
         for channel, value in enumerate(COLOURS[label]):
             assert (image[channel] == value).all()
 

@@ -8,6 +8,7 @@ import pytest
 
 from app.data import kinds
 from app.data.ingest import fit_preprocessor, iter_shards
+from app.data.kinds.image import stored_pixels
 from app.data.kinds.text import PAD
 from app.data.prepare import prepare, read_manifest, split_files
 from app.data.preprocess import LABEL_KEY, FitOptions
@@ -233,7 +234,7 @@ def test_digits_preprocessor_from_prepared_shards(config_factory):
     assert pre.num_features == 64
     manifest = read_manifest(config.data_output)
     train = read_split(config.data_output, manifest, "train")
-    pixels = np.stack(train["image"].to_list())
+    pixels = stored_pixels(train["image"], 64)
     assert pre.state["mean"] == pytest.approx(pixels.mean())
     out = pre.transform_batch(as_batch(train.iloc[:5]))
     assert out["x"].shape == (5, 1, 8, 8)
@@ -255,3 +256,26 @@ def test_text_is_cut_before_tokenizing_without_changing_its_tokens():
     start = time.perf_counter()
     pre.features(["the dog " * (2**19)])  # 4 MiB
     assert time.perf_counter() - start < 1.0  # a loose bound; tokenizing it whole takes seconds
+
+
+def test_stored_pixels_round_trip_and_jobs_predict_reads_prepared_rows():
+    """A row's pixels are stored as its bytes (uint8 where they are bytes, else float32) and
+    read back as the same float32 values; a prepared shard's rows are a valid predict input,
+    beside CSV's JSON lists, and bytes of the wrong length are refused by row."""
+    import pyarrow as pa
+
+    from app.data import checks
+    from app.data.kinds.image import pixel_column
+
+    whole = np.arange(12, dtype=np.float32).reshape(2, 6) * 20
+    fractional = whole + 0.5
+    for rows, kind in ((whole, pa.large_binary()), (fractional, pa.large_binary())):
+        column = pixel_column(rows)
+        assert column.type == kind and len(column[0].as_py()) == (6 if rows is whole else 24)
+        np.testing.assert_array_equal(stored_pixels(column.to_pylist(), 6), rows)
+    stored = pixel_column(whole).to_pylist()
+    values = [*stored, b"[1, 2, 3, 4, 5, 6]", b"\x01\x02"]
+    out, problems = checks.pixels(pa.chunked_array([pa.array(values, pa.binary())]), "image", 6)
+    np.testing.assert_array_equal(out[:2], whole)
+    np.testing.assert_array_equal(out[2], [1, 2, 3, 4, 5, 6])
+    assert problems == {3: "column 'image': not a list of 6 numbers"}
