@@ -3,9 +3,7 @@ generates text."""
 
 from __future__ import annotations
 
-from app.data.corpus import dataset_preprocessor, tokenize_corpus
 from app.data.ingest import DATASET_PREPROCESSOR
-from app.data.prepare import PREPARE
 from app.evaluate import EVALUATE, evaluate_language_model
 from app.export.exporter import EXPORT
 from app.export.lm import export_lm
@@ -15,6 +13,7 @@ from app.predict.generate import CompletionPredictor
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import LMApp
 from app.tasks.lm import (
+    dataset_preprocessor,
     headline,
     next_token_loss,
     reference_metrics,
@@ -38,12 +37,10 @@ def spec() -> Task:
         name="lm",
         dataset_kinds=("tokens",),
         metrics=("val_loss", "val_perplexity", "val_token_accuracy", "baseline_perplexity"),
-        source_kinds=("documents",),
         generates=True,
         checkpoint=("val_loss", "min"),
         parts=dict(
             [
-                PREPARE.of(tokenize_corpus),
                 DATASET_PREPROCESSOR.of(dataset_preprocessor),
                 LOSS.of(next_token_loss),
                 PIPELINE_BATCH.of(shifted),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from app.config import DataConfig
+from app.config import Config
 from app.data.kinds.image import pixel_column
 from app.data.kinds.image_text import BadPicture, PictureLimits
 from app.data.pictures import PICTURE_EXTENSIONS, data_limits
@@ -48,7 +48,8 @@ class Decode:
     max_examples: int = 5
 
 
-def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
+def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
+    cfg = config.data
     root = cfg.path
     if not root or not os.path.isdir(root):
         raise UserError(f"data.path {root!r} does not exist or is not a folder")

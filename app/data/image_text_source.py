@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app import storage
-from app.config import DataConfig
+from app.config import Config, DataConfig
 from app.data import table_source as tables
 from app.data.pictures import CAPTION, IMAGE, IMAGE_ID, KARPATHY_SPLITS, RESERVED, PictureReader
 from app.data.pieces import SPLITS, PieceResult, ShardWriter, SourcePlan, Target, Tasks, row_keys
@@ -70,7 +70,8 @@ class PicturePiece:
         return self.piece.index
 
 
-def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
+def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
+    cfg = config.data
     if cfg.format == "karpathy":
         return _karpathy_plan(cfg, tasks, folder)
     files = tables.table_files(cfg.path)

@@ -242,6 +242,10 @@ class SourcePlan:
     scratch: tuple[str, ...] = ()  # files planning wrote for the tasks, removed once they ran
     image_shape: tuple[int, int, int] | None = None
     max_examples: int = 5
+    files: dict[str, bytes] = field(default_factory=dict)  # stored beside the shards, by name
+    block_size: int | None = None  # tokens: the model input length (rows hold one more)
+    # Why a required split came out empty, "{split}" naming it (rows are split by key).
+    too_few: str = "only {rows} rows: too few to split into train/val/test"
 
 
 def split_rows_of(records: Sequence[ShardRecord]) -> dict[str, int]:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from app import storage
-from app.config import Config, DataConfig, ModelConfig
+from app.config import Config, DataConfig
 from app.data.kinds import processor
 from app.data.pieces import (
     PieceResult,
@@ -46,25 +46,12 @@ from app.data.pieces import (
 from app.data.preprocess import Preprocessor
 from app.data.sources import Kind, SourceData, load_source
 from app.errors import UserError
-from app.tasks.registry import Part, task_for_source
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 GENERATION_MARK = "gen-"
 REQUIRED_SPLITS = ("train", "val")
 LAYOUT = 2  # 2: a row's pixels one binary value (uint8 where bytes); shards named by piece
-
-
-class Prepare(Protocol):
-    """A task that prepares raw rows of its own kind: (rows, splits) -> (its rows, their
-    splits, files to store beside the shards by name)."""
-
-    def __call__(
-        self, data: SourceData, splits: dict[str, np.ndarray], model: ModelConfig, /
-    ) -> tuple[SourceData, dict[str, np.ndarray], dict[str, bytes]]: ...
-
-
-PREPARE = Part[Prepare]("prepare")
 
 
 # --- the dataset manifest: written here, read by every stage that reads the shards -------------
@@ -119,8 +106,8 @@ class DatasetManifest(storage.Contract):
 
 def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
     """The source -> a published dataset. A source read in pieces (a table, an image folder,
-    pictures and captions) is read, checked, split and written by `tasks` (default: Ray Data
-    tasks on the cluster this job joins)."""
+    pictures and captions, a text corpus) is read, checked, split and written by `tasks`
+    (default: Ray Data tasks on the cluster this job joins)."""
     from app.models.families import base_for  # torch: only where a dataset is prepared
 
     cfg = config.data
@@ -132,14 +119,8 @@ def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
     splits = source_splits(data, cfg.val_fraction, cfg.test_fraction, cfg.seed)
     output = config.data_output
     log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
-    files: dict[str, bytes] = {}
-    task = task_for_source(data.kind)
-    if task and task.has(PREPARE):  # a corpus: tokenizer + packed token rows, split by document
-        data, splits, files = task.part(PREPARE)(data, splits, config.model)
     base_for(config.model, processor(data.kind))  # the pretrained model must take this data
-    manifest = publish_generation(
-        data, splits, output, cfg.rows_per_shard, files, keep=cfg.keep_generations
-    )
+    manifest = publish_generation(data, splits, output, cfg.rows_per_shard, cfg.keep_generations)
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
     log.info("prepare: wrote %s%s", rows, f", skipped {data.skipped}" if data.skipped else "")
     summary = {"stage": "prepare", "output": output, "rows": rows}
@@ -150,15 +131,16 @@ class Planner(Protocol):
     """A source's pieces, planned once a generation `folder` exists (a source may first write
     a listing of itself there, in a task)."""
 
-    def __call__(self, cfg: DataConfig, tasks: Tasks, folder: str, /) -> SourcePlan: ...
+    def __call__(self, config: Config, tasks: Tasks, folder: str, /) -> SourcePlan: ...
 
 
 def planner_for(cfg: DataConfig) -> Planner | None:
     """How a source is cut into pieces, by `data.source` (None: read whole, one process)."""
-    from app.data import image_folder, image_text_source, table_source
+    from app.data import corpus, image_folder, image_text_source, table_source
 
     planners: dict[str, Planner] = {
         "table": table_source.planned,
+        "text_files": corpus.planned,
         "imagefolder": image_folder.planned,
         "image_text": image_text_source.planned,
     }
@@ -187,7 +169,7 @@ def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, 
     plans: list[SourcePlan] = []
 
     def write(folder: str, prefix: str) -> DatasetManifest:
-        plan = planner(cfg, tasks, folder)
+        plan = planner(config, tasks, folder)
         plans.append(plan)
         base_for(config.model, processor(plan.kind))  # the pretrained model must take this data
         log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)
@@ -197,7 +179,8 @@ def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, 
         for scratch in plan.scratch:
             storage.delete_file(scratch)
         labels = checked_results(results, plan, cfg.source)
-        return manifest_of([r for result in results for r in result.shards], plan, labels)
+        files = write_files(plan.files, folder, prefix)
+        return manifest_of([r for result in results for r in result.shards], plan, labels, files)
 
     manifest = publish_written(output, write, cfg.keep_generations)
     rows = {name: entry.rows for name, entry in manifest.splits.items()}
@@ -231,11 +214,27 @@ def checked_results(results: list[PieceResult], plan: SourcePlan, source: str) -
     if missing and plan.own_split:
         raise UserError(f"the source's own split has no {missing[0]!r} rows")
     if missing:
-        raise UserError(f"only {rows} rows: too few to split into train/val/test")
+        raise UserError(plan.too_few.format(rows=rows, split=missing[0]))
     return sorted({label for r in results for label in r.labels})
 
 
-def manifest_of(records: list[ShardRecord], plan: SourcePlan, labels: list[str]) -> DatasetManifest:
+def write_files(files: dict[str, bytes], folder: str, prefix: str) -> dict[str, DataFile]:
+    """`files` beside the shards in `folder`, listed by name with their sha256 (`prefix` is
+    `folder` relative to the dataset root)."""
+    listed = {}
+    for name, content in files.items():
+        storage.write_bytes(storage.join(folder, name), content)
+        rel = f"{prefix}/{name}" if prefix else name
+        listed[name] = DataFile(file=rel, sha256=hashlib.sha256(content).hexdigest())
+    return listed
+
+
+def manifest_of(
+    records: list[ShardRecord],
+    plan: SourcePlan,
+    labels: list[str],
+    files: dict[str, DataFile] | None = None,
+) -> DatasetManifest:
     by_split = ordered(records)
     splits = {
         name: Split(
@@ -256,6 +255,8 @@ def manifest_of(records: list[ShardRecord], plan: SourcePlan, labels: list[str])
         columns={f.name: str(f.type) for f in plan.schema},
         rows={name: s.rows for name, s in splits.items()},
         splits=splits,
+        files=files or {},
+        block_size=plan.block_size,
     )
 
 
@@ -289,15 +290,9 @@ def write_dataset(
     folder: str,
     prefix: str,
     rows_per_shard: int,
-    files: dict[str, bytes] | None = None,
 ) -> DatasetManifest:
-    """Every split's shards and `files` under `folder` (a local path or URI); the manifest to
-    describe them, its paths relative to the dataset root (`prefix` is `folder` relative to it)."""
-    extra = {}
-    for name, content in (files or {}).items():
-        storage.write_bytes(storage.join(folder, name), content)
-        rel = f"{prefix}/{name}" if prefix else name
-        extra[name] = DataFile(file=rel, sha256=hashlib.sha256(content).hexdigest())
+    """Every split's shards under `folder` (a local path or URI); the manifest to describe
+    them, its paths relative to the dataset root (`prefix` is `folder` relative to it)."""
     entries = {
         name: write_split(
             data,
@@ -308,7 +303,7 @@ def write_dataset(
         )
         for name, idx in splits.items()
     }
-    return build_manifest(data, entries, extra)
+    return build_manifest(data, entries)
 
 
 def publish_generation(
@@ -316,13 +311,12 @@ def publish_generation(
     splits: dict[str, np.ndarray],
     output: str,
     rows_per_shard: int,
-    files: dict[str, bytes] | None = None,
     keep: int = 2,
 ) -> DatasetManifest:
     """Shards under a new generation prefix, then the manifest (the commit), then clean-up."""
 
     def write(folder: str, prefix: str) -> DatasetManifest:
-        return write_dataset(data, splits, folder, prefix, rows_per_shard, files)
+        return write_dataset(data, splits, folder, prefix, rows_per_shard)
 
     return publish_written(output, write, keep)
 
@@ -424,9 +418,7 @@ def write_split(
     return Split(rows=int(len(idx)), shards=shards)
 
 
-def build_manifest(
-    data: SourceData, splits: dict[str, Split], files: dict[str, DataFile] | None = None
-) -> DatasetManifest:
+def build_manifest(data: SourceData, splits: dict[str, Split]) -> DatasetManifest:
     sample = to_arrow(data.frame.iloc[:1], data)
     return DatasetManifest(
         layout=LAYOUT,
@@ -444,8 +436,6 @@ def build_manifest(
         columns={f.name: str(f.type) for f in sample.schema},
         rows={name: s.rows for name, s in splits.items()},
         splits=splits,
-        files=files or {},
-        block_size=data.block_size,
     )
 
 

@@ -6,9 +6,6 @@ preprocessor, so that serving accepts exactly what the source held.
 
 from __future__ import annotations
 
-import glob
-import os
-import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,13 +16,11 @@ from app.config import DataConfig
 from app.data.kinds import processor
 from app.errors import UserError
 
-# "documents": a text corpus for language modelling (no labels); prepare turns it into "tokens".
+# "tokens": a text corpus packed into token rows for language modelling (app/data/corpus.py).
 # "image_text": pictures and their captions (retrieval; no labels).
-Kind = Literal["image", "tabular", "text", "documents", "tokens", "image_text"]
+Kind = Literal["image", "tabular", "text", "tokens", "image_text"]
 IMAGE_COLUMN = "image"
 TEXT_COLUMN = "text"
-PATH_COLUMN = "path"
-STDLIB = "{stdlib}"  # in data.path: this Python's standard library folder
 
 
 @dataclass
@@ -36,7 +31,6 @@ class SourceData:
     label_column: str
     image_shape: tuple[int, int, int] | None = None  # (channels, height, width) of flat pixels
     description: dict[str, Any] = field(default_factory=dict)
-    block_size: int | None = None  # tokens: a model's input length (rows hold one more)
     # Rows that must stay in one split (a picture's captions): one group number per row.
     groups: np.ndarray | None = None
     # A source's own split of its rows (the Karpathy split): split -> row indices.
@@ -51,7 +45,6 @@ def load_source(cfg: DataConfig) -> SourceData:
         "wine": _sklearn,
         "synthetic_text": _synthetic_text,
         "synthetic_image": _synthetic_image,
-        "text_files": _text_files,
         "synthetic_image_text": _image_text,
     }
     if cfg.source not in loaders:
@@ -59,7 +52,7 @@ def load_source(cfg: DataConfig) -> SourceData:
     data = loaders[cfg.source](cfg)
     if data.frame.empty:
         raise UserError(f"data source {cfg.source!r} produced no rows")
-    if processor(data.kind).labelled:  # a corpus has no labels
+    if processor(data.kind).labelled:  # pictures and captions have no labels
         _check_labels(data, cfg.labels)
     return data
 
@@ -105,72 +98,6 @@ def _sklearn(cfg: DataConfig) -> SourceData:
 
 def _column_name(name: str) -> str:
     return "_".join(name.replace("/", " ").replace("(", " ").replace(")", " ").split())
-
-
-# --- a corpus of text files: one document per file, for language modelling ----------------------
-
-
-def _text_files(cfg: DataConfig) -> SourceData:
-    """Every file the glob `data.path` matches, in sorted path order, as one document each.
-
-    Files under a folder named in `data.exclude_dirs` and empty files are skipped. The order is
-    the sorted relative paths, so the same tree always gives the same documents.
-    """
-    assert cfg.path is not None  # DataConfig requires it for this source
-    pattern = expand_path(cfg.path)
-    root = glob_root(pattern)
-    files = text_file_paths(pattern, cfg.exclude_dirs)
-    if not files:
-        raise UserError(f"data.path {cfg.path!r}: no files match {pattern!r}")
-    texts, paths = [], []
-    for path in files:
-        text = _read_text(path)
-        if text.strip():
-            texts.append(text)
-            paths.append(os.path.relpath(path, root))
-    if not texts:
-        raise UserError(f"data.path {cfg.path!r}: all {len(files)} matching files are empty")
-    frame = pd.DataFrame({TEXT_COLUMN: texts, PATH_COLUMN: paths})
-    description = {
-        "source": "text_files",
-        "path": cfg.path,
-        "root": root,
-        "exclude_dirs": cfg.exclude_dirs,
-        "documents": len(texts),
-        "characters": int(sum(len(t) for t in texts)),
-    }
-    return SourceData(frame, "documents", [TEXT_COLUMN], "", None, description)
-
-
-def expand_path(path: str) -> str:
-    return os.path.expanduser(path.replace(STDLIB, sysconfig.get_paths()["stdlib"]))
-
-
-def glob_root(pattern: str) -> str:
-    """The folder part of a glob before its first wildcard (documents are named relative to it)."""
-    parts = pattern.split(os.sep)
-    fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts) - 1)
-    return os.sep.join(parts[:fixed]) or os.sep
-
-
-def text_file_paths(pattern: str, exclude_dirs: list[str]) -> list[str]:
-    """Files matching `pattern`, sorted, none under an excluded folder name (below the root)."""
-    root = glob_root(pattern)
-    excluded = set(exclude_dirs)
-    files = []
-    for path in glob.glob(pattern, recursive=True):
-        folders = os.path.relpath(path, root).split(os.sep)[:-1]
-        if os.path.isfile(path) and not excluded.intersection(folders):
-            files.append(path)
-    return sorted(files)
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 # --- deterministic generators: learnable but not trivial ---------------------------------------

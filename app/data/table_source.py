@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from app import storage
-from app.config import DataConfig
+from app.config import Config, DataConfig
 from app.data.pieces import PieceResult, ShardWriter, SourcePlan, Target, Tasks, row_keys
 from app.errors import UserError
 
@@ -70,9 +70,10 @@ class Piece:
 # --- planning -----------------------------------------------------------------------------------
 
 
-def planned(cfg: DataConfig, tasks: Tasks, folder: str) -> SourcePlan:
+def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
     """The table as prepare runs it: a task a piece (`prepare_piece`); planning reads the
     first file's header alone, here."""
+    cfg = config.data
     spec, pieces = plan(cfg)
     return SourcePlan(
         kind="text" if spec.text else "tabular",

@@ -181,3 +181,15 @@ def evaluate_lm(
         "baseline_perplexity": baseline_perplexity(config, manifest, vocab, split),
         "tokens": int(tokens),
     }
+
+
+def dataset_preprocessor(config: Config, manifest: DatasetManifest) -> Preprocessor:
+    """A token dataset's preprocessor: the tokenizer trained at prepare, adopted as it is."""
+    from app.data.corpus import TOKENIZER_FILE
+    from app.data.kinds.tokens import Tokens
+    from app.data.prepare import read_dataset_file
+    from app.models.families import base_for
+
+    tokenizer = read_dataset_file(config.data_output, manifest, TOKENIZER_FILE).decode()
+    base = base_for(config.model, Tokens)
+    return Tokens.adopt(manifest.to_json_dict(), tokenizer, base)

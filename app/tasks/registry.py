@@ -50,7 +50,6 @@ class Task:
     dataset_kinds: tuple[str, ...]  # prepared datasets this task trains on
     metrics: tuple[str, ...]  # what its validation reports
     parts: Mapping[str, Any]  # part name -> the function or class (see `Part`)
-    source_kinds: tuple[str, ...] = ()  # raw sources this task prepares itself
     generates: bool = False  # answers /v1/completions streams instead of v2 inference
     checkpoint: tuple[str, str] = ("val_accuracy", "max")  # ranks checkpoints by default
 
@@ -123,11 +122,6 @@ def task_for_dataset(kind: str) -> Task:
         if kind in task.dataset_kinds:
             return task
     raise ConfigError(f"no task trains on datasets of kind {kind!r}")
-
-
-def task_for_source(kind: str) -> Task | None:
-    """The task that prepares raw rows of this kind itself, if any (else rows are kept as is)."""
-    return next((t for t in _tasks().values() if kind in t.source_kinds), None)
 
 
 def task_of_schema(schema: dict[str, Any]) -> Task:

@@ -157,3 +157,32 @@ def test_an_image_folder_is_decoded_in_tasks_into_the_same_uint8_shards(
     for image, label in zip(pixels, rows["label"], strict=True):
         means = image.reshape(3, -1).mean(axis=1)  # its class's channel high, as drawn
         assert means.argmax() == int(label[-1]) and means.max() > 230, means
+
+
+def test_a_text_corpus_is_tokenized_and_packed_in_tasks_like_one_process(
+    tmp_path, ray_local, monkeypatch
+):
+    from app.data import corpus
+
+    # This Python's email package (about 0.36 MB): several pieces, planned here.
+    monkeypatch.setattr(corpus, "DOCUMENT_BYTES_PER_PIECE", 60_000)
+
+    def run(name: str, tasks) -> dict:
+        config = make_config(
+            tmp_path / name,
+            "data.source=text_files",
+            "data.path={stdlib}/email/*.py",
+            "data.val_fraction=0.3",
+            "model.name=gpt",
+            "model.vocab_size=400",
+            "model.max_length=32",
+            "data.rows_per_shard=100",
+        )
+        return prepare(config, tasks)
+
+    local, ray = run("local", InProcess()), run("ray", RayTasks(cpus=0.5))
+    assert shard_bytes(ray["output"]) == shard_bytes(local["output"])
+    ours, theirs = (json.loads((Path(s["output"]) / MANIFEST).read_text()) for s in (ray, local))
+    assert ours["kind"] == "tokens" and ours["source"]["vocab_size"] == 400
+    assert ours["files"]["tokenizer.json"]["sha256"] == theirs["files"]["tokenizer.json"]["sha256"]
+    assert len({s["file"].split("-")[-2] for s in ours["splits"]["train"]["shards"]}) > 1  # pieces

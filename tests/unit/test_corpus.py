@@ -11,10 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.data.corpus import EOS, TOKENIZER_FILE, encode_documents, pack, train_tokenizer
+from app.data import corpus as corpus_source
+from app.data.corpus import (
+    EOS,
+    TOKENIZER_FILE,
+    encode_documents,
+    expand_path,
+    listed,
+    pack,
+    train_tokenizer,
+)
 from app.data.ingest import fit_preprocessor
+from app.data.pieces import InProcess
 from app.data.prepare import prepare, read_dataset_file, read_manifest, split_files
-from app.data.sources import expand_path, load_source
 from app.errors import ConfigError, UserError
 from app.tasks.lm import target_counts, token_rows, unigram_perplexity
 from app.tasks.registry import check_metric, task_for_dataset
@@ -45,6 +54,12 @@ def corpus(tmp_path: Path) -> Path:
     return root
 
 
+def many_documents(root: Path, count: int) -> Path:
+    for i in range(count):
+        write(root, f"m{i:02d}.py", f"def f{i}(x):\n    return x * {i} + {i}\n" * 20)
+    return root
+
+
 def text_files_config(config_factory, root: Path, *overrides: str):
     return config_factory(
         f"data.path={root}/**/*.py",
@@ -53,24 +68,31 @@ def text_files_config(config_factory, root: Path, *overrides: str):
     )
 
 
-def test_text_files_are_sorted_documents_without_excluded_folders(config_factory, corpus):
-    data = load_source(text_files_config(config_factory, corpus).data)
-    assert data.kind == "documents"
-    assert data.frame["path"].tolist() == ["a/y.py", "a/z.py", "b.py"]
-    assert data.frame["text"].tolist() == ["y = 2\n", "x = 1\n", "import os\n"]
-    assert data.description["documents"] == 3
+def test_text_files_are_sorted_documents_without_excluded_folders(corpus):
+    documents, sizes = listed(f"{corpus}/**/*.py", ["site-packages", "test", "tests"])
+    # empty.py holds only whitespace: listed, then left out by the task that reads it.
+    assert documents.files == ("a/y.py", "a/z.py", "b.py", "empty.py")
+    assert documents.root == str(corpus) and sizes == [6, 6, 10, 3]
 
 
 def test_text_files_without_a_match_is_one_line(config_factory, tmp_path):
     config = config_factory(f"data.path={tmp_path}/*.md", path=LM_YAML)
     with pytest.raises(UserError, match=r"no files match"):
-        load_source(config.data)
+        prepare(config, InProcess())
 
 
-def test_text_files_refuses_a_file_that_is_not_utf8(config_factory, corpus):
-    (corpus / "bad.py").write_bytes(b"x = '\xff'\n")
-    with pytest.raises(UserError, match=r"bad.py: not UTF-8 text"):
-        load_source(text_files_config(config_factory, corpus).data)
+def test_a_file_that_is_not_utf8_is_refused_by_name_or_skipped(config_factory, tmp_path):
+    root = many_documents(tmp_path / "many", 20)
+    (root / "m07.py").write_bytes(b"x = '\xff'\n")
+    config = text_files_config(config_factory, root, "data.val_fraction=0.2")
+    with pytest.raises(UserError, match=r"m07.py: not UTF-8 text \(byte 5"):
+        prepare(config, InProcess())
+    assert not Path(config.data_output).exists()  # nothing published
+    skipping = text_files_config(
+        config_factory, root, "data.val_fraction=0.2", "data.skip_bad_rows=true"
+    )
+    summary = prepare(skipping, InProcess())
+    assert summary["skipped"] == 1 and "m07.py" in summary["skipped_examples"][0]
 
 
 def test_stdlib_placeholder_names_this_pythons_standard_library():
@@ -101,25 +123,55 @@ def test_packing_makes_every_token_but_the_first_a_target_once():
     assert pack(np.arange(3), block_size=3).shape == (0, 4)  # too short for one row
 
 
-def test_prepare_writes_token_rows_and_a_hashed_tokenizer(config_factory, tmp_path):
-    root = tmp_path / "many"
-    for i in range(20):
-        write(root, f"m{i:02d}.py", f"def f{i}(x):\n    return x * {i} + {i}\n" * 20)
+def val_text(config, manifest) -> str:
+    """The val split's rows decoded back into text (consecutive rows overlap by one token)."""
+    rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))
+    ids = [*rows[0].tolist(), *rows[1:, 1:].ravel().tolist()]
+    return fit_preprocessor(config, manifest).tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("piece_bytes", [1 << 20, 700])  # one piece; a piece of about 2 files
+def test_prepare_splits_by_document_into_token_rows_and_a_hashed_tokenizer(
+    config_factory, tmp_path, monkeypatch, piece_bytes
+):
+    monkeypatch.setattr(corpus_source, "DOCUMENT_BYTES_PER_PIECE", piece_bytes)
+    root = many_documents(tmp_path / "many", 20)
     config = text_files_config(config_factory, root, "data.val_fraction=0.2", "model.max_length=16")
-    prepare(config)
+    prepare(config, InProcess())
     manifest = read_manifest(config.data_output)
     assert manifest.kind == "tokens" and manifest.block_size == 16
-    assert manifest.source["documents_per_split"] == {"train": 16, "val": 4}  # split by document
-    rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))
-    assert rows.shape == (manifest.rows["val"], 17)
-    pre = fit_preprocessor(config, manifest)
-    assert pre.kind == "tokens" and pre.block_size == 16
-    assert pre.tokenizer.decode(rows[0].tolist())  # ids of the dataset's own tokenizer
+    per_split = manifest.source["documents_per_split"]
+    assert per_split["train"] + per_split["val"] == 20 and per_split["val"] >= 1
+    assert manifest.columns == {"input_ids": "fixed_size_list<item: int32>[17]"}
+    # Split by document: the val rows decode into whole val documents, in source order.
+    text = val_text(config, manifest)
+    documents = [(root / f"m{i:02d}.py").read_text() for i in range(20)]
+    ours = [d for d in documents if d.splitlines()[0] in text]
+    assert len(ours) == per_split["val"]
+    if piece_bytes > 1 << 19:  # one piece: the split's documents packed as one stream
+        assert (EOS.join(ours) + EOS).startswith(text)
     # The tokenizer is checked against the manifest like a shard.
     path = Path(config.data_output) / manifest.files[TOKENIZER_FILE].file
     path.write_text(path.read_text() + " ")
     with pytest.raises(UserError, match=r"tokenizer.json: sha256 differs"):
         read_dataset_file(config.data_output, manifest, TOKENIZER_FILE)
+
+
+def test_a_split_too_short_for_one_sequence_is_one_line(config_factory, tmp_path):
+    root = many_documents(tmp_path / "many", 20)
+    config = text_files_config(
+        config_factory, root, "data.val_fraction=0.2", "model.max_length=4096"
+    )
+    with pytest.raises(
+        UserError, match=r"the val split holds fewer tokens than one sequence of 4097"
+    ):
+        prepare(config, InProcess())
+
+
+def test_a_corpus_without_a_val_document_says_so(config_factory, corpus):
+    config = text_files_config(config_factory, corpus, "data.val_fraction=0.01")
+    with pytest.raises(UserError, match=r"none of its 4 documents falls in the val split"):
+        prepare(config, InProcess())
 
 
 def test_unigram_perplexity_is_the_vocabulary_size_for_uniform_counts():

@@ -30,7 +30,7 @@ LAYERS = [
     ("app", 0),  # config, errors, storage, cli, plots
 ]
 # The names of the task axis: tasks and the dataset / source kinds only one task trains on.
-TASK_NAMES = {"classify", "lm", "tokens", "documents"}
+TASK_NAMES = {"classify", "lm", "tokens"}
 # The two tables: tasks by name, kinds of data by kind. Nothing else looks either up.
 TABLES = {"tasks/registry.py", "data/kinds/__init__.py"}
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import pandas as pd
 
-from app.data.kinds.documents import Documents
 from app.data.kinds.image import Image
 from app.data.kinds.image_text import ImageText
 from app.data.kinds.tabular import Tabular
@@ -19,7 +18,7 @@ from app.data.preprocess import FitOptions, Preprocessor
 from app.errors import UserError
 
 KINDS: dict[str, type[Preprocessor]] = {
-    cls.kind: cls for cls in (Tabular, Image, Text, Tokens, Documents, ImageText)
+    cls.kind: cls for cls in (Tabular, Image, Text, Tokens, ImageText)
 }
 
 
