@@ -46,9 +46,10 @@ def bert_tokenizer(vocab_size: int = 400):
     from transformers import BertTokenizerFast
 
     from app.config import DataConfig
-    from app.data.sources import load_source
+    from app.data.sources import MAKERS
 
-    texts = load_source(DataConfig(source="synthetic_text", num_rows=600)).frame["text"]
+    cfg = DataConfig(source="synthetic_text", num_rows=600)
+    texts = [t for rows, _ in MAKERS[cfg.source](cfg).rows(cfg) for t in rows["text"]]
     wordpiece = BertWordPieceTokenizer(lowercase=True)
     wordpiece.train_from_iterator(list(texts), vocab_size=vocab_size, show_progress=False)
     return BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=True)
@@ -140,11 +141,10 @@ def clip_tokenizer(vocab_size: int = 300):
     from transformers import CLIPTokenizerFast
 
     from app.config import DataConfig
-    from app.data.sources import load_source
+    from app.data.pictures import synthetic
 
-    captions = load_source(
-        DataConfig(source="synthetic_image_text", num_rows=200, image_size=8)
-    ).frame["caption"]
+    cfg = DataConfig(source="synthetic_image_text", num_rows=200, image_size=8)
+    captions = [c for rows, _ in synthetic(cfg) for c in rows["caption"]]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -16,6 +16,7 @@ import io
 import os
 import posixpath
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -145,16 +146,36 @@ POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 Scene = tuple[tuple[str, str, str, str], ...]  # (shape, colour, size, position) per object
 
 
-def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
+def synthetic(cfg: DataConfig, batch: int = 256) -> Iterator[tuple[pd.DataFrame, np.ndarray]]:
     """`cfg.num_rows` distinct pictures of 2-3 objects (5 shapes x 6 colours x 2 sizes x 4
     positions), each with `captions_per_image` captions naming only what is drawn, in different
     orders. A tenth of them come with a twin: the same objects with two colours swapped (the
-    binding subset, in one split with its twin)."""
+    binding subset, in one split with its twin).
+
+    Rows come `batch` pictures at a time, each with its split key: its picture's number, or its
+    twin's when that is lower, so a picture, its captions and its twin share a split."""
     rng = np.random.default_rng(cfg.seed)
+    scenes, twins = _scenes(cfg.num_rows, rng)
+    for start in range(0, len(scenes), batch):
+        out: dict[str, list[Any]] = {IMAGE: [], CAPTION: [], IMAGE_ID: [], TWIN: []}
+        keys: list[int] = []
+        for i in range(start, min(start + batch, len(scenes))):
+            picture = draw(scenes[i], cfg.image_size, rng)
+            for caption in captions(scenes[i], cfg.captions_per_image, rng):
+                out[IMAGE].append(picture)
+                out[CAPTION].append(caption)
+                out[IMAGE_ID].append(f"scene-{i}")
+                out[TWIN].append(f"scene-{twins[i]}" if twins[i] >= 0 else "")
+                keys.append(min(i, twins[i]) if twins[i] >= 0 else i)
+        yield pd.DataFrame(out), np.asarray(keys, dtype=np.uint64)
+
+
+def _scenes(count: int, rng: np.random.Generator) -> tuple[list[Scene], list[int]]:
+    """`count` distinct scenes, and each one's twin (-1: none)."""
     scenes: list[Scene] = []
     twins: list[int] = []
     seen: set[frozenset] = set()
-    while len(scenes) < cfg.num_rows:
+    while len(scenes) < count:
         scene = _scene(rng)
         if frozenset(scene) in seen:
             continue
@@ -162,27 +183,12 @@ def synthetic(cfg: DataConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
         scenes.append(scene)
         twins.append(-1)
         twin = _swapped(scene)
-        if len(scenes) < cfg.num_rows and rng.random() < 0.1 and frozenset(twin) not in seen:
+        if len(scenes) < count and rng.random() < 0.1 and frozenset(twin) not in seen:
             seen.add(frozenset(twin))
             twins[-1] = len(scenes) - 1
             scenes.append(twin)
             twins.append(len(scenes) - 2)
-    out: dict[str, list[Any]] = {IMAGE: [], CAPTION: [], IMAGE_ID: [], TWIN: []}
-    for i, scene in enumerate(scenes):
-        picture = draw(scene, cfg.image_size, rng)
-        for caption in captions(scene, cfg.captions_per_image, rng):
-            out[IMAGE].append(picture)
-            out[CAPTION].append(caption)
-            out[IMAGE_ID].append(f"scene-{i}")
-            out[TWIN].append(f"scene-{twins[i]}" if twins[i] >= 0 else "")
-    description = {
-        "source": "synthetic_image_text",
-        "seed": cfg.seed,
-        "pictures": len(scenes),
-        "image_size": cfg.image_size,
-        "captions_per_image": cfg.captions_per_image,
-    }
-    return pd.DataFrame(out), description
+    return scenes, twins
 
 
 def _scene(rng: np.random.Generator) -> Scene:
@@ -253,12 +259,3 @@ def _shape(
         w = r / 3
         pen.rectangle((cx - r, cy - w, cx + r, cy + w), fill=fill)
         pen.rectangle((cx - w, cy - r, cx + w, cy + r), fill=fill)
-
-
-def groups(frame: pd.DataFrame) -> np.ndarray:
-    """One group number per row: rows of one picture, and a picture and its twin, share one."""
-    key = frame[IMAGE_ID].astype(str)
-    if TWIN in frame:
-        twin = frame[TWIN].astype(str)
-        key = pd.Series(np.where(twin != "", np.minimum(key, twin), key), index=frame.index)
-    return pd.factorize(key)[0]

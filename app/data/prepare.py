@@ -24,10 +24,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from app import storage
@@ -43,8 +39,7 @@ from app.data.pieces import (
     ordered,
     split_rows_of,
 )
-from app.data.preprocess import Preprocessor
-from app.data.sources import Kind, SourceData, load_source
+from app.data.sources import Kind
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -105,26 +100,12 @@ class DatasetManifest(storage.Contract):
 
 
 def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
-    """The source -> a published dataset. A source read in pieces (a table, an image folder,
-    pictures and captions, a text corpus) is read, checked, split and written by `tasks`
-    (default: Ray Data tasks on the cluster this job joins)."""
+    """The source -> a published dataset: read, checked, split and written by `tasks`
+    (default: Ray Data tasks on the cluster this job joins), a task a piece of the source."""
     from app.models.families import base_for  # torch: only where a dataset is prepared
 
-    cfg = config.data
     base_for(config.model)  # a bad pretrained folder fails before any data is read
-    planner = planner_for(cfg)
-    if planner is not None:
-        return prepare_pieces(config, planner, tasks or ray_tasks())
-    data = load_source(cfg)
-    splits = source_splits(data, cfg.val_fraction, cfg.test_fraction, cfg.seed)
-    output = config.data_output
-    log.info("prepare: %d rows from %s -> %s", len(data.frame), cfg.source, output)
-    base_for(config.model, processor(data.kind))  # the pretrained model must take this data
-    manifest = publish_generation(data, splits, output, cfg.rows_per_shard, cfg.keep_generations)
-    rows = {name: entry.rows for name, entry in manifest.splits.items()}
-    log.info("prepare: wrote %s%s", rows, f", skipped {data.skipped}" if data.skipped else "")
-    summary = {"stage": "prepare", "output": output, "rows": rows}
-    return summary | ({"skipped": data.skipped} if data.skipped else {})
+    return prepare_pieces(config, planner_for(config.data), tasks or ray_tasks())
 
 
 class Planner(Protocol):
@@ -134,17 +115,20 @@ class Planner(Protocol):
     def __call__(self, config: Config, tasks: Tasks, folder: str, /) -> SourcePlan: ...
 
 
-def planner_for(cfg: DataConfig) -> Planner | None:
-    """How a source is cut into pieces, by `data.source` (None: read whole, one process)."""
-    from app.data import corpus, image_folder, image_text_source, table_source
+def planner_for(cfg: DataConfig) -> Planner:
+    """How a source is cut into pieces, by `data.source` (one piece: a source one task makes)."""
+    from app.data import corpus, image_folder, image_text_source, sources, table_source
 
     planners: dict[str, Planner] = {
         "table": table_source.planned,
         "text_files": corpus.planned,
         "imagefolder": image_folder.planned,
         "image_text": image_text_source.planned,
+        **{name: sources.planned for name in sources.MAKERS},
     }
-    return planners.get(cfg.source)
+    if cfg.source not in planners:
+        raise UserError(f"data.source {cfg.source!r}: no planner (known: {sorted(planners)})")
+    return planners[cfg.source]
 
 
 def ray_tasks() -> Tasks:
@@ -266,61 +250,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def source_splits(
-    data: SourceData, val_fraction: float, test_fraction: float, seed: int
-) -> dict[str, np.ndarray]:
-    """The source's own split if it has one, else a seeded split of its rows, or of its groups
-    of rows (the captions of one picture) when rows come in groups."""
-    if data.fixed_splits is not None:
-        missing = [s for s in REQUIRED_SPLITS if s not in data.fixed_splits]
-        if missing:
-            raise UserError(f"the source's own split has no {missing[0]!r} rows")
-        return data.fixed_splits
-    if data.groups is None:
-        return split_rows(len(data.frame), val_fraction, test_fraction, seed)
-    by_group = split_rows(int(data.groups.max()) + 1, val_fraction, test_fraction, seed)
-    return {
-        name: np.flatnonzero(np.isin(data.groups, members)) for name, members in by_group.items()
-    }
-
-
-def write_dataset(
-    data: SourceData,
-    splits: dict[str, np.ndarray],
-    folder: str,
-    prefix: str,
-    rows_per_shard: int,
-) -> DatasetManifest:
-    """Every split's shards under `folder` (a local path or URI); the manifest to describe
-    them, its paths relative to the dataset root (`prefix` is `folder` relative to it)."""
-    entries = {
-        name: write_split(
-            data,
-            idx,
-            storage.join(folder, name),
-            f"{prefix}/{name}" if prefix else name,
-            rows_per_shard,
-        )
-        for name, idx in splits.items()
-    }
-    return build_manifest(data, entries)
-
-
-def publish_generation(
-    data: SourceData,
-    splits: dict[str, np.ndarray],
-    output: str,
-    rows_per_shard: int,
-    keep: int = 2,
-) -> DatasetManifest:
-    """Shards under a new generation prefix, then the manifest (the commit), then clean-up."""
-
-    def write(folder: str, prefix: str) -> DatasetManifest:
-        return write_dataset(data, splits, folder, prefix, rows_per_shard)
-
-    return publish_written(output, write, keep)
-
-
 def publish_written(
     output: str, write: Callable[[str, str], DatasetManifest], keep: int
 ) -> DatasetManifest:
@@ -374,69 +303,6 @@ def collect_generations(output: str, current: str, keep: int) -> None:
     for name in older[keep - 1 :]:
         log.info("prepare: deleting the shards of %s (data.keep_generations=%d)", name, keep)
         storage.delete_dir(storage.join(output, name))
-
-
-def split_rows(
-    n: int, val_fraction: float, test_fraction: float, seed: int
-) -> dict[str, np.ndarray]:
-    order = np.random.default_rng(seed).permutation(n)
-    n_val = max(1, round(n * val_fraction))
-    n_test = round(n * test_fraction)
-    if n - n_val - n_test < 1:
-        raise UserError(f"only {n} rows: too few to split into train/val/test")
-    splits = {"train": order[n_val + n_test :], "val": order[:n_val]}
-    if n_test:
-        splits["test"] = order[n_val : n_val + n_test]
-    return {k: np.sort(v) for k, v in splits.items()}
-
-
-def to_arrow(frame: pd.DataFrame, data: SourceData) -> pa.Table:
-    """The rows as their shards store them: feature columns as their kind encodes them, the
-    label column (a token dataset has none) as it is."""
-    kind = processor(data.kind)
-    columns = {c: kind.arrow_column(c, frame[c]) for c in data.feature_columns}
-    if data.label_column:
-        columns[data.label_column] = Preprocessor.arrow_column(
-            data.label_column, frame[data.label_column]
-        )
-    return pa.table(columns)
-
-
-def write_split(
-    data: SourceData, idx: np.ndarray, folder: str, rel: str, rows_per_shard: int
-) -> Split:
-    """Shards of one split into `folder` (a local path or URI), listed as `<rel>/<file>`."""
-    shards = []
-    for i, start in enumerate(range(0, len(idx), rows_per_shard)):
-        part = data.frame.iloc[idx[start : start + rows_per_shard]]
-        filename = f"part-{i:05d}.parquet"
-        # Written through a local file (uploaded when `folder` is remote) and hashed there.
-        with storage.local_path_for(storage.join(folder, filename)) as path:
-            pq.write_table(to_arrow(part, data), path)
-            digest = sha256_file(path)
-        shards.append(Shard(file=f"{rel}/{filename}", rows=len(part), sha256=digest))
-    return Split(rows=int(len(idx)), shards=shards)
-
-
-def build_manifest(data: SourceData, splits: dict[str, Split]) -> DatasetManifest:
-    sample = to_arrow(data.frame.iloc[:1], data)
-    return DatasetManifest(
-        layout=LAYOUT,
-        created=datetime.now(UTC).isoformat(),
-        source=data.description,
-        kind=data.kind,
-        feature_columns=data.feature_columns,
-        label_column=data.label_column,
-        label_names=(
-            sorted(data.frame[data.label_column].astype(str).unique().tolist())
-            if data.label_column
-            else []
-        ),
-        image_shape=list(data.image_shape) if data.image_shape else None,
-        columns={f.name: str(f.type) for f in sample.schema},
-        rows={name: s.rows for name, s in splits.items()},
-        splits=splits,
-    )
 
 
 def sha256_file(path: str) -> str:

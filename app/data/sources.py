@@ -1,103 +1,150 @@
-"""Raw data sources: each returns the source's rows unchanged plus what describes them.
+"""The sources one task makes whole: scikit-learn's bundled sets (real data that ships with the
+package) and deterministic generators (`synthetic_*`, `data.num_rows` rows), prepared like every
+source (app/data/pieces.py) as one piece.
 
-Row values stay raw (pixels, numbers, text, label names): every transform belongs to the fitted
-preprocessor, so that serving accepts exactly what the source held.
+Each is a sequential generator: its task makes the rows batch by batch from one seeded random
+stream and streams them into shards, so no process holds the source. A row's split is a pure
+function of (`data.seed`, its key): its number in the source, or for pictures and captions its
+picture's (with its twin). Row values stay raw (pixels, numbers, text, label names): every
+transform belongs to the fitted preprocessor, so that serving accepts exactly what the source
+held.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from app.config import DataConfig
+from app.config import Config, DataConfig
 from app.data.kinds import processor
-from app.errors import UserError
+from app.data.pieces import PieceResult, ShardWriter, SourcePlan, Target, Tasks
+from app.data.preprocess import Preprocessor
 
 # "tokens": a text corpus packed into token rows for language modelling (app/data/corpus.py).
 # "image_text": pictures and their captions (retrieval; no labels).
 Kind = Literal["image", "tabular", "text", "tokens", "image_text"]
 IMAGE_COLUMN = "image"
 TEXT_COLUMN = "text"
+BATCH_ROWS = 1024  # rows a generator makes before they are written
+Batches = Iterator[tuple[pd.DataFrame, np.ndarray]]  # rows and each row's split key
 
 
-@dataclass
-class SourceData:
-    frame: pd.DataFrame  # feature columns + data.label_column
+@dataclass(frozen=True)
+class Made:
+    """What a made source's rows hold, and the generator its task runs (a module-level
+    function, so it pickles)."""
+
     kind: Kind
-    feature_columns: list[str]
-    label_column: str
-    image_shape: tuple[int, int, int] | None = None  # (channels, height, width) of flat pixels
-    description: dict[str, Any] = field(default_factory=dict)
-    # Rows that must stay in one split (a picture's captions): one group number per row.
-    groups: np.ndarray | None = None
-    # A source's own split of its rows (the Karpathy split): split -> row indices.
-    fixed_splits: dict[str, np.ndarray] | None = None
-    skipped: int = 0  # rows left out (data.skip_bad_rows)
+    features: tuple[str, ...]
+    label: str
+    schema: pa.Schema
+    rows: Callable[[DataConfig], Batches]
+    description: dict[str, Any]
+    image_shape: tuple[int, int, int] | None = None
+    declared: tuple[str, ...] | None = None  # data.labels: a label outside them is refused
 
 
-def load_source(cfg: DataConfig) -> SourceData:
-    loaders = {
-        "digits": _sklearn,
-        "breast_cancer": _sklearn,
-        "wine": _sklearn,
-        "synthetic_text": _synthetic_text,
-        "synthetic_image": _synthetic_image,
-        "synthetic_image_text": _image_text,
-    }
-    if cfg.source not in loaders:
-        raise UserError(f"data.source {cfg.source!r} is read in pieces by jobs.prepare, not whole")
-    data = loaders[cfg.source](cfg)
-    if data.frame.empty:
-        raise UserError(f"data source {cfg.source!r} produced no rows")
-    if processor(data.kind).labelled:  # pictures and captions have no labels
-        _check_labels(data, cfg.labels)
-    return data
+def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
+    cfg = config.data
+    made = MAKERS[cfg.source](cfg)
+    return SourcePlan(
+        kind=made.kind,
+        features=made.features,
+        label=made.label,
+        schema=made.schema,
+        pieces=[cfg],
+        run=functools.partial(make_rows, made=made),
+        description=made.description,
+        image_shape=made.image_shape,
+    )
 
 
-def _check_labels(data: SourceData, declared: list[str] | None) -> None:
-    labels = data.frame[data.label_column]
-    if labels.isna().any():
-        row = int(np.flatnonzero(labels.isna().to_numpy())[0])
-        where = data.frame.attrs.get("row_origin", {}).get(row, f"row {row}")
-        raise UserError(f"column {data.label_column!r}: missing label at {where}")
-    if declared is None:
-        return
-    bad = ~labels.astype(str).isin(declared)
-    if bad.any():
-        row = int(np.flatnonzero(bad.to_numpy())[0])
-        where = data.frame.attrs.get("row_origin", {}).get(row, f"row {row}")
-        raise UserError(
-            f"column {data.label_column!r}: label {labels.iloc[row]!r} at {where} is not in "
-            f"data.labels {declared}"
-        )
+def make_rows(cfg: DataConfig, target: Target, made: Made) -> PieceResult:
+    """The source's rows made, batch by batch, and written to their splits' shards."""
+    out = PieceResult(0)
+    writer = ShardWriter(target, 0, made.schema)
+    labels: set[str] = set()
+    for frame, keys in made.rows(cfg):
+        if made.label:
+            values = frame[made.label].astype(str)
+            if made.declared is not None and not values.isin(made.declared).all():
+                row = out.rows + int(np.flatnonzero(~values.isin(made.declared).to_numpy())[0])
+                bad = values.iloc[row - out.rows]
+                out.problem = (
+                    f"column {made.label!r}: label {bad!r} at row {row} is not in data.labels "
+                    f"{list(made.declared)}"
+                )
+                return out
+            labels.update(values.unique())
+        out.rows += len(frame)
+        writer.add(to_arrow(frame, made), keys)
+    out.shards = writer.close()
+    out.labels = sorted(labels)
+    return out
+
+
+def to_arrow(frame: pd.DataFrame, made: Made) -> pa.Table:
+    """The rows as their shards store them: feature columns as their kind encodes them, the
+    label column as it is."""
+    kind = processor(made.kind)
+    columns = {c: kind.arrow_column(c, frame[c]) for c in made.features}
+    if made.label:
+        columns[made.label] = Preprocessor.arrow_column(made.label, frame[made.label])
+    return pa.table(columns).cast(made.schema)
+
+
+def numbered(start: int, count: int) -> np.ndarray:
+    return np.arange(start, start + count, dtype=np.uint64)
 
 
 # --- scikit-learn's bundled datasets (real data that ships with the package) -------------------
 
 
-def _sklearn(cfg: DataConfig) -> SourceData:
-    from sklearn import datasets
-
-    bunch = getattr(datasets, f"load_{cfg.source}")()
-    names = [str(n) for n in bunch.target_names]
-    labels = [names[t] for t in bunch.target]
+def _sklearn(cfg: DataConfig) -> Made:
+    """Planning reads the set's column names (scikit-learn loads it whole: 1,797 rows at most)."""
     description = {"source": cfg.source, "origin": f"sklearn.datasets.load_{cfg.source}"}
+    label, declared = cfg.label_column, _declared(cfg)
     if cfg.source == "digits":
         # 8x8 grey images, pixel values 0..16, kept flat as the source holds them.
-        pixels = bunch.data.astype(np.float32)
-        frame = pd.DataFrame({IMAGE_COLUMN: list(pixels), cfg.label_column: labels})
-        return SourceData(frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, 8, 8), description)
-    columns = [_column_name(n) for n in bunch.feature_names]
-    frame = pd.DataFrame(bunch.data, columns=columns)
+        schema = pa.schema([(IMAGE_COLUMN, pa.large_binary()), (label, pa.string())])
+        return Made(
+            "image", (IMAGE_COLUMN,), label, schema, _sklearn_rows, description, (1, 8, 8), declared
+        )
+    columns = tuple(_column_name(n) for n in _bunch(cfg.source).feature_names)
+    schema = pa.schema([*((c, pa.float64()) for c in columns), (label, pa.string())])
+    return Made("tabular", columns, label, schema, _sklearn_rows, description, None, declared)
+
+
+def _sklearn_rows(cfg: DataConfig) -> Batches:
+    bunch = _bunch(cfg.source)
+    names = [str(n) for n in bunch.target_names]
+    labels = [names[t] for t in bunch.target]
+    if cfg.source == "digits":
+        frame = pd.DataFrame({IMAGE_COLUMN: list(bunch.data.astype(np.float32))})
+    else:
+        frame = pd.DataFrame(bunch.data, columns=[_column_name(n) for n in bunch.feature_names])
     frame[cfg.label_column] = labels
-    return SourceData(frame, "tabular", columns, cfg.label_column, None, description)
+    yield frame, numbered(0, len(frame))
+
+
+def _bunch(source: str) -> Any:
+    from sklearn import datasets
+
+    return getattr(datasets, f"load_{source}")()
 
 
 def _column_name(name: str) -> str:
     return "_".join(name.replace("/", " ").replace("(", " ").replace(")", " ").split())
+
+
+def _declared(cfg: DataConfig) -> tuple[str, ...] | None:
+    return tuple(cfg.labels) if cfg.labels is not None else None
 
 
 # --- deterministic generators: learnable but not trivial ---------------------------------------
@@ -105,7 +152,7 @@ def _column_name(name: str) -> str:
 FILLER = [f"w{i}" for i in range(300)]
 
 
-def _synthetic_text(cfg: DataConfig) -> SourceData:
+def _synthetic_text_rows(cfg: DataConfig) -> Batches:
     """Sentences of filler words with topic keywords; one topic per class, some negated.
 
     Each class owns 12 keywords; a sentence carries 1-3 of its own class's keywords and, in
@@ -117,7 +164,7 @@ def _synthetic_text(cfg: DataConfig) -> SourceData:
     k = cfg.num_classes
     keywords = [[f"topic{c}_{j}" for j in range(12)] for c in range(k)]
     texts, labels = [], []
-    for _ in range(cfg.num_rows):
+    for i in range(cfg.num_rows):
         c = int(rng.integers(k))
         words = [str(w) for w in rng.choice(FILLER, size=int(rng.integers(4, 14)))]
         phrases = [
@@ -132,48 +179,98 @@ def _synthetic_text(cfg: DataConfig) -> SourceData:
             words[at:at] = phrase
         texts.append(" ".join(words))
         labels.append(f"class_{c}")
-    frame = pd.DataFrame({TEXT_COLUMN: texts, cfg.label_column: labels})
-    description = {"source": "synthetic_text", "seed": cfg.seed, "num_rows": cfg.num_rows}
-    return SourceData(frame, "text", [TEXT_COLUMN], cfg.label_column, None, description)
+        if len(texts) == BATCH_ROWS or i == cfg.num_rows - 1:
+            yield (
+                pd.DataFrame({TEXT_COLUMN: texts, cfg.label_column: labels}),
+                numbered(i + 1 - len(texts), len(texts)),
+            )
+            texts, labels = [], []
 
 
-def _synthetic_image(cfg: DataConfig) -> SourceData:
+def _synthetic_image_rows(cfg: DataConfig) -> Batches:
     """Grey images with a class-specific oriented bar at a random offset, plus noise (0..255)."""
     rng = np.random.default_rng(cfg.seed)
     size, k = cfg.image_size, cfg.num_classes
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     rows, labels = [], []
-    for _ in range(cfg.num_rows):
+    for i in range(cfg.num_rows):
         c = int(rng.integers(k))
         angle = np.pi * c / k
         cx, cy = rng.uniform(size * 0.3, size * 0.7, size=2)
         dist = np.abs((xx - cx) * np.sin(angle) - (yy - cy) * np.cos(angle))
         img = 200.0 * (dist < size / 10) + rng.normal(30, 25, size=(size, size))
-        rows.append(np.clip(img, 0, 255).astype(np.uint8).reshape(-1).astype(np.float32))
+        rows.append(np.clip(img, 0, 255).astype(np.uint8).reshape(-1))
         labels.append(f"class_{c}")
-    frame = pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels})
+        if len(rows) == BATCH_ROWS or i == cfg.num_rows - 1:
+            yield (
+                pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels}),
+                numbered(i + 1 - len(rows), len(rows)),
+            )
+            rows, labels = [], []
+
+
+def _synthetic_text(cfg: DataConfig) -> Made:
+    schema = pa.schema([(TEXT_COLUMN, pa.string()), (cfg.label_column, pa.string())])
+    description = {"source": "synthetic_text", "seed": cfg.seed, "num_rows": cfg.num_rows}
+    return Made(
+        "text",
+        (TEXT_COLUMN,),
+        cfg.label_column,
+        schema,
+        _synthetic_text_rows,
+        description,
+        declared=_declared(cfg),
+    )
+
+
+def _synthetic_image(cfg: DataConfig) -> Made:
+    schema = pa.schema([(IMAGE_COLUMN, pa.large_binary()), (cfg.label_column, pa.string())])
     description = {"source": "synthetic_image", "seed": cfg.seed, "num_rows": cfg.num_rows}
-    return SourceData(
-        frame, "image", [IMAGE_COLUMN], cfg.label_column, (1, size, size), description
+    size = cfg.image_size
+    return Made(
+        "image",
+        (IMAGE_COLUMN,),
+        cfg.label_column,
+        schema,
+        _synthetic_image_rows,
+        description,
+        (1, size, size),
+        _declared(cfg),
     )
 
 
 # --- pictures and captions (retrieval) -----------------------------------------------------------
 
 
-def _image_text(cfg: DataConfig) -> SourceData:
+def _image_text(cfg: DataConfig) -> Made:
     """Generated scenes (pictures of your own are prepared in pieces:
     app/data/image_text_source.py)."""
-    from app.data import pictures
+    from app.data.pictures import CAPTION, IMAGE, IMAGE_ID, TWIN
 
-    frame, description = pictures.synthetic(cfg)
+    description = {
+        "source": "synthetic_image_text",
+        "seed": cfg.seed,
+        "pictures": cfg.num_rows,
+        "image_size": cfg.image_size,
+        "captions_per_image": cfg.captions_per_image,
+    }
+    columns = (IMAGE, CAPTION, IMAGE_ID, TWIN)
+    schema = pa.schema([(c, pa.binary() if c == IMAGE else pa.string()) for c in columns])
     shape = (3, cfg.image_size, cfg.image_size)
-    return SourceData(
-        frame,
-        "image_text",
-        list(frame.columns),
-        "",
-        shape,
-        description,
-        groups=pictures.groups(frame),
-    )
+    return Made("image_text", columns, "", schema, _image_text_rows, description, shape)
+
+
+def _image_text_rows(cfg: DataConfig) -> Batches:
+    from app.data.pictures import synthetic
+
+    yield from synthetic(cfg)
+
+
+MAKERS: dict[str, Callable[[DataConfig], Made]] = {
+    "digits": _sklearn,
+    "breast_cancer": _sklearn,
+    "wine": _sklearn,
+    "synthetic_text": _synthetic_text,
+    "synthetic_image": _synthetic_image,
+    "synthetic_image_text": _image_text,
+}

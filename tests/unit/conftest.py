@@ -21,8 +21,14 @@ def _no_subprocess_or_ray(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "init", _refuse("Ray"))
-    # A source read in pieces runs the same per-piece functions in this process (the
-    # integration and e2e tiers run them as Ray Data tasks).
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _prepare_in_process():
+    """Prepare runs the same per-piece functions in this process (the integration and e2e tiers
+    run them as Ray Data tasks): for the whole unit package, module-scoped fixtures included."""
     from app.data import pieces, prepare
 
-    monkeypatch.setattr(prepare, "ray_tasks", pieces.InProcess)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepare, "ray_tasks", pieces.InProcess)
+        yield

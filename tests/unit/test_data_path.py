@@ -182,7 +182,7 @@ def test_training_refuses_an_altered_shard_before_any_work(config_factory):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(UserError, match=r"part-00000\.parquet: sha256 differs"):
+    with pytest.raises(UserError, match=r"part-000000-0000\.parquet: sha256 differs"):
         train(config)
 
 

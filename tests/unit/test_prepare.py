@@ -1,4 +1,4 @@
-"""app/data/sources.py + app/data/prepare.py on tiny data: shards, manifest, raw values, determinism, atomicity."""
+"""app/data/sources.py + app/data/prepare.py on tiny data (pieces run in this process): shards, manifest, raw values, determinism, atomicity."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from app.data.prepare import (
     prepare,
     read_manifest,
     split_files,
-    split_rows,
     verify_shards,
 )
 from app.data.table_source import plan
@@ -57,52 +56,39 @@ def check_dataset(output: str, summary: dict) -> DatasetManifest:
     return manifest
 
 
-# --- split_rows ---------------------------------------------------------------------------------
-
-
-def test_split_rows_partitions_all_rows():
-    splits = split_rows(100, 0.2, 0.1, seed=3)
-    assert {k: len(v) for k, v in splits.items()} == {"train": 70, "val": 20, "test": 10}
-    joined = np.concatenate(list(splits.values()))
-    assert sorted(joined.tolist()) == list(range(100))
-    assert all((np.diff(v) > 0).all() for v in splits.values())  # sorted, no repeats
-    assert "test" not in split_rows(100, 0.2, 0.0, seed=3)
-
-
-def test_split_rows_is_seeded():
-    a, b, c = split_rows(50, 0.2, 0, 1), split_rows(50, 0.2, 0, 1), split_rows(50, 0.2, 0, 2)
-    assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["val"], c["val"])
-
-
-def test_split_rows_refuses_too_few_rows():
-    with pytest.raises(UserError):
-        split_rows(1, 0.2, 0.0, seed=0)
-
-
 # --- scikit-learn sources -----------------------------------------------------------------------
+
+
+def splits_of(rows: int, val: float, test: float, seed: int = 0) -> dict[str, np.ndarray]:
+    """A made source's rows of each split, in source order: a row's split is a function of
+    (seed, its number) alone."""
+    codes = SplitRule(seed, val, test).codes(np.arange(rows, dtype=np.uint64))
+    return {
+        name: np.flatnonzero(codes == code) for code, name in enumerate(("train", "val", "test"))
+    }
 
 
 def test_digits_shards_hold_raw_pixels_and_every_row(config_factory):
     config = config_factory()
     summary = prepare(config)
     assert summary["stage"] == "prepare"
-    assert summary["rows"] == {"train": 1438, "val": 359}
-    assert sum(summary["rows"].values()) == 1797
+    idx = splits_of(1797, 0.2, 0.0)
+    assert summary["rows"] == {"train": len(idx["train"]), "val": len(idx["val"])}
+    assert abs(len(idx["val"]) / 1797 - 0.2) <= 4 * np.sqrt(0.2 * 0.8 / 1797)  # reported, near
     manifest = check_dataset(config.data_output, summary)
     assert manifest.kind == "image"
     assert manifest.image_shape == [1, 8, 8]
     assert manifest.label_names == [str(d) for d in range(10)]
-    assert [s.rows for s in manifest.splits["train"].shards] == [500, 500, 438]
+    train = len(idx["train"])
+    assert [s.rows for s in manifest.splits["train"].shards] == [500, 500, train - 1000]
 
     bunch = datasets.load_digits()
-    idx = split_rows(1797, 0.2, 0.0, seed=0)
     for split in ("train", "val"):
         frame = read_split(config.data_output, manifest, split)
         assert {len(v) for v in frame["image"]} == {64}  # a row's pixels, a byte each
         pixels = stored_pixels(frame["image"], 64)
         assert pixels.shape == (len(idx[split]), 64)
-        # Raw values, unchanged: integers 0..16, exactly the source's rows in index order.
+        # Raw values, unchanged: integers 0..16, exactly the source's rows in source order.
         assert pixels.min() == 0 and pixels.max() == 16
         np.testing.assert_array_equal(pixels, bunch.data[idx[split]])
         assert frame["label"].tolist() == [str(t) for t in bunch.target[idx[split]]]
@@ -122,7 +108,7 @@ def test_sklearn_tables_keep_raw_numbers(config_factory, source, rows, features,
     assert all(c.replace("_", "").isalnum() for c in manifest.feature_columns)
     assert len(manifest.label_names) == classes
     bunch = getattr(datasets, f"load_{source}")()
-    idx = split_rows(rows, 0.2, 0.1, seed=0)
+    idx = splits_of(rows, 0.2, 0.1)
     frame = read_split(config.data_output, manifest, "test")
     np.testing.assert_array_equal(
         frame[manifest.feature_columns].to_numpy(), bunch.data[idx["test"]]
@@ -130,6 +116,13 @@ def test_sklearn_tables_keep_raw_numbers(config_factory, source, rows, features,
     assert frame["label"].tolist() == [
         str(bunch.target_names[t]) for t in bunch.target[idx["test"]]
     ]
+
+
+def test_a_label_outside_data_labels_is_refused_by_row(config_factory):
+    config = config_factory("data.source=wine", "data.labels=[class_0, class_1]")
+    with pytest.raises(UserError, match=r"column 'label': label 'class_2' at row 130 is not in"):
+        prepare(config)
+    assert no_dataset(config.data_output)
 
 
 # --- generators ---------------------------------------------------------------------------------
@@ -353,16 +346,18 @@ def test_same_seed_gives_identical_shards(tmp_path, config_maker, source):
 
 
 def fail_after_first_shard(monkeypatch, exc: BaseException) -> list[str]:
-    real = pq.write_table
+    from app.data import pieces
+
+    real = pieces.sha256_and_size
     written: list[str] = []
 
-    def flaky(table, where, *args, **kwargs):
+    def flaky(path):
         if written:
             raise exc
-        real(table, where, *args, **kwargs)
-        written.append(str(where))
+        written.append(str(path))
+        return real(path)
 
-    monkeypatch.setattr(pq, "write_table", flaky)
+    monkeypatch.setattr(pieces, "sha256_and_size", flaky)  # as each shard closes
     return written
 
 
@@ -396,7 +391,7 @@ def test_failure_writing_manifest_leaves_nothing(config_factory, monkeypatch, tm
     def broken(*args, **kwargs):
         raise RuntimeError("manifest failed")
 
-    monkeypatch.setattr(app.data.prepare, "build_manifest", broken)
+    monkeypatch.setattr(app.data.prepare, "manifest_of", broken)
     with pytest.raises(RuntimeError):
         prepare(config)
     assert no_dataset(config.data_output)
@@ -409,11 +404,11 @@ def test_rerun_replaces_dataset_whole(config_factory, tmp_path):
     second = config_factory("data.rows_per_shard=1000", "data.seed=5")
     summary = prepare(second)
     manifest = check_dataset(second.data_output, summary)
-    # The new manifest names only the new shards (no stale part-00002.parquet of the first run).
+    # The new manifest names only the new shards (no stale third shard of the first run).
     generation = current_generation(second.data_output)
     assert [s.file for s in manifest.splits["train"].shards] == [
-        f"{generation}/train/part-00000.parquet",
-        f"{generation}/train/part-00001.parquet",
+        f"{generation}/train/part-000000-0000.parquet",
+        f"{generation}/train/part-000000-0001.parquet",
     ]
     assert staging_leftovers(tmp_path) == []
 

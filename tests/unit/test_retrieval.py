@@ -16,9 +16,7 @@ from app.config import DataConfig, ModelConfig, ServeConfig
 from app.data import kinds
 from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits
 from app.data.pictures import COLOURS, POSITIONS, SHAPES, SIZES, synthetic
-from app.data.prepare import source_splits
 from app.data.preprocess import FitOptions
-from app.data.sources import load_source
 from app.errors import UserError
 from app.tasks.retrieval import recall
 from tests.unit.unit_helpers import prepared_rows
@@ -36,8 +34,8 @@ def png(pixels: np.ndarray) -> bytes:
 
 def test_generated_scenes_are_distinct_and_their_captions_name_only_what_is_drawn():
     cfg = DataConfig(source="synthetic_image_text", num_rows=300, image_size=32, seed=1)
-    frame, description = synthetic(cfg)
-    assert frame["image_id"].nunique() == description["pictures"] == 300
+    frame = pd.concat([rows for rows, _ in synthetic(cfg, batch=64)], ignore_index=True)
+    assert frame["image_id"].nunique() == 300
     assert (frame.groupby("image_id").size() == cfg.captions_per_image).all()
     words = set(SHAPES) | set(COLOURS) | set(SIZES) | {w for p in POSITIONS for w in p.split()}
     words |= {"a", "at", "the", "and"}
@@ -55,15 +53,15 @@ def test_generated_scenes_are_distinct_and_their_captions_name_only_what_is_draw
     assert len(twins) > 0  # the binding subset: the same objects, two colours swapped
 
 
-def test_a_picture_its_captions_and_its_twin_stay_in_one_split():
-    data = load_source(DataConfig(source="synthetic_image_text", num_rows=200, image_size=16))
-    splits = source_splits(data, 0.2, 0.0, 0)
-    where = {}
-    for split, rows in splits.items():
-        for row in rows:
-            for key in (data.frame["image_id"][row], data.frame["twin"][row]):
-                if key:
-                    assert where.setdefault(key, split) == split
+def test_a_picture_its_captions_and_its_twin_stay_in_one_split(tmp_path):
+    cfg = DataConfig(source="synthetic_image_text", num_rows=200, image_size=16)
+    frame, _ = prepared_rows(cfg, tmp_path)
+    where: dict[str, str] = {}
+    for picture, twin, split in zip(frame["image_id"], frame["twin"], frame["split"], strict=True):
+        for key in (picture, twin):
+            if key:
+                assert where.setdefault(key, split) == split
+    assert set(where.values()) == {"train", "val"} and (frame["twin"] != "").any()
 
 
 def test_recall_counts_every_caption_of_a_picture():
