@@ -63,12 +63,12 @@ def generations(output: str) -> list[str]:
 # --- prepare on an object store: re-runs are safe -------------------------------------------------
 
 
-def test_prepare_on_s3_publishes_through_the_manifest(s3_root):
+def test_prepare_on_s3_publishes_through_the_manifest(s3_root, ray_with_s3_env):
     config = s3_config(s3_root)
     summary = prepare(config)
     output = config.data_output
     manifest = read_manifest(output)
-    assert summary["rows"] == manifest["rows"] == {"train": 427, "val": 142}
+    assert summary["rows"] == manifest["rows"] == {"train": 412, "val": 157}
     [generation] = generations(output)
     files = verify_shards(output, manifest, "train")
     assert all(f.startswith(f"{output}/{generation}/train/part-") for f in files)
@@ -77,25 +77,31 @@ def test_prepare_on_s3_publishes_through_the_manifest(s3_root):
     assert sorted(storage.list_dir(output)) == sorted([generation, MANIFEST])
 
 
-def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(s3_root, monkeypatch):
+def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(
+    s3_root, monkeypatch, ray_with_s3_env
+):
+    from app.data import pieces
+
     config = s3_config(s3_root)
     output = config.data_output
     prepare(config)
     first = read_manifest(output)
 
-    # A re-run that dies after its first shard: the previous dataset stays whole and usable.
-    real, written = pq.write_table, []
+    # A re-run that dies after its first shard (in this process, where the failure can be
+    # planted): the previous dataset stays whole and usable.
+    real, written = pieces.sha256_and_size, []
 
-    def flaky(table, where, *args, **kwargs):
+    def flaky(path):
         if written:
             raise OSError("disk full")
-        real(table, where, *args, **kwargs)
-        written.append(where)
+        written.append(path)
+        return real(path)
 
-    monkeypatch.setattr(pq, "write_table", flaky)
+    monkeypatch.setattr(pieces, "sha256_and_size", flaky)
     with pytest.raises(OSError, match="disk full"):
-        prepare(s3_config(s3_root, "data.seed=7"))
-    monkeypatch.setattr(pq, "write_table", real)
+        prepare(s3_config(s3_root, "data.seed=7"), pieces.InProcess())
+    monkeypatch.setattr(pieces, "sha256_and_size", real)
+    assert written  # the failure came after a shard was written
     assert read_manifest(output) == first
     for split in first["splits"]:
         verify_shards(output, first, split)
@@ -149,7 +155,7 @@ def test_pipeline_on_s3(s3_root, ray_with_s3_env):
 
     evaluated = evaluate(config, checkpoint)
     metrics = evaluated["metrics"]
-    assert metrics["rows"] == 142
+    assert metrics["rows"] == 157
     assert storage.exists(storage.join(checkpoint, "evaluation.json"))
     for uri in evaluated["plots"].values():  # the PNGs go to the object store too
         assert storage.read_bytes(uri).startswith(b"\x89PNG")
