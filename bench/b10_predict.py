@@ -1,19 +1,22 @@
-"""B10 batch inference that scales with the data: jobs.predict at 100k, 1M and 10M rows against
-the online endpoint's best rows/s, on the same machine and the same tabular artifact.
+"""B10 batch inference that scales with the data: jobs.predict at 1M, 10M and 100M rows against
+the per-row ceiling its own stages set, on the same machine and the same tabular artifact.
 
 - batch: app.predict.driver.predict (what `python -m jobs.predict` runs) over breast-cancer-like
-  rows generated as Parquet shards of 1M rows (100k, 1M and 10M rows; 5k and 20k in smoke),
+  rows generated as Parquet shards of 1M rows (1M, 10M and 100M rows, deleted after the run; 5k
+  and 20k in smoke),
   int8 as served, in a private 2-CPU Ray; rows/s over the whole stage (artifact checks, actor
   start, read, inference, writing and publishing the output) and the peak memory (PSS) of the
   whole Ray process tree while it runs;
-- online: the project's Serve app as cluster/start.sh runs it (bench.serve_child: HAProxy in
-  front of one int8 replica), v2 JSON infer requests of 1, 64, 256 and 1024 rows at 8 and 32
-  connections (wrk, 4 s windows after a 1 s warm-up); the best rows/s of that grid;
-- where the batch time goes: the four stages of a batch timed alone on one core over 100k rows
-  (read the Parquet shard, check and preprocess the rows, ONNX Runtime, write the output part),
-  as microseconds per row beside the job's own wall time per row.
+- the ceiling: the four stages of a batch timed alone on one core over 100k rows (read the
+  Parquet shard, check and preprocess the rows, ONNX Runtime, write the output part), summed
+  as microseconds per row; the cores times its inverse is what the job could reach with no
+  overhead at all;
+- online, for context: the project's Serve app as cluster/start.sh runs it (bench.serve_child:
+  HAProxy in front of one int8 replica), v2 JSON infer requests of 1, 64, 256 and 1024 rows at
+  8 and 32 connections (wrk, 4 s windows after a 1 s warm-up); the best rows/s of that grid.
 A sample of the batch output is sent to the endpoint and the answers compared. Goals: batch
-rows/s at least 3x the online best at 1M rows and above; peak memory at 10M at most 1.2x 1M's.
+rows/s at least 0.8x the ceiling times the cores at every size; peak memory at the largest size
+at most 1.2x the smallest's.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ from bench.common import (
 from bench.load import wrk_run
 
 ID = "B10"
-WHAT = "batch inference at 100k/1M/10M rows: jobs.predict vs the online endpoint's best, memory"
-GOAL = "jobs.predict rows/s >= 3x the online best at >= 1M rows; peak memory at 10M <= 1.2x 1M's"
-SIZES, SMOKE_SIZES = (100_000, 1_000_000, 10_000_000), (5_000, 20_000)
+WHAT = "batch inference at 1M/10M/100M rows: jobs.predict vs its per-row ceiling x cores, memory"
+GOAL = "jobs.predict rows/s >= 0.8x the per-row ceiling x cores; peak memory at 100M <= 1.2x 1M's"
+SIZES, SMOKE_SIZES = (1_000_000, 10_000_000, 100_000_000), (5_000, 20_000)
 SHARD_ROWS = 1_000_000
 REQUEST_ROWS, CONNECTIONS = (1, 64, 256, 1024), (8, 32)
 SAMPLE = 256
@@ -231,7 +234,11 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         output = str(work / "b10-output")
         batches[rows] = run_batch(config, artifact, input_uri, output)
         verify_output(batches[rows]["output"])
+        if rows != sizes[0]:  # the largest inputs would fill the disk: made again when needed
+            shutil.rmtree(input_uri, ignore_errors=True)
     import pyarrow.parquet as pq
+
+    input_uri, columns = scoring_input(work, config, sizes[0])
 
     first = sorted(Path(input_uri).glob("part-*.parquet"))[0]
     source = pq.read_table(first).slice(0, SAMPLE)
@@ -247,12 +254,11 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     )
     costs = stage_costs(artifact, input_uri, config, min(100_000, sizes[-1]))
     best = max(online["grid"].values(), key=lambda r: r["rows_per_s"])
-    large = [n for n in sizes if n >= 1_000_000] or [sizes[-1]]
-    ratios = {n: batches[n]["rows_per_s"] / best["rows_per_s"] for n in sizes}
-    memory_growth = (
-        batches[sizes[-1]]["peak_memory_bytes"] / batches[sizes[-2]]["peak_memory_bytes"]
-    )
-    met = bool(min(ratios[n] for n in large) >= 3 and memory_growth <= 1.2)
+    cores = len(os.sched_getaffinity(0))
+    ceiling = cores * 1e6 / sum(costs.values())  # rows/s with no overhead at all
+    ratios = {n: batches[n]["rows_per_s"] / ceiling for n in sizes}
+    memory_growth = batches[sizes[-1]]["peak_memory_bytes"] / batches[sizes[0]]["peak_memory_bytes"]
+    met = bool(min(ratios.values()) >= 0.8 and memory_growth <= 1.2)
     details = {
         "batch": {
             n: {k: b[k] for k in ("rows", "wall_s", "rows_per_s", "peak_memory_bytes", "variant")}
@@ -261,8 +267,13 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         },
         "online": online["grid"],
         "online_best": {k: best[k] for k in ("rows_per_request", "connections", "rows_per_s")},
-        "batch_vs_online_best": ratios,
-        "peak_memory_growth_last_vs_previous": memory_growth,
+        "batch_vs_ceiling": ratios,
+        "ceiling_rows_per_s": ceiling,
+        "cores": cores,
+        "batch_vs_online_best": {
+            n: b["rows_per_s"] / best["rows_per_s"] for n, b in batches.items()
+        },
+        "peak_memory_growth_largest_vs_smallest": memory_growth,
         "stage_us_per_row_one_core": costs,
         "batch_wall_us_per_row": {n: 1e6 / b["rows_per_s"] for n, b in batches.items()},
         "sample_agreement": agreement,
@@ -270,19 +281,18 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     }
     summary = (
         "; ".join(
-            f"{n:,} rows: {b['rows_per_s']:,.0f} rows/s (x{ratios[n]:.1f} online best), "
+            f"{n:,} rows: {b['rows_per_s']:,.0f} rows/s (x{ratios[n]:.2f} the ceiling), "
             f"peak {b['peak_memory_bytes'] / 2**20:,.0f} MiB"
             for n, b in batches.items()
         )
-        + f"; online best {best['rows_per_s']:,.0f} rows/s ({best['rows_per_request']} rows x "
+        + f"; ceiling {ceiling:,.0f} rows/s on {cores:g} cores; online best "
+        + f"{best['rows_per_s']:,.0f} rows/s ({best['rows_per_request']} rows x "
         + f"{best['connections']} connections); memory x{memory_growth:.2f} from "
-        + f"{sizes[-2]:,} to {sizes[-1]:,} rows; per row on one core: "
+        + f"{sizes[0]:,} to {sizes[-1]:,} rows; per row on one core: "
         + ", ".join(f"{k} {v:.2f} us" for k, v in costs.items())
         + f"; sample labels agree {100 * agreement['label_agreement']:.1f}%"
     )
-    return bench.result(
-        "batch_vs_online_rows_per_s_ratio", min(ratios[n] for n in large), met, details, summary
-    )
+    return bench.result("batch_vs_ceiling_ratio", min(ratios.values()), met, details, summary)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,10 @@ def _pipeline(
 
     cfg = config.predict
     quiet_progress()
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(
+        object_store_memory=cfg.object_store_mb * 2**20
+    )
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
     return read_input(files, spec, config.data.task_cpus).map_batches(
         scorer,
