@@ -152,7 +152,24 @@ def _declared(cfg: DataConfig) -> tuple[str, ...] | None:
 FILLER = [f"w{i}" for i in range(300)]
 
 
+def batched(rows: Iterator[tuple[Any, str]], column: str, label: str) -> Batches:
+    """(value, label) rows in frames of BATCH_ROWS, each row keyed by its number."""
+    start, values, labels = 0, [], []
+    for value, name in rows:
+        values.append(value)
+        labels.append(name)
+        if len(values) == BATCH_ROWS:
+            yield pd.DataFrame({column: values, label: labels}), numbered(start, len(values))
+            start, values, labels = start + len(values), [], []
+    if values:
+        yield pd.DataFrame({column: values, label: labels}), numbered(start, len(values))
+
+
 def _synthetic_text_rows(cfg: DataConfig) -> Batches:
+    return batched(_sentences(cfg), TEXT_COLUMN, cfg.label_column)
+
+
+def _sentences(cfg: DataConfig) -> Iterator[tuple[str, str]]:
     """Sentences of filler words with topic keywords; one topic per class, some negated.
 
     Each class owns 12 keywords; a sentence carries 1-3 of its own class's keywords and, in
@@ -163,8 +180,7 @@ def _synthetic_text_rows(cfg: DataConfig) -> Batches:
     rng = np.random.default_rng(cfg.seed)
     k = cfg.num_classes
     keywords = [[f"topic{c}_{j}" for j in range(12)] for c in range(k)]
-    texts, labels = [], []
-    for i in range(cfg.num_rows):
+    for _ in range(cfg.num_rows):
         c = int(rng.integers(k))
         words = [str(w) for w in rng.choice(FILLER, size=int(rng.integers(4, 14)))]
         phrases = [
@@ -177,36 +193,25 @@ def _synthetic_text_rows(cfg: DataConfig) -> Batches:
         for phrase in phrases:
             at = int(rng.integers(len(words) + 1))
             words[at:at] = phrase
-        texts.append(" ".join(words))
-        labels.append(f"class_{c}")
-        if len(texts) == BATCH_ROWS or i == cfg.num_rows - 1:
-            yield (
-                pd.DataFrame({TEXT_COLUMN: texts, cfg.label_column: labels}),
-                numbered(i + 1 - len(texts), len(texts)),
-            )
-            texts, labels = [], []
+        yield " ".join(words), f"class_{c}"
 
 
 def _synthetic_image_rows(cfg: DataConfig) -> Batches:
+    return batched(_bars(cfg), IMAGE_COLUMN, cfg.label_column)
+
+
+def _bars(cfg: DataConfig) -> Iterator[tuple[np.ndarray, str]]:
     """Grey images with a class-specific oriented bar at a random offset, plus noise (0..255)."""
     rng = np.random.default_rng(cfg.seed)
     size, k = cfg.image_size, cfg.num_classes
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    rows, labels = [], []
-    for i in range(cfg.num_rows):
+    for _ in range(cfg.num_rows):
         c = int(rng.integers(k))
         angle = np.pi * c / k
         cx, cy = rng.uniform(size * 0.3, size * 0.7, size=2)
         dist = np.abs((xx - cx) * np.sin(angle) - (yy - cy) * np.cos(angle))
         img = 200.0 * (dist < size / 10) + rng.normal(30, 25, size=(size, size))
-        rows.append(np.clip(img, 0, 255).astype(np.uint8).reshape(-1))
-        labels.append(f"class_{c}")
-        if len(rows) == BATCH_ROWS or i == cfg.num_rows - 1:
-            yield (
-                pd.DataFrame({IMAGE_COLUMN: rows, cfg.label_column: labels}),
-                numbered(i + 1 - len(rows), len(rows)),
-            )
-            rows, labels = [], []
+        yield np.clip(img, 0, 255).astype(np.uint8).reshape(-1), f"class_{c}"
 
 
 def _synthetic_text(cfg: DataConfig) -> Made:
