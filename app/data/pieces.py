@@ -211,6 +211,7 @@ class PieceResult:
     examples: list[str] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     shards: list[ShardRecord] = field(default_factory=list)
+    peak_rss_mib: float = 0.0  # of the process that ran the piece, when it finished
 
     def note_bad(self, count: int, problems: dict[int, str], limit: int) -> None:
         """`count` bad rows of one batch, `problems` saying why by row in the source (the

@@ -158,7 +158,7 @@ def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, 
         base_for(config.model, processor(plan.kind))  # the pretrained model must take this data
         log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)
         target = Target(folder, prefix, cfg.rows_per_shard, rule)
-        run = functools.partial(plan.run, target=target)
+        run = functools.partial(measured, run=plan.run, target=target)
         results.extend(tasks.map(run, plan.pieces, "prepare"))
         for scratch in plan.scratch:
             storage.delete_file(scratch)
@@ -176,10 +176,19 @@ def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, 
         "rows_per_s": round((sum(rows.values()) + skipped) / max(seconds, 1e-9)),
         "bytes": sum(s.bytes for r in results for s in r.shards),
         "driver_peak_rss_mib": round(peak_rss_mib(), 1),
+        # The largest peak of a process that ran pieces (a Ray worker's high-water mark).
+        "task_peak_rss_mib": round(max((r.peak_rss_mib for r in results), default=0.0), 1),
     }
     log.info("prepare: wrote %s%s", rows, f", skipped {skipped}" if skipped else "")
     examples = [e for r in results for e in r.examples][: plans[0].max_examples]
     return summary | ({"skipped": skipped, "skipped_examples": examples} if skipped else {})
+
+
+def measured(piece: Any, run: Callable[..., PieceResult], target: Target) -> PieceResult:
+    """`run` on one piece, its result carrying the running process's peak memory."""
+    result = run(piece, target=target)
+    result.peak_rss_mib = peak_rss_mib()
+    return result
 
 
 def checked_results(results: list[PieceResult], plan: SourcePlan, source: str) -> list[str]:

@@ -77,6 +77,8 @@ def test_tasks_write_the_same_shards_as_one_process_in_any_order(
     assert ray["rows"] == local["rows"] and sum(ray["rows"].values()) == 9000
     assert shard_bytes(ray["output"]) == shard_bytes(local["output"])
     assert ray["throughput"]["rows_per_s"] > 0 and ray["throughput"]["bytes"] > 0
+    # A Ray worker that imported pyarrow and wrote Parquet: well above an empty interpreter.
+    assert ray["throughput"]["task_peak_rss_mib"] > 50
     val = ray["rows"]["val"] / 9000
     assert abs(val - 0.2) <= 4 * np.sqrt(0.2 * 0.8 / 9000)
 
