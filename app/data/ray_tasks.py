@@ -4,7 +4,6 @@ and shows its progress), the small record each returns gathered in the pieces' o
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,20 +25,30 @@ class RayTasks:
         if not items:
             return []
         log.info("%s: %d task(s)", what, len(items))
-        rows = [{"i": i, "item": pickle.dumps(item)} for i, item in enumerate(items)]
+        # The rows are the items' numbers; the items travel with the function, serialised by
+        # Ray like any task argument.
+        rows = [{"i": i} for i in range(len(items))]
         done = (
             ray.data.from_items(rows, override_num_blocks=len(rows))
-            .map(_run, fn_kwargs={"fn": fn}, num_cpus=self.cpus)  # type: ignore[arg-type]
+            .map(_run, fn_kwargs={"fn": fn, "items": list(items)}, num_cpus=self.cpus)  # type: ignore[arg-type]
             .take_all()
         )
         results = sorted(done, key=lambda r: r["i"])
         self.nodes.update(r["node"] for r in results)
         log.info("%s: done on %d node(s)", what, len({r["node"] for r in results}))
-        return [pickle.loads(r["result"]) for r in results]
+        return [r["result"].value for r in results]
 
 
-def _run(row: dict[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+class _Held:
+    """A task's result as one opaque value: Ray Data keeps an object it cannot express in Arrow
+    as it is (a tuple or list would come back as an Arrow list)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _run(row: dict[str, Any], fn: Callable[[Any], Any], items: list[Any]) -> dict[str, Any]:
     import ray
 
-    result = pickle.dumps(fn(pickle.loads(row["item"])))
+    result = _Held(fn(items[row["i"]]))
     return {"i": row["i"], "result": result, "node": ray.get_runtime_context().get_node_id()}
