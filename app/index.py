@@ -27,7 +27,6 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.config import Config, IndexConfig
-from app.data.prepare import sha256_file
 from app.errors import UserError
 from app.export.publish import publish
 from app.predict.write import verify_output
@@ -276,7 +275,7 @@ def publish_index(
             f.write(data)
     del raw, files
     listed = {
-        file: art.ArtifactFile(sha256=sha256_file(path), size=os.path.getsize(path))
+        file: art.ArtifactFile(sha256=storage.sha256(path), size=os.path.getsize(path))
         for file in sorted(os.listdir(work))
         if os.path.isfile(path := os.path.join(work, file))
     }

@@ -15,7 +15,6 @@ No Ray here: `InProcess` runs the same functions in this process (the unit tier,
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -188,12 +187,7 @@ class _OpenShard:
 
 
 def sha256_and_size(path: str) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
+    return storage.sha256(path), os.path.getsize(path)
 
 
 # --- what a task returns, and what prepare needs to run a source in pieces -----------------------

@@ -314,14 +314,6 @@ def collect_generations(output: str, current: str, keep: int) -> None:
         storage.delete_dir(storage.join(output, name))
 
 
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def read_manifest(output: str) -> DatasetManifest:
     """The dataset at `output`; a missing or malformed manifest is one line naming it."""
     uri = storage.join(output, MANIFEST)

@@ -73,12 +73,12 @@ def make_rows(cfg: DataConfig, target: Target, made: Made) -> PieceResult:
     for frame, keys in made.rows(cfg):
         if made.label:
             values = frame[made.label].astype(str)
-            if made.declared is not None and not values.isin(made.declared).all():
-                row = out.rows + int(np.flatnonzero(~values.isin(made.declared).to_numpy())[0])
-                bad = values.iloc[row - out.rows]
+            allowed = values.unique() if made.declared is None else made.declared
+            outside = np.flatnonzero(~values.isin(allowed).to_numpy())
+            if len(outside):
                 out.problem = (
-                    f"column {made.label!r}: label {bad!r} at row {row} is not in data.labels "
-                    f"{list(made.declared)}"
+                    f"column {made.label!r}: label {values.iloc[outside[0]]!r} at row "
+                    f"{out.rows + int(outside[0])} is not in data.labels {list(allowed)}"
                 )
                 return out
             labels.update(values.unique())

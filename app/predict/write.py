@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data.prepare import Shard, sha256_file
+from app.data.prepare import Shard
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class PartWriter:
         self._writer.close()
         self._writer = None
         rel = self._rel_name()
-        shard = Shard(file=rel, rows=self._part_rows, sha256=sha256_file(self._path))
+        shard = Shard(file=rel, rows=self._part_rows, sha256=storage.sha256(self._path))
         if self.local:
             storage.fsync(self._path)
         else:
