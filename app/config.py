@@ -630,9 +630,6 @@ class PredictConfig(_Section):
     gpus_per_actor: float = Field(1.0, gt=0)  # GPUs per predict actor when on GPU
     variant: Literal["auto", "fp32", "int8", "aoti"] | None = None  # null: `serve.variant`
     rows_per_file: int = Field(1_000_000, ge=1)  # rows per output Parquet file
-    # Ray Data's object store budget for the run's blocks in flight: bounds the job's memory
-    # however large its input (Ray Data's own default grows with the machine's object store).
-    object_store_mb: float = Field(512, gt=0)
     generation: PredictGenerationConfig = Field(default_factory=lambda: PredictGenerationConfig())
 
 

@@ -1,5 +1,5 @@
-"""The predict stage on the driver: read -> actors -> split -> write -> publish, with a tally
-of good and bad rows and the summary."""
+"""The predict stage on the driver: the input cut into pieces, each read, scored and written by
+an actor, the manifest published; a tally of good and bad rows and the summary."""
 
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ from app.config import Config, PredictConfig
 from app.data.prepare import Shard
 from app.errors import UserError
 from app.predict.actor import PREDICTOR, Scorer
-from app.predict.read import check_columns, header, input_files, read_input
+from app.predict.read import check_columns, header, input_files, pieces_of
 from app.predict.rows import InputSpec
+from app.predict.worker import PieceWorker
 from app.predict.write import (
     REJECTS,
     RUN_MARK,
+    Destination,
     PredictionManifest,
     Written,
     check_output,
     commit,
-    write_block,
     written_records,
 )
 from app.runtime.artifact import open_artifact
@@ -85,11 +86,11 @@ def predict(
         output,
     )
     connect_ray()
-    check_room(cfg, config.data.task_cpus, len(files))
-    ds = _pipeline(config, files, spec, scorer, artifact.uri, variant)
+    check_room(cfg, len(files))
     run = f"{RUN_MARK}{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    to = Destination(output, run, spec.id_column, cfg.rows_per_file, cfg.max_examples)
     try:
-        tally, (parts, rejects) = _write(ds, output, run, spec, cfg, config.data.task_cpus)
+        tally, (parts, rejects) = _run(config, files, spec, scorer, (artifact.uri, variant), to)
         rows = {
             "input": tally.output + tally.rejected,
             "output": tally.output,
@@ -172,16 +173,15 @@ def scorer_of(schema: dict[str, Any]) -> Scorer:
 ROOM_WAIT_S = 5.0  # how long the CPUs the run needs may take to come free
 
 
-def check_room(cfg: PredictConfig, task_cpus: float, files: int) -> None:
-    """The CPUs the run needs at once (an inference actor and a read task) must come free
-    within seconds: a cluster without them would otherwise wait forever. Asked of the
-    scheduler itself with a placement group (the cluster's resource view lags), then let go.
-    One line naming them."""
+def check_room(cfg: PredictConfig, files: int) -> None:
+    """The CPUs of one inference actor (it reads, scores and writes) must come free within
+    seconds: a cluster without them would otherwise wait forever. Asked of the scheduler
+    itself with a placement group (the cluster's resource view lags), then let go. One line
+    naming them."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    read = task_cpus
-    probe = placement_group([{"CPU": cfg.actor_cpus}, {"CPU": read}], strategy="PACK")
+    probe = placement_group([{"CPU": cfg.actor_cpus}], strategy="PACK")
     try:
         fits = probe.wait(timeout_seconds=ROOM_WAIT_S)
     finally:
@@ -190,10 +190,9 @@ def check_room(cfg: PredictConfig, task_cpus: float, files: int) -> None:
         free = ray.available_resources().get("CPU", 0.0)
         total = ray.cluster_resources().get("CPU", 0.0)
         raise UserError(
-            f"predict: needs {cfg.actor_cpus + read:g} free CPUs at once ({cfg.actor_cpus:g} "
-            f"for an inference actor, predict.actor_cpus, and {read:g} to read {files} "
-            f"file(s)); the cluster has about {free:g} free of {total:g}: free some or lower "
-            "predict.actor_cpus"
+            f"predict: needs {cfg.actor_cpus:g} free CPUs for an inference actor "
+            f"(predict.actor_cpus) to read, score and write {files} file(s); the cluster has "
+            f"about {free:g} free of {total:g}: free some or lower predict.actor_cpus"
         )
 
 
@@ -207,14 +206,16 @@ def check_row_count(rows: dict[str, int], expected_rows: int | None) -> None:
         )
 
 
-def _pipeline(
+def _run(
     config: Config,
     files: list[str],
     spec: InputSpec,
     scorer: Scorer,
-    artifact_uri: str,
-    variant: str,
-):
+    model: tuple[str, str],
+    to: Destination,
+) -> tuple[Tally, tuple[list[Shard], list[Shard]]]:
+    """The pieces handed to an autoscaling pool of actors that read, score and write them; the
+    driver reads only their records (what they wrote, their counts, the first rejects)."""
     import ray
     import ray.data
 
@@ -222,46 +223,35 @@ def _pipeline(
 
     cfg = config.predict
     quiet_progress()
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.resource_limits = ray.data.ExecutionResources.for_limits(
-        object_store_memory=cfg.object_store_mb * 2**20
-    )
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
-    return read_input(files, spec, config.data.task_cpus).map_batches(
-        scorer,
-        fn_constructor_args=(artifact_uri, variant, cfg.threads, spec),
+    pieces = pieces_of(files, spec)
+    records = ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+        PieceWorker,
+        fn_constructor_args=(
+            scorer,
+            (*model, cfg.threads, spec),
+            storage.filesystem(files[0])[0],
+            cfg.batch_size,
+            to,
+        ),
         batch_format="pyarrow",
-        batch_size=cfg.batch_size,
+        batch_size=1,
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.max_actors),
         num_cpus=cfg.actor_cpus,
         num_gpus=cfg.gpus_per_actor if use_gpu else None,
     )
+    return _tally(records, cfg)
 
 
-def _write(ds, output: str, run: str, spec: InputSpec, cfg: PredictConfig, task_cpus: float):
-    """Each block's parts written by a task beside the predictions; the driver reads only the
-    tasks' records (what they wrote, their counts, the first rejects)."""
-    written = ds.map_batches(
-        write_block,
-        fn_kwargs={
-            "output": output,
-            "run": run,
-            "id_column": spec.id_column,
-            "rows_per_file": cfg.rows_per_file,
-            "examples": cfg.max_examples,
-        },
-        batch_format="pyarrow",
-        batch_size=None,
-        num_cpus=task_cpus,
-    )
+def _tally(records, cfg: PredictConfig) -> tuple[Tally, tuple[list[Shard], list[Shard]]]:
     tally, parts, rejects, schemas = Tally(cfg.max_examples), [], [], set()
     last_log = time.monotonic()
-    for block in written.iter_batches(batch_format="pyarrow", batch_size=None):
+    for block in records.iter_batches(batch_format="pyarrow", batch_size=None):
         for record in written_records(block):
             tally.add(record)
             parts += [Shard(**p) for p in record.parts]
             rejects += [Shard(**p) for p in record.rejects]
-            schemas |= {record.schema} if record.output else set()
+            schemas |= set(record.schemas)
         if tally.rejected and cfg.on_bad_rows == "fail":
             raise UserError(
                 f"input: malformed rows ({tally.rejected} in the first "

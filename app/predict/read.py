@@ -1,5 +1,6 @@
-"""Reading the input: a file or a folder of Parquet, CSV or JSON Lines, checked for the model's
-columns before any work, read lazily by Ray Data tasks (JSON Lines as raw lines)."""
+"""Reading the input: a file or a folder of Parquet, CSV or JSON Lines (or of pictures), checked
+for the model's columns before any work, cut into pieces on the driver from metadata alone, and
+each piece read batch by batch by the actor that scores it (JSON Lines as raw lines)."""
 
 from __future__ import annotations
 
@@ -107,34 +108,23 @@ def _listed(names: Sequence[str], limit: int = 8) -> str:
     return f"{shown}, ... ({len(names)} columns)" if len(names) > limit else shown or "no columns"
 
 
-PIECE_ROWS = 100_000  # Parquet rows one read task reads (whole row groups): blocks stream early
-PIECE_PICTURES = 1_000  # pictures one read task names
+PIECE_ROWS = 100_000  # Parquet rows in one piece (whole row groups): pieces balance the actors
+PIECE_PICTURES = 1_000  # pictures one piece names
 
 
-def read_input(files: list[str], spec: InputSpec, cpus: float):
-    """A lazy Ray Dataset of the input's id and feature columns (one line per row for JSONL):
-    pieces the driver already knows (a Parquet file's row groups, a CSV or JSON Lines file),
-    each read by a task of `cpus` CPUs. Not `read_parquet` or `read_csv`: Ray Data 2.60 lists
-    the paths again in a task of a whole CPU of its own, which a cluster with less than a CPU
-    free (a Serve replica beside the job on a small machine) never schedules."""
-    import ray.data
-
+def pieces_of(files: list[str], spec: InputSpec) -> list[dict[str, Any]]:
+    """The input cut into pieces the driver knows from metadata alone (a Parquet file's runs
+    of row groups, a CSV or JSON Lines file, a run of pictures), numbered in input order."""
     fs, _ = storage.filesystem(files[0])
     if spec.format == "pictures":
         pieces = picture_pieces(files[0])
     else:
         pieces = input_pieces([storage.filesystem(f)[1] for f in files], spec.format, fs)
-    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
-        read_piece,  # type: ignore[arg-type]  # extra kwargs come through fn_kwargs
-        fn_kwargs={"spec": spec, "fs": fs},
-        batch_format="pyarrow",
-        batch_size=1,
-        num_cpus=cpus,
-    )
+    return [{**piece, "index": i} for i, piece in enumerate(pieces)]
 
 
 def input_pieces(paths: list[str], fmt: str, fs: Any) -> list[dict[str, Any]]:
-    """(path, first row group, row groups) per read task: a Parquet file in runs of whole row
+    """(path, first row group, row groups) per piece: a Parquet file in runs of whole row
     groups of about PIECE_ROWS rows, another format a file each (-1: the whole file)."""
     if fmt != "parquet":
         return [{"path": p, "start": 0, "stop": -1} for p in paths]
@@ -162,18 +152,27 @@ def picture_pieces(folder: str) -> list[dict[str, Any]]:
     ]
 
 
-def read_piece(piece: pa.Table, spec: InputSpec, fs: Any) -> Iterator[pa.Table]:
-    """One piece's rows: the spec's columns (Parquet, CSV), raw lines (JSON Lines), or the
-    pictures' relative paths as both id and picture (read where they are embedded)."""
-    path, start, stop = (piece[c][0].as_py() for c in ("path", "start", "stop"))
+def read_piece(piece: dict[str, Any], spec: InputSpec, fs: Any, rows: int) -> Iterator[pa.Table]:
+    """One piece's rows, at most `rows` at a time: the spec's columns (Parquet, CSV), raw
+    lines (JSON Lines), or the pictures' relative paths as both id and picture (read where
+    they are embedded)."""
+    for table in _piece_tables(piece, spec, fs, rows):
+        for start in range(0, table.num_rows, rows):
+            yield table.slice(start, rows)
+
+
+def _piece_tables(piece: dict[str, Any], spec: InputSpec, fs: Any, rows: int) -> Iterator[pa.Table]:
+    path, start, stop = piece["path"], piece["start"], piece["stop"]
     if spec.format == "pictures":
-        names = pa.array(piece["names"][0].as_py(), pa.string())
+        names = pa.array(piece["names"], pa.string())
         yield pa.table({spec.id_column: names, spec.feature_columns[0]: names})
     elif spec.format == "parquet":
         shard = pq.ParquetFile(path, filesystem=fs)
         names = set(shard.schema_arrow.names)
         columns = [c for c in spec.columns if c in names]
-        yield shard.read_row_groups(list(range(start, stop)), columns=columns)
+        groups = list(range(start, stop))
+        for batch in shard.iter_batches(rows, row_groups=groups, columns=columns):
+            yield pa.Table.from_batches([batch])
     elif spec.format == "csv":
         yield from _csv_batches(path, spec, fs)
     else:

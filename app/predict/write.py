@@ -1,5 +1,5 @@
 """Writing the output: Parquet parts written to `<output>/_run-<id>/` by the tasks that hold the
-predictions (`write_block`: one record of what it wrote comes back to the driver), the manifest
+predictions (`PieceOutput`: one record of what it wrote comes back to the driver), the manifest
 written last as the commit.
 
 - Parts go straight to the output (local disk), or are uploaded and dropped one by one (object
@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import tempfile
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -132,35 +131,71 @@ class PredictionManifest(storage.Contract):
 
 @dataclass
 class Written:
-    """What one task wrote of a block of predictions: its parts and rejects, their counts, the
-    first rejects (id, reason) and the predictions' schema (every part must share it)."""
+    """What one actor wrote of a piece: its parts and rejects, their counts, the first rejects
+    (id, reason) and the predictions' schemas (every part must share one)."""
 
     parts: list[dict[str, Any]] = field(default_factory=list)
     rejects: list[dict[str, Any]] = field(default_factory=list)
     output: int = 0
     rejected: int = 0
     examples: list[dict[str, str]] = field(default_factory=list)
-    schema: str = ""
+    schemas: list[str] = field(default_factory=list)
 
 
-def write_block(
-    table: pa.Table, output: str, run: str, id_column: str, rows_per_file: int, examples: int
-) -> pa.Table:
-    """A block of predictions (and rejects) written as parts under `<output>/<run>/`, named by
-    a tag of its own; the record of what was written, as a one-row table."""
-    from app.predict.actor import split_predictions
+@dataclass(frozen=True)
+class Destination:
+    """Where a run's parts go and how they are cut."""
 
-    good, bad = split_predictions(table, id_column)
-    tag = uuid.uuid4().hex[:12]
-    done = Written(output=good.num_rows, rejected=bad.num_rows, schema=str(good.schema))
-    for rows, rel, into in ((good, run, done.parts), (bad, f"{run}/{REJECTS}", done.rejects)):
-        if rows.num_rows:
-            writer = PartWriter(output, rel, rows_per_file, tag)
-            writer.write(rows)
-            into.extend(s.model_dump() for s in writer.close())
-    for row in bad.slice(0, examples).to_pylist():
-        done.examples.append({"id": row["id"], "reason": row["reason"]})
-    return pa.table({"written": [json.dumps(asdict(done))]})
+    output: str
+    run: str  # the run's folder under the output, `_run-<id>`
+    id_column: str
+    rows_per_file: int
+    examples: int  # rejects named in a piece's record
+
+
+class PieceOutput:
+    """A piece's predictions and rejects streamed into parts named by the piece's number
+    (`<run>/part-<n>-<piece>.parquet`, rejects under `<run>/rejects/`), batch by batch; the
+    record of what was written at the end."""
+
+    def __init__(self, to: Destination, piece: int):
+        from app.predict.actor import split_predictions
+
+        self.split, self.to, self.done = split_predictions, to, Written()
+        tag = f"{piece:06d}"
+        self.good = PartWriter(to.output, to.run, to.rows_per_file, tag)
+        self.bad = PartWriter(to.output, f"{to.run}/{REJECTS}", to.rows_per_file, tag)
+
+    def add(self, scored: pa.Table) -> bool:
+        """One scored batch written; False when its predictions' schema differs from the
+        piece's first (the driver refuses the run, naming both)."""
+        good, bad = self.split(scored, self.to.id_column)
+        done = self.done
+        if good.num_rows:
+            schema = str(good.schema)
+            if done.schemas and schema != done.schemas[0]:
+                done.schemas.append(schema)
+                return False
+            done.schemas[:1] = [schema]
+            self.good.write(good)
+        if bad.num_rows:
+            self.bad.write(bad)
+        room = max(self.to.examples - len(done.examples), 0)
+        done.examples += [
+            {"id": r["id"], "reason": r["reason"]} for r in bad.slice(0, room).to_pylist()
+        ]
+        done.output += good.num_rows
+        done.rejected += bad.num_rows
+        return True
+
+    def close(self) -> Written:
+        self.done.parts = [s.model_dump() for s in self.good.close()]
+        self.done.rejects = [s.model_dump() for s in self.bad.close()]
+        return self.done
+
+
+def records_table(written: list[Written]) -> pa.Table:
+    return pa.table({"written": [json.dumps(asdict(w)) for w in written]})
 
 
 def written_records(table: pa.Table) -> list[Written]:

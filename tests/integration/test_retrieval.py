@@ -164,6 +164,7 @@ def test_a_corpus_row_whose_picture_does_not_decode_is_rejected_and_named(run, e
 def test_both_encoders_export_every_program_and_a_replica_serves_the_pt2(run):
     from PIL import Image
 
+    from app.data.kinds.image_text import PictureLimits
     from app.export.exporter import export
     from app.runtime.artifact import open_artifact
     from app.serve.replicas.embedding_server import Encoders
@@ -187,8 +188,8 @@ def test_both_encoders_export_every_program_and_a_replica_serves_the_pt2(run):
         Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(buffer, "PNG")
         pictures.append(buffer.getvalue())
     items = ("a red circle", "two blue squares", *pictures)
-    fp32, _ = Encoders(artifact, "fp32", 1).embed(items, "input", 10**7)
-    aoti, _ = Encoders(artifact, "aoti", 1).embed(items, "input", 10**7)
+    fp32, _ = Encoders(artifact, "fp32", 1).embed(items, "input", PictureLimits(max_pixels=10**7))
+    aoti, _ = Encoders(artifact, "aoti", 1).embed(items, "input", PictureLimits(max_pixels=10**7))
     cosine = (fp32 * aoti).sum(1) / (np.linalg.norm(fp32, axis=1) * np.linalg.norm(aoti, axis=1))
     assert cosine.min() >= config.export.min_cosine
 

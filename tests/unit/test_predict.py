@@ -165,8 +165,8 @@ def test_every_row_comes_out_once_as_a_prediction_or_a_reject():
     ]
 
 
-def test_a_task_writes_its_blocks_parts_and_rejects_and_returns_only_their_record(tmp_path):
-    from app.predict.write import write_block, written_records
+def test_a_piece_is_written_as_parts_and_rejects_and_only_its_record_returns(tmp_path):
+    from app.predict.write import Destination, PieceOutput, records_table, written_records
 
     spec = tabular()
     columns = {
@@ -177,13 +177,37 @@ def test_a_task_writes_its_blocks_parts_and_rejects_and_returns_only_their_recor
     checked = check_batch(columns, 5, spec)
     outputs = classifier_outputs(np.full((4, 2), 0.5, np.float32), np.asarray(["n", "y"], object))
     table = outputs_table(columns, "id", checked, outputs, None, ("m", "3"))
-    [record] = written_records(write_block(table, str(tmp_path), "_run-x", "id", 3, 5))
+    out = PieceOutput(Destination(str(tmp_path), "_run-x", "id", 3, 5), piece=7)
+    assert out.add(table.slice(0, 2)) and out.add(table.slice(2))  # two batches, one piece
+    [record] = written_records(records_table([out.close()]))
     assert (record.output, record.rejected) == (4, 1)
     assert [p["rows"] for p in record.parts] == [3, 1] and len(record.rejects) == 1
     assert record.examples == [{"id": "2", "reason": "column 'a': null"}]
     ids = [i for p in record.parts for i in pq.read_table(tmp_path / p["file"])["id"].to_pylist()]
-    assert ids == [1, 3, 4, 5] and all(p["file"].startswith("_run-x/part-") for p in record.parts)
-    assert record.rejects[0]["file"].startswith("_run-x/rejects/part-")
+    assert ids == [1, 3, 4, 5]
+    assert [p["file"] for p in record.parts] == [
+        "_run-x/part-00000-000007.parquet",
+        "_run-x/part-00001-000007.parquet",
+    ]
+    assert record.rejects[0]["file"] == "_run-x/rejects/part-00000-000007.parquet"
+
+
+def test_a_piece_whose_id_type_changes_stops_and_names_both_schemas(tmp_path):
+    from app.predict.write import Destination, PieceOutput
+
+    spec = tabular()
+    out = PieceOutput(Destination(str(tmp_path), "_run-x", "id", 10, 5), piece=0)
+    for ids in (pa.array([1, 2]), pa.array(["a", "b"])):
+        columns = {"id": ids, "a": pa.array([1.0, 2.0]), "b": pa.array([1.0, 2.0])}
+        probabilities = np.full((2, 2), 0.5, np.float32)
+        outputs = classifier_outputs(probabilities, np.asarray(["n", "y"], object))
+        added = out.add(
+            outputs_table(columns, "id", check_batch(columns, 2, spec), outputs, None, ("m", "3"))
+        )
+    assert not added
+    record = out.close()
+    assert record.output == 2 and len(record.schemas) == 2
+    assert "id: int64" in record.schemas[0] and "id: string" in record.schemas[1]
 
 
 def test_input_files_by_extension_and_folder(tmp_path):
