@@ -453,6 +453,12 @@ class IndexConfig(_Section):
     # An item's stored metadata (its passthrough columns) at most: a search answer carries up
     # to serve.max_search_results items, so this bounds its size. More is refused, by row.
     max_metadata_bytes: int = Field(4096, ge=64)
+    # A JPEG thumbnail per picture (jobs.predict makes it as it embeds, jobs.index stores it)
+    # for the search page: longest side `thumbnail_px`; one over `max_thumbnail_bytes` is
+    # left out (the page shows the item without it).
+    thumbnails: bool = False
+    thumbnail_px: int = Field(128, ge=16, le=128)
+    max_thumbnail_bytes: int = Field(16384, ge=1024, le=65536)
 
 
 class AutoscalingConfig(_Section):

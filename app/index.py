@@ -31,11 +31,19 @@ from app.errors import UserError
 from app.export.publish import publish
 from app.predict.write import verify_output
 from app.runtime import artifact as art
-from app.runtime.index import INDEX_FILE, INDEX_TASK, ITEMS_FILE, set_search_params
+from app.runtime.index import (
+    INDEX_FILE,
+    INDEX_TASK,
+    ITEMS_FILE,
+    THUMBNAILS_FILE,
+    THUMBNAILS_SCHEMA,
+    set_search_params,
+)
 
 log = logging.getLogger(__name__)
 EMBEDDING = "embedding"
-NOT_METADATA = (EMBEDDING, "model_name", "model_version")
+THUMBNAIL = "thumbnail"  # jobs.predict's thumbnails: stored apart, never as metadata
+NOT_METADATA = (EMBEDDING, THUMBNAIL, "model_name", "model_version")
 ITEM_ID = "id"  # the items table's first column: each item's id (predict's id column)
 TOP = 10
 
@@ -45,16 +53,26 @@ def build_index(config: Config, embeddings: str) -> dict[str, Any]:
     parts = [storage.join(embeddings, s.file) for s in predicted.files]
     if not parts:
         raise UserError(f"{embeddings}: no embeddings to index")
-    check_embeddings(embeddings, predicted.model_name, parts[0])
+    columns = check_embeddings(embeddings, predicted.model_name, parts[0])
+    thumbnails = config.index.thumbnails and THUMBNAIL in columns
+    if config.index.thumbnails and not thumbnails:
+        log.warning(
+            "index: %s holds no thumbnails (captions, or pictures embedded without "
+            "index.thumbnails=true): the index stores none",
+            embeddings,
+        )
     with tempfile.TemporaryDirectory() as work:
-        return build_in(config, predicted, parts, work)
+        return build_in(config, predicted, parts, work, thumbnails)
 
 
-def build_in(config: Config, predicted: Any, parts: list[str], work: str) -> dict[str, Any]:
-    """The index built in `work` (its items streamed to Parquet there), then published."""
+def build_in(
+    config: Config, predicted: Any, parts: list[str], work: str, thumbnails: bool
+) -> dict[str, Any]:
+    """The index built in `work` (its items, and thumbnails when kept, streamed to Parquet
+    there), then published."""
     cfg = config.index
     started, peak = time.perf_counter(), Peak()
-    index, columns = fill(cfg, parts, peak, os.path.join(work, ITEMS_FILE))
+    index, columns = fill(cfg, parts, peak, work, thumbnails)
     build_s = time.perf_counter() - started
     name = cfg.name or f"{predicted.model_name}-index"
     report = {
@@ -131,8 +149,9 @@ def empty_index(cfg: IndexConfig, dim: int) -> Any:
     return faiss.IndexFlatIP(dim)
 
 
-def check_embeddings(uri: str, model: str, first_part: str) -> None:
-    """A retrieval model's predictions, or one line saying what they are instead."""
+def check_embeddings(uri: str, model: str, first_part: str) -> list[str]:
+    """A retrieval model's predictions (their columns), or one line saying what they are
+    instead."""
     fs, path = storage.filesystem(first_part)
     with fs.open_input_file(path) as f:
         names = pq.ParquetFile(f).schema_arrow.names
@@ -141,13 +160,22 @@ def check_embeddings(uri: str, model: str, first_part: str) -> None:
             f"{uri}: predictions of {model!r} hold no {EMBEDDING!r} column (columns: "
             f"{names[:8]}); jobs.index takes a retrieval model's jobs.predict output"
         )
+    return names
 
 
-def fill(cfg: IndexConfig, parts: list[str], peak: Peak, items_path: str) -> tuple[Any, list[str]]:
-    """Every part's vectors added in order; the items' ids and metadata streamed beside them to
-    `items_path` (never held whole). An IVF index is trained first on the first `batch_rows`
-    vectors. Returns the index and the items' columns."""
+def fill(
+    cfg: IndexConfig, parts: list[str], peak: Peak, work: str, thumbnails: bool = False
+) -> tuple[Any, list[str]]:
+    """Every part's vectors added in order; the items' ids and metadata (and thumbnails, when
+    asked for) streamed beside them to Parquet files in `work` (never held whole). An IVF index
+    is trained first on the first `batch_rows` vectors. Returns the index and the items'
+    columns."""
     index, writer, offset = None, None, 0
+    pictures = (
+        pq.ParquetWriter(os.path.join(work, THUMBNAILS_FILE), THUMBNAILS_SCHEMA)
+        if thumbnails
+        else None
+    )
     try:
         for table in batches(parts, cfg.batch_rows):
             x = vectors(table)
@@ -163,13 +191,17 @@ def fill(cfg: IndexConfig, parts: list[str], peak: Peak, items_path: str) -> tup
             index.add(x)
             items = item_table(table.drop([c for c in NOT_METADATA if c in table.column_names]))
             check_metadata(items, cfg.max_metadata_bytes, offset)
-            writer = writer or pq.ParquetWriter(items_path, items.schema)
+            writer = writer or pq.ParquetWriter(os.path.join(work, ITEMS_FILE), items.schema)
             writer.write_table(items.cast(writer.schema))
+            if pictures is not None:
+                column = table[THUMBNAIL].cast(pa.binary())
+                pictures.write_table(pa.table([column], schema=THUMBNAILS_SCHEMA))
             offset += table.num_rows
             peak.sample()
     finally:
-        if writer is not None:
-            writer.close()
+        for open_writer in (writer, pictures):
+            if open_writer is not None:
+                open_writer.close()
     assert index is not None and writer is not None
     return index, list(writer.schema.names)
 

@@ -204,9 +204,16 @@ def _answer(url: str, rows: np.ndarray) -> dict[str, Any]:
 def compare(output: str, manifest_files: list[str], ids: np.ndarray, online: dict) -> dict:
     """The batch output's rows for `ids` against the endpoint's answer for the same rows."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    table = pa.concat_tables([pq.read_table(f"{output}/{f}") for f in manifest_files])
+    wanted = pa.array(ids)  # the sample's rows only: the output may hold 100M
+    table = pa.concat_tables(
+        [
+            (part := pq.read_table(f"{output}/{f}")).filter(pc.is_in(part["id"], wanted))
+            for f in manifest_files
+        ]
+    )
     index = {int(i): k for k, i in enumerate(table["id"].to_pylist())}
     take = [index[int(i)] for i in ids]
     labels = [table["label"][k].as_py() for k in take]

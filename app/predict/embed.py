@@ -4,8 +4,10 @@ beside the embedding as they are (the metadata a vector index keeps and filters 
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from app.predict.actor import ArtifactBatches, good_values, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, check_batch
 
 EMBEDDING = "embedding"
+THUMBNAIL = "thumbnail"  # JPEG bytes of the picture embedded, when `index.thumbnails`
 
 
 def _folder(uri: str) -> str:
@@ -61,6 +64,7 @@ class EmbeddingPredictor(ArtifactBatches):
             "image_roots": data.image_roots,
             "max_image_bytes": data.max_image_bytes,
             "max_image_aspect": data.max_image_aspect,
+            "thumbnail": thumbnail_settings(config) if width == PICTURES else None,
         }
         kind, text = schema["kind"], json.dumps(settings)
         return InputSpec(kind, (column,), width, id_column, fmt, rest, (), text)  # type: ignore[arg-type]
@@ -81,6 +85,7 @@ class EmbeddingPredictor(ArtifactBatches):
                 max_image_aspect=aspect,
             )
             self.reader = PictureReader(settings["base"], data)
+        self.thumbnail = Thumbnails(**settings["thumbnail"]) if settings.get("thumbnail") else None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         columns, n, known, where = self.columns(batch)
@@ -98,6 +103,8 @@ class EmbeddingPredictor(ArtifactBatches):
         }
         for name in self.spec.passthrough:
             outputs[name] = good_values(columns[name], checked.good)
+        if self.thumbnail is not None:
+            outputs[THUMBNAIL] = pa.array(inputs.pop(THUMBNAIL, []), pa.binary())
         return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
 
     def _read_paths(self, column: Column, known: list[str | None]) -> list[Any]:
@@ -120,22 +127,56 @@ class EmbeddingPredictor(ArtifactBatches):
             out.append(data)
         return out
 
-    def _inputs(self, checked: CheckedBatch) -> dict[str, np.ndarray]:
+    def _inputs(self, checked: CheckedBatch) -> dict[str, Any]:
         if self.spec.num_features == CAPTIONS:
             return self.pre.text_features(checked.raw)
-        pixels, good = [], []
+        pixels, good, thumbnails = [], [], []
         name = self.spec.feature_columns[0]
         for row, data in zip(checked.good.tolist(), checked.raw, strict=True):
             try:
-                pixels.append(self.pre.picture_pixels(decode(data, self.limits)))
+                picture = decode(data, self.limits)
+                pixels.append(self.pre.picture_pixels(picture))
                 good.append(row)
             except BadPicture as e:
                 checked.reasons[row] = f"column {name!r}: {e}"
+                continue
+            if self.thumbnail is not None:
+                thumbnails.append(self.thumbnail.of(picture))
         checked.good = np.asarray(good, np.int64)
-        return {"pixels": self.pre.stacked(pixels)}
+        inputs: dict[str, Any] = {"pixels": self.pre.stacked(pixels)}
+        return inputs | ({THUMBNAIL: thumbnails} if self.thumbnail is not None else {})
 
-    def _embed(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    def _embed(self, inputs: dict[str, Any]) -> np.ndarray:
+        inputs = {k: v for k, v in inputs.items() if k != THUMBNAIL}
         rows = len(next(iter(inputs.values())))
         if not rows:
             return np.zeros((0, self.artifact.schema["embed_dim"]), np.float32)
         return np.asarray(self.session.run([EMBEDDING], inputs)[0], np.float32)
+
+
+def thumbnail_settings(config: Config) -> dict[str, int] | None:
+    cfg = config.index
+    return (
+        {"px": cfg.thumbnail_px, "max_bytes": cfg.max_thumbnail_bytes} if cfg.thumbnails else None
+    )
+
+
+@dataclass(frozen=True)
+class Thumbnails:
+    """A picture's JPEG thumbnail, longest side at most `px`; None when even a plain one is
+    over `max_bytes` (the page shows the item without it)."""
+
+    px: int
+    max_bytes: int
+
+    def of(self, picture: np.ndarray) -> bytes | None:
+        from PIL import Image
+
+        image = Image.fromarray(picture)
+        image.thumbnail((self.px, self.px))
+        for quality in (85, 60, 35):
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", quality=quality)
+            if buffer.tell() <= self.max_bytes:
+                return buffer.getvalue()
+        return None

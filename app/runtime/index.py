@@ -3,6 +3,7 @@
     index.faiss     the faiss index of the items' embeddings (inner product: cosine, as the
                     embeddings are L2-normalised)
     items.parquet   one row per vector, in index order: `id` and the stored metadata columns
+    thumbnails.parquet  (with `index.thumbnails`) one JPEG or null per vector, in index order
     schema.json     task "index", method, embed_dim, metadata columns, and the encoder artifact
                     (URI of its version folder, name, version) whose embeddings these are
     report.json     vectors, build time, peak memory, recall@10 against exact search
@@ -25,7 +26,8 @@ import pyarrow.parquet as pq
 from app.errors import ArtifactError
 from app.runtime.artifact import ArtifactManifest, open_verified
 
-INDEX_FILE, ITEMS_FILE = "index.faiss", "items.parquet"
+INDEX_FILE, ITEMS_FILE, THUMBNAILS_FILE = "index.faiss", "items.parquet", "thumbnails.parquet"
+THUMBNAILS_SCHEMA = pa.schema([("thumbnail", pa.binary())])
 INDEX_TASK = "index"
 
 
@@ -37,6 +39,7 @@ class VectorIndex:
     report: dict[str, Any]
     index: Any  # a faiss index
     items: pa.Table
+    thumbnails: pa.ChunkedArray | None = None  # JPEG bytes or null, in index order
 
     @property
     def name(self) -> str:
@@ -69,7 +72,13 @@ def open_index(uri: str) -> VectorIndex:
     items = pq.read_table(io.BytesIO(files[ITEMS_FILE]))
     if index.ntotal != items.num_rows:
         raise ArtifactError(f"{uri}: {index.ntotal} vectors but {items.num_rows} items")
-    return VectorIndex(uri, manifest, schema, json.loads(files["report.json"]), index, items)
+    thumbnails = None
+    if THUMBNAILS_FILE in files:
+        thumbnails = pq.read_table(io.BytesIO(files[THUMBNAILS_FILE]))["thumbnail"]
+        if len(thumbnails) != index.ntotal:
+            raise ArtifactError(f"{uri}: {index.ntotal} vectors but {len(thumbnails)} thumbnails")
+    report = json.loads(files["report.json"])
+    return VectorIndex(uri, manifest, schema, report, index, items, thumbnails)
 
 
 def set_search_params(index: Any, ef_search: int, nprobe: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import threading
 
@@ -39,6 +40,7 @@ EMBED = f"{SERVE}/v1/embeddings"
 SEARCH = f"{SERVE}/v1/models/retrieval-index:search"
 NOTES = f"{SERVE}/v1/models/retrieval-notes:search"
 NOTE_BYTES = 1000  # each item of the notes index: a search at the caps answers > 4 MiB
+HTML_NOTE = '<b>bold</b><img src=x onerror="window.injected=1">'
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def served(cluster, tmp_path_factory):
             "caption": [f"a small red circle number {i}" for i in range(120)],
             "note": [f"{i:04d}" + "n" * (NOTE_BYTES - 4) for i in range(120)],
             "blob": [bytes([i, 0, 255]) for i in range(120)],  # binary: a 500 in search once
+            "html": [HTML_NOTE] * 120,  # shown as text by the search page
         }
     ).to_parquet(corpus)
     artifact = summary["stages"]["export"]["artifact"]
@@ -463,3 +466,113 @@ def test_embedding_and_search_requests_and_the_index_version_are_exported(served
         time.sleep(2)
     assert min(grown.values()) >= 3, (grown, now)
     assert now["index version"] >= 1, now
+
+
+# --- the search page, in a real headless browser ------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package: `make test` installs it (apt, as root)
+BROWSER_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-component-update"]
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    """A headless chromium on the search page; a missing browser skips with the command that
+    installs it, and fails under CI=true (where `make test` installed it)."""
+    if not os.path.exists(CHROMIUM):
+        message = f"no {CHROMIUM}: apt-get install -y chromium (or make test, as root)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        tab = browser.new_page()
+        failures: list[str] = []
+        tab.on("pageerror", lambda e: failures.append(str(e)))
+        tab.goto(f"{SERVE}/search")
+        tab.wait_for_selector("#index option[value='retrieval-index']", state="attached")
+        tab.select_option("#index", "retrieval-index")
+        yield tab
+        browser.close()
+    assert not failures, failures  # the page's script never threw
+
+
+def corpus_of(served) -> list[dict]:
+    """The indexed val pictures (the pipeline's corpus): id, PNG bytes and caption."""
+    import pyarrow.parquet as pq
+
+    [path] = served["root"].glob("runs/*-index/corpus/pictures.parquet")
+    return pq.read_table(path).to_pylist()
+
+
+def page_hits(page, submit) -> list[str]:
+    """The ids the page shows after `submit()` (a click, a drop)."""
+    page.evaluate("document.getElementById('results').replaceChildren()")
+    submit()
+    page.wait_for_selector("#results li .id, #error:not([hidden])")
+    return [e.text_content() for e in page.query_selector_all("#results li .id")]
+
+
+def test_the_search_page_finds_a_val_picture_by_its_caption_with_its_thumbnail(served, page):
+    """The caption of a val picture that search ranks in its top five, typed into the page:
+    the page shows the API's answer in its order, the picture among it with its thumbnail,
+    and the index's version and encoder."""
+    items = corpus_of(served)
+    caption_column = next(k for k in items[0] if k not in ("id", "image"))
+    for item in items:
+        body = {"query": {"text": item[caption_column]}, "top_k": 5}
+        api = [h["id"] for h in requests.post(SEARCH, json=body, timeout=30).json()["results"][0]]
+        if item["id"] in api:
+            break
+    else:
+        pytest.fail("search ranks no val picture's caption within its top five")
+    page.fill("#caption", item[caption_column])
+    page.fill("#top_k", "5")
+    shown = page_hits(page, lambda: page.click("button[type=submit]"))
+    assert shown == api
+    status = page.text_content("#status")
+    assert "retrieval-index version" in status and "encoder retrieval version" in status
+    card = page.locator("#results li", has_text=item["id"])
+    card.locator("img:not([hidden])").wait_for()
+    width = card.locator("img").evaluate("img => img.naturalWidth")
+    assert 0 < width <= 128  # the stored JPEG, fetched by id as a blob
+    if shot := os.environ.get("SEARCH_PAGE_SCREENSHOT"):  # docs/search-page.png
+        page.screenshot(path=shot, full_page=True)
+
+
+def test_a_picture_dropped_on_the_page_finds_itself_first(served, page):
+    """A val picture's file dropped on the page: the picture itself at the top score (a
+    generated twin, the same pixels, may share it)."""
+    item = corpus_of(served)[3]
+    data = base64.b64encode(item["image"]).decode()
+    drop = page.evaluate_handle(
+        """data => {
+            const bytes = Uint8Array.from(atob(data), c => c.charCodeAt(0));
+            const transfer = new DataTransfer();
+            transfer.items.add(new File([bytes], "val.png", {type: "image/png"}));
+            return transfer;
+        }""",
+        data,
+    )
+    page.fill("#caption", "")
+    shown = page_hits(page, lambda: page.dispatch_event("#drop", "drop", {"dataTransfer": drop}))
+    scores = [float(e.text_content().split()[1]) for e in page.query_selector_all(".score")]
+    assert item["id"] in shown and scores[shown.index(item["id"])] == scores[0]
+    assert scores[0] > 0.999
+
+
+def test_a_refused_search_shows_its_error_and_metadata_stays_text(served, page):
+    """A top_k over serve.max_top_k: the page shows the 413's message, not a blank page. The
+    notes index's items carry HTML in their metadata: shown as text, never run."""
+    page.fill("#caption", "a red circle")
+    page.fill("#top_k", "100000")
+    assert page_hits(page, lambda: page.click("button[type=submit]")) == []
+    assert "413: top_k: 100000 is over serve.max_top_k" in page.text_content("#error")
+    page.select_option("#index", "retrieval-notes")
+    page.fill("#top_k", "3")
+    assert len(page_hits(page, lambda: page.click("button[type=submit]"))) == 3
+    assert HTML_NOTE in page.text_content("#results")
+    assert page.evaluate("window.injected === undefined")
+    assert page.query_selector("#results b") is None and not page.is_visible("#error")
+    page.select_option("#index", "retrieval-index")

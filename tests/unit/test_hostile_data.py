@@ -422,3 +422,33 @@ def test_a_message_over_the_transports_limit_is_a_413_not_a_retryable_503():
     assert too_large_for_transport(error(StatusCode.RESOURCE_EXHAUSTED))
     assert not too_large_for_transport(error(StatusCode.UNAVAILABLE))
     assert not too_large_for_transport(RuntimeError("a replica died"))
+
+
+def test_thumbnails_are_stored_apart_from_the_metadata_in_index_order(tmp_path):
+    from app.index import build_index
+    from app.runtime.index import open_index
+
+    jpegs = [b"\xff\xd8one", None, b"\xff\xd8three"]
+    uri = predictions(tmp_path / "p", embedded(3, caption=["a", "b", "c"], thumbnail=jpegs))
+    index = open_index(
+        build_index(index_config(tmp_path, "index.thumbnails=true"), uri)["artifact"]
+    )
+    assert index.thumbnails is not None and index.thumbnails.to_pylist() == jpegs
+    assert index.items.column_names == ["id", "caption"]  # never metadata, never base64
+    without = build_index(index_config(tmp_path), uri)  # not asked for: not kept
+    assert open_index(without["artifact"]).thumbnails is None
+
+
+def test_a_thumbnail_is_a_small_jpeg_or_none_over_its_cap():
+    import io
+
+    from PIL import Image
+
+    from app.predict.embed import Thumbnails
+
+    picture = np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8)
+    data = Thumbnails(px=128, max_bytes=16384).of(picture)
+    assert data is not None and len(data) <= 16384
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.format == "JPEG" and image.size == (128, 96)
+    assert Thumbnails(px=128, max_bytes=1024).of(picture) is None  # noise does not compress

@@ -4,6 +4,7 @@ covered by tests/e2e/test_serve.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -846,3 +847,39 @@ def test_text_offset_counts_characters_not_the_byte_tokens_of_a_split_one():
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0, 1, 1, 2]
     later = encoder.chunk(0, Piece("b", (TokenLogprob("b", (98,), -1.0),)))
     assert later["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+class FakeIndex(FakeModel):
+    """An index replica's thumbnails: one item with a picture, one without."""
+
+    async def info(self) -> ModelInfo:
+        return dataclasses.replace(INFO, task="index", searches=True)
+
+    async def thumbnail(self, item: str) -> bytes:
+        if item != "a/1.png":
+            raise RequestError(404, f"no thumbnail for item {item!r}")
+        return b"\xff\xd8jpeg"
+
+
+def test_the_search_page_is_public_and_thumbnails_need_the_key(monkeypatch):
+    """The page and its script hold no data: they load without the key, under a policy that
+    runs no script but their own. A thumbnail is data: it needs the key, like search."""
+    monkeypatch.setenv("RAYTORCH_API_KEY", "s3cret")
+    config = ServeConfig()
+    api = TestClient(create_api(config, Models.configured({"idx": FakeIndex()}, config)))
+    page = api.get("/search")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert '<script src="/search.js">' in page.text
+    script = api.get("/search.js")
+    assert script.status_code == 200 and "textContent" in script.text
+    assert "innerHTML" not in script.text and "localStorage" not in script.text
+    url = "/v1/models/idx/thumbnails/a%2F1.png"  # an id with a slash, as the page encodes it
+    assert api.get(url).status_code == 401
+    key = {"authorization": "Bearer s3cret"}
+    r = api.get(url, headers=key)
+    assert r.status_code == 200 and r.content == b"\xff\xd8jpeg"
+    assert r.headers["content-type"] == "image/jpeg"
+    missing = api.get("/v1/models/idx/thumbnails/b.png", headers=key)
+    assert missing.status_code == 404 and "no thumbnail for item 'b.png'" in missing.json()["error"]
+    assert api.get("/v1/models/nope/thumbnails/a", headers=key).status_code == 404

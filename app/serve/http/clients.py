@@ -47,6 +47,8 @@ class ModelClient(Protocol):
 
     def search(self, request: SearchRequest) -> Awaitable[SearchResult]: ...
 
+    def thumbnail(self, item: str) -> Awaitable[bytes]: ...
+
 
 class LocalModel:
     """A ModelServer or LMServer in this process: its own methods, bound (no call in between)."""
@@ -57,6 +59,7 @@ class LocalModel:
         self.generate = getattr(server, "generate", None)
         self.embed = getattr(server, "embed", None)
         self.search = getattr(server, "search", None)
+        self.thumbnail = getattr(server, "thumbnail", None)
 
 
 class RayModel:
@@ -92,6 +95,9 @@ class RayModel:
 
     def search(self, request: SearchRequest) -> Awaitable[SearchResult]:
         return self._get().search.remote(request)
+
+    def thumbnail(self, item: str) -> Awaitable[bytes]:
+        return self._get().thumbnail.remote(item)
 
 
 class Models:
@@ -137,6 +143,11 @@ class Models:
         if not (await self.info(name, INFO_FRESH_S)).searches:
             raise RequestError(400, f"model {name!r} is not a vector index")
         return await self._call(name, self.get(name).search(request))
+
+    async def thumbnail(self, name: str, item: str) -> bytes:
+        if not (await self.info(name, INFO_FRESH_S)).searches:
+            raise RequestError(400, f"model {name!r} is not a vector index")
+        return await self._call(name, self.get(name).thumbnail(item))
 
     async def generate(
         self, name: str, request: GenerationRequest

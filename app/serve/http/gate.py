@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # FastAPI's Request is Starlette's: the generation codecs imp
     from starlette.requests import Request
 
 log = logging.getLogger("ray.serve")
-PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
+PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready", "/search", "/search.js")
 # The metrics tag of a model name that is not deployed: one series, however many names are tried.
 UNKNOWN_MODEL = "unknown"
 ASGIApp = Callable[..., Any]

@@ -103,6 +103,18 @@ class SearchServer:
         self.metrics.observe(len(request.queries), 1000 * (time.perf_counter() - started))
         return result
 
+    async def thumbnail(self, item: str) -> bytes:
+        """An item's stored thumbnail (JPEG), by id."""
+        row = self.ids.get(item)
+        if row is None:
+            raise RequestError(404, f"no item {item[:60]!r} in index {self.vectors.name!r}")
+        thumbnails = self.vectors.thumbnails
+        data = thumbnails[row].as_py() if thumbnails is not None else None
+        if data is None:
+            why = "has none" if thumbnails is not None else "was built without index.thumbnails"
+            raise RequestError(404, f"no thumbnail for item {item[:60]!r}: the index {why}")
+        return data
+
     async def _answer(self, request: SearchRequest) -> SearchResult:
         within_caps(request, self.cfg)
         loop = asyncio.get_running_loop()

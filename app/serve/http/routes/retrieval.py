@@ -1,10 +1,13 @@
 """Retrieval: OpenAI's `POST /v1/embeddings` (texts and pictures alike, floats or base64:
-little-endian float32, what OpenAI's client asks for by default) for a retrieval model, and
-`POST /v1/models/{name}:search` for a vector index."""
+little-endian float32, what OpenAI's client asks for by default) for a retrieval model,
+`POST /v1/models/{name}:search` and `GET /v1/models/{name}/thumbnails/{id}` for a vector index,
+and the search page (`GET /search`: plain HTML and a script, no data in it)."""
 
 from __future__ import annotations
 
 import base64
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -64,3 +67,31 @@ def search_query(query: Any, i: int) -> SearchQuery:
     embedding = tuple(query.embedding) if query.embedding is not None else None
     item = str(query.id) if query.id is not None else None
     return SearchQuery(text=query.text, embedding=embedding, id=item)
+
+
+@router.get("/v1/models/{name}/thumbnails/{item:path}")
+async def thumbnail(name: str, item: str, request: Request):
+    data = await models(request).thumbnail(name, item)
+    cached = {"cache-control": "private, max-age=3600"}
+    return Response(data, media_type="image/jpeg", headers=cached)
+
+
+# The page's own origin only; thumbnails arrive as blob: URLs fetched with the API key.
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'self'; connect-src 'self'; img-src 'self' blob:; "
+    "style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+PAGES = {"/search": ("search.html", "text/html"), "/search.js": ("search.js", "text/javascript")}
+
+
+@router.get("/search")
+@router.get("/search.js")
+async def page(request: Request):
+    file, media = PAGES[request.url.path]
+    headers = {"content-security-policy": PAGE_POLICY, "x-content-type-options": "nosniff"}
+    return Response(page_text(file), media_type=f"{media}; charset=utf-8", headers=headers)
+
+
+@cache
+def page_text(file: str) -> str:
+    return resources.files("app.serve.http").joinpath("pages", file).read_text("utf-8")
