@@ -533,7 +533,8 @@ def test_the_search_page_finds_a_val_picture_by_its_caption_with_its_thumbnail(s
     assert shown == api
     status = page.text_content("#status")
     assert "retrieval-index version" in status and "encoder retrieval version" in status
-    card = page.locator("#results li", has_text=item["id"])
+    own_id = page.locator(".id", has_text=re.compile(f"^{re.escape(item['id'])}$"))
+    card = page.locator("#results li", has=own_id)
     card.locator("img:not([hidden])").wait_for()
     width = card.locator("img").evaluate("img => img.naturalWidth")
     assert 0 < width <= 128  # the stored JPEG, fetched by id as a blob
