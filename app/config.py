@@ -627,7 +627,7 @@ class PredictConfig(_Section):
     max_examples: int = Field(5, ge=1)  # malformed rows named in the summary or the failure
     batch_size: int = Field(1024, ge=1)  # rows per ONNX Runtime call
     # The actor pool autoscales from one actor to `max_actors`; each builds its ONNX Runtime
-    # session once. Fractional CPUs leave room for the read tasks on a small machine.
+    # session once, then reads, scores and writes the pieces it is handed.
     max_actors: int = Field(2, ge=1)
     actor_cpus: float = Field(0.5, gt=0)  # CPUs per predict actor
     threads: int = Field(1, ge=1)  # ONNX Runtime intra-op threads per actor

@@ -136,7 +136,10 @@ def served(uri: str, name: str, queries: np.ndarray, found: np.ndarray, work: Pa
     import requests
 
     port = free_port()
-    cfg = {"autoscaling": {"min_replicas": 2, "max_replicas": 2}, "replica_cpus": 0.9}
+    cfg = {
+        "autoscaling": {"min_replicas": 2, "max_replicas": 2},
+        "replica_cpus": 0.85,
+    }  # + the router's 0.25: the 2 CPUs
     log = work / f"serve-{name}.log"
     proc = start_ht_child(uri, cfg, port, tempfile.mkdtemp(prefix="b19-"), log, name=name)
     try:
