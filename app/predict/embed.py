@@ -84,7 +84,7 @@ class EmbeddingPredictor(ArtifactBatches):
                 max_image_bytes=settings["max_image_bytes"],
                 max_image_aspect=aspect,
             )
-            self.reader = PictureReader(settings["base"], data)
+            self.reader = PictureReader(settings["base"], data, decoded_after=True)
         self.thumbnail = Thumbnails(**settings["thumbnail"]) if settings.get("thumbnail") else None
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -266,7 +266,8 @@ def decode(data: bytes, limits: PictureLimits = PictureLimits()) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(bytes(data))) as img:
             limits.check(*img.size)
-            return np.asarray(img.convert("RGB"), dtype=np.uint8)
+            rgb = img if img.mode == "RGB" else img.convert("RGB")  # no copy when it is already
+            return np.asarray(rgb, dtype=np.uint8)
     except BadPicture:
         raise
     except Exception as e:  # noqa: BLE001 - PIL signals a bad file in many ways
