@@ -2,23 +2,21 @@
 (tests/readme_commands.py:PRETRAINED) on tiny generated folders with the towers frozen
 (`train.freeze=towers`, as LiT trains), so the served embeddings must be transformers' towers
 behind the trained projections; hostile inputs get a 4xx naming what is wrong and leave the
-replica serving; a new index version replaces the old under load with every answer a 200 from
-exactly one version. Marked slow (make test-all): five pipelines beside the suite's deployments
-are more than make test's budget allows."""
+replica serving. Marked slow (make test-all): two pretrained pipelines beside the suite's
+deployments are more than make test's budget allows. Search, filters, the OpenAI client, the
+listing and a new index version under load run in make test on the from-scratch pipeline
+(tests/e2e/test_retrieval_serve.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
-import threading
-import time
-from collections import Counter
 
 import numpy as np
 import pytest
 import requests
 
-from tests.e2e.conftest import SERVE, run_job, run_jobs
+from tests.e2e.conftest import SERVE, run_jobs
 from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
 
@@ -136,73 +134,6 @@ def test_hostile_inputs_get_a_4xx_naming_them_and_the_replicas_keep_serving(
     assert after.headers.get("x-model-replica") == before.headers.get("x-model-replica")
 
 
-def test_search_answers_texts_pictures_stored_ids_and_filters(pipelines):
-    summary = pipelines["clip"]["summary"]
-    caption = summary["sample_request"]["caption"]
-    r = requests.post(SEARCH, json={"queries": [{"text": caption}], "top_k": 3}, timeout=30)
-    assert r.status_code == 200, r.text
-    [hits] = r.json()["results"]
-    assert len(hits) == 3 and hits[0]["score"] >= hits[-1]["score"]
-    stored = hits[0]["id"]
-    again = requests.post(SEARCH, json={"query": {"id": stored}, "top_k": 1}, timeout=30).json()
-    assert again["results"][0][0]["id"] == stored
-    kept = hits[1]["metadata"]["caption"]
-    body = {"query": {"text": caption}, "top_k": 5, "filter": {"caption": kept}}
-    filtered = requests.post(SEARCH, json=body, timeout=30).json()["results"][0]
-    assert filtered and {h["metadata"]["caption"] for h in filtered} == {kept}
-    assert r.json()["encoder_version"] == summary["stages"]["deploy"]["version"]
-
-
-class SearchLoad:
-    """Closed-loop search from `threads` connections: status codes and answering versions."""
-
-    def __init__(self, threads: int):
-        self.codes: Counter = Counter()
-        self.answers: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-
-    def _run(self) -> None:
-        with requests.Session() as session:
-            while not self._stop.is_set():
-                try:
-                    r = session.post(SEARCH, json={"query": {"text": "a red circle"}}, timeout=30)
-                    self.codes[r.status_code] += 1
-                    if r.status_code == 200:
-                        self.answers.append((time.monotonic(), r.json()["version"]))
-                except requests.RequestException as e:
-                    self.codes[type(e).__name__] += 1
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-
-
-def test_a_new_index_version_replaces_the_old_under_load_without_a_failed_answer(pipelines):
-    run = pipelines["clip"]
-    stages = run["summary"]["stages"]
-    old = stages["index"]["artifact"].rsplit("/", 1)[-1]
-    built = run_job("index", *run["base"], f"--embeddings={stages['predict']['output']}")
-    new = built["artifact"].rsplit("/", 1)[-1]
-    assert new != old
-    with SearchLoad(threads=8) as load:
-        time.sleep(1)
-        deployed = run_job("deploy", *run["base"], f"--artifact={built['artifact']}")
-        done_at = time.monotonic()
-        time.sleep(2)
-    assert deployed["version"] == new
-    assert set(load.codes) == {200}, load.codes
-    versions = Counter(v for _, v in load.answers)
-    assert set(versions) <= {old, new} and versions[new] > 0, versions
-    assert {v for t, v in load.answers if t > done_at} == {new}
-
-
 def trained_state(summary: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -296,16 +227,3 @@ def test_bert_and_vit_dual_encoder_served_embeddings_equal_transformers(pipeline
         images = unit(image @ state["image_proj.weight"].T)
     served = served_embeddings("pt-dual", [*CAPTIONS, *encoded(PICTURES)])
     assert cosines(served, np.concatenate([texts, images])).min() >= 0.999
-
-
-def test_the_pipeline_indexes_val_pictures_and_lists_the_index_with_its_encoder(pipelines):
-    summary = pipelines["clip"]["summary"]
-    index = summary["stages"]["index"]
-    assert index["name"] == "pt-clip-index" and index["report"]["vectors"] > 0
-    assert index["report"]["recall_at_10"] is not None  # HNSW: measured against exact
-    assert summary["sample_request"]["hits"]
-    listing = requests.get(f"{SERVE}/v1/models", timeout=10).json()["models"]
-    [served] = [m for m in listing if m["name"] == "pt-clip-index"]
-    encoder = served["manifest"]["encoder"]
-    assert encoder["name"] == "pt-clip"
-    assert encoder["version"] == summary["stages"]["export"]["artifact"].rsplit("/", 1)[-1]

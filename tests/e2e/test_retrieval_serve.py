@@ -7,7 +7,9 @@ largest answer the search caps allow.
 Hostile and careless requests get a 4xx naming what is wrong, never a 5xx; a request that could
 take a replica's memory is refused before it costs any (the replica's PSS, read by pid, stays
 within 100 MB of its idle size) and a good request is served by the same replica right after;
-every request the HTTP limits admit, and the largest answer, succeed."""
+every request the HTTP limits admit, and the largest answer, succeed. Search by text, stored
+id and filter; OpenAI's client; the listing; the search page in a real headless chromium; and,
+last, a new index version deployed under load without a failed answer."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,7 +75,7 @@ def served(cluster, tmp_path_factory):
     run_job("predict", *config, "--artifact", artifact, "--input", str(corpus), "--output", out)
     index = run_job("index", *config, "--embeddings", out, "index.name=retrieval-notes")
     run_job("deploy", *config, "--artifact", index["artifact"])
-    return {"summary": summary, "root": root}
+    return {"summary": summary, "root": root, "config": config}
 
 
 def png(width: int, height: int, noise: bool = False, seed: int = 0) -> bytes:
@@ -577,3 +580,100 @@ def test_a_refused_search_shows_its_error_and_metadata_stays_text(served, page):
     assert page.evaluate("window.injected === undefined")
     assert page.query_selector("#results b") is None and not page.is_visible("#error")
     page.select_option("#index", "retrieval-index")
+
+
+# --- search, the OpenAI client, the listing, and a new index version under load -----------------
+
+
+def test_search_answers_texts_stored_ids_and_filters(served):
+    summary = served["summary"]
+    caption = summary["sample_request"]["caption"]
+    r = requests.post(SEARCH, json={"queries": [{"text": caption}], "top_k": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+    [hits] = r.json()["results"]
+    assert len(hits) == 3 and hits[0]["score"] >= hits[-1]["score"]
+    stored = hits[0]["id"]
+    again = requests.post(SEARCH, json={"query": {"id": stored}, "top_k": 1}, timeout=30).json()
+    assert again["results"][0][0]["id"] == stored
+    kept = hits[1]["metadata"]["caption"]
+    body = {"query": {"text": caption}, "top_k": 5, "filter": {"caption": kept}}
+    filtered = requests.post(SEARCH, json=body, timeout=30).json()["results"][0]
+    assert filtered and {h["metadata"]["caption"] for h in filtered} == {kept}
+    assert r.json()["encoder_version"] == summary["stages"]["deploy"]["version"]
+
+
+def test_the_openai_client_reads_the_embeddings_the_route_answers(served):
+    """OpenAI's own client asks for base64 floats by default: the same vector as JSON floats."""
+    from openai import OpenAI
+
+    floats = requests.post(EMBED, json={"model": "retrieval", "input": "a red circle"}, timeout=30)
+    client = OpenAI(base_url=f"{SERVE}/v1", api_key="unused")
+    answer = client.embeddings.create(model="retrieval", input="a red circle")
+    expected = np.asarray(floats.json()["data"][0]["embedding"])
+    assert np.abs(np.asarray(answer.data[0].embedding) - expected).max() < 1e-6
+
+
+def test_the_pipeline_lists_its_index_with_its_encoder(served):
+    summary = served["summary"]
+    index = summary["stages"]["index"]
+    assert index["name"] == "retrieval-index" and index["report"]["vectors"] > 0
+    assert summary["sample_request"]["hits"]
+    listing = requests.get(f"{SERVE}/v1/models", timeout=10).json()["models"]
+    [listed] = [m for m in listing if m["name"] == "retrieval-index"]
+    encoder = listed["manifest"]["encoder"]
+    assert encoder["name"] == "retrieval"
+    assert encoder["version"] == summary["stages"]["export"]["artifact"].rsplit("/", 1)[-1]
+
+
+class SearchLoad:
+    """Closed-loop search from `threads` connections: status codes and answering versions."""
+
+    def __init__(self, threads: int):
+        from collections import Counter
+
+        self.codes: Counter = Counter()
+        self.answers: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        with requests.Session() as session:
+            while not self._stop.is_set():
+                try:
+                    r = session.post(SEARCH, json={"query": {"text": "a red circle"}}, timeout=30)
+                    self.codes[r.status_code] += 1
+                    if r.status_code == 200:
+                        self.answers.append((time.monotonic(), r.json()["version"]))
+                except requests.RequestException as e:
+                    self.codes[type(e).__name__] += 1
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def test_a_new_index_version_replaces_the_old_under_load_without_a_failed_answer(served):
+    """Last in this module: the index it deploys is the same items, one version on."""
+    from collections import Counter
+
+    stages, config = served["summary"]["stages"], served["config"]
+    old = stages["index"]["artifact"].rsplit("/", 1)[-1]
+    built = run_job("index", *config, f"--embeddings={stages['predict']['output']}")
+    new = built["artifact"].rsplit("/", 1)[-1]
+    assert new != old
+    with SearchLoad(threads=8) as load:
+        time.sleep(1)
+        deployed = run_job("deploy", *config, f"--artifact={built['artifact']}")
+        done_at = time.monotonic()
+        time.sleep(2)
+    assert deployed["version"] == new
+    assert set(load.codes) == {200}, load.codes
+    versions = Counter(v for _, v in load.answers)
+    assert set(versions) <= {old, new} and versions[new] > 0, versions
+    assert {v for t, v in load.answers if t > done_at} == {new}
