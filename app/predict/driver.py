@@ -236,7 +236,15 @@ def _run(
         ),
         batch_format="pyarrow",
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cfg.max_actors),
+        # Every actor started at once (one is enough to begin), and a piece handed only to an
+        # idle actor: a piece is seconds of work, and queued behind a busy actor it idled the
+        # other one (B20).
+        compute=ray.data.ActorPoolStrategy(
+            min_size=1,
+            max_size=cfg.max_actors,
+            initial_size=cfg.max_actors,
+            max_tasks_in_flight_per_actor=1,
+        ),
         num_cpus=cfg.actor_cpus,
         num_gpus=cfg.gpus_per_actor if use_gpu else None,
     )
