@@ -236,14 +236,14 @@ def _run(
         ),
         batch_format="pyarrow",
         batch_size=1,
-        # Every actor started at once (one is enough to begin), and a piece handed only to an
-        # idle actor: a piece is seconds of work, and queued behind a busy actor it idled the
-        # other one (B20).
+        # Every actor started at once (one is enough to begin), and at most two pieces queued
+        # at an actor: a piece is seconds of work, and four queued behind a busy actor left
+        # the others idle at the end of a run.
         compute=ray.data.ActorPoolStrategy(
             min_size=1,
             max_size=cfg.max_actors,
             initial_size=cfg.max_actors,
-            max_tasks_in_flight_per_actor=1,
+            max_tasks_in_flight_per_actor=2,
         ),
         num_cpus=cfg.actor_cpus,
         num_gpus=cfg.gpus_per_actor if use_gpu else None,
