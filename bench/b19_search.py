@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.b5_serve import _stop, start_ht_child, wait_child_ready
+from bench.b20_embed import artifact as trained_artifact
 from bench.b20_embed import job
 from bench.common import Bench, bench_main, free_port, median, ratio, wait_for_quiet
 from bench.load import wrk_run
@@ -43,7 +44,6 @@ SIZES, SMOKE_SIZES = (100_000, 1_000_000), (5_000,)
 DIM, CENTRES, SPREAD = 512, 1_000, 0.03
 HNSW = ["index.method=hnsw", "index.hnsw_m=32", "index.ef_construction=80", "index.ef_search=128"]
 QUERIES, CLIENTS, WINDOW_S, TOP = 1_000, 16, 5.0, 10
-TRAIN = ["data.num_rows=300", "train.epochs=1", "train.num_workers=1", "export.parity_rows=16"]
 
 
 def clustered(rng: np.random.Generator, centres: np.ndarray, n: int) -> np.ndarray:
@@ -53,17 +53,7 @@ def clustered(rng: np.random.Generator, centres: np.ndarray, n: int) -> np.ndarr
 
 def encoder(work: Path) -> str:
     """configs/retrieval.yaml at 512 dimensions, trained briefly and exported, once."""
-    saved = work / "encoder.json"
-    if saved.exists():
-        return json.loads(saved.read_text())["artifact"]
-    config = ["--config", "configs/retrieval.yaml", *TRAIN, f"model.embed_dim={DIM}"]
-    config += [f"data.output={work}/data", f"train.storage_path={work}/runs"]
-    config += [f"export.registry={work}/registry"]
-    job("prepare", *config)
-    trained = job("train", *config)
-    exported = job("export", *config, "--checkpoint", trained["checkpoint"])
-    saved.write_text(json.dumps({"artifact": exported["artifact"]}))
-    return exported["artifact"]
+    return trained_artifact(work, f"model.embed_dim={DIM}", saved="encoder.json")
 
 
 def embeddings(work: Path, artifact: str, n: int, centres: np.ndarray) -> str:

@@ -40,18 +40,19 @@ def job(module: str, *args: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def artifact(work: Path) -> str:
-    """configs/retrieval.yaml trained briefly and exported, once per workspace."""
-    saved = work / "artifact.json"
-    if saved.exists():
-        return json.loads(saved.read_text())["artifact"]
-    config = ["--config", "configs/retrieval.yaml", *TRAIN]
+def artifact(work: Path, *extra: str, saved: str = "artifact.json") -> str:
+    """configs/retrieval.yaml (with `extra` overrides) trained briefly and exported, once per
+    workspace (`saved` remembers it)."""
+    remembered = work / saved
+    if remembered.exists():
+        return json.loads(remembered.read_text())["artifact"]
+    config = ["--config", "configs/retrieval.yaml", *TRAIN, *extra]
     config += [f"data.output={work}/data", f"train.storage_path={work}/runs"]
     config += [f"export.registry={work}/registry"]
     job("prepare", *config)
     trained = job("train", *config)
     exported = job("export", *config, "--checkpoint", trained["checkpoint"])
-    saved.write_text(json.dumps({"artifact": exported["artifact"]}))
+    remembered.write_text(json.dumps({"artifact": exported["artifact"]}))
     return exported["artifact"]
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -235,3 +236,24 @@ def readme_chain(cluster, tmp_path_factory) -> dict:
         if stage == "train":
             tuning = start_command(fill(tune, state), root)
     return state
+
+
+class ClosedLoop:
+    """Closed-loop load: `threads` threads each calling `self._run` until the block ends."""
+
+    def __init__(self, threads: int):
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.e2e.conftest import SERVE, run_job
+from tests.e2e.conftest import SERVE, ClosedLoop, run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -625,7 +625,7 @@ def test_the_pipeline_lists_its_index_with_its_encoder(served):
     assert encoder["version"] == summary["stages"]["export"]["artifact"].rsplit("/", 1)[-1]
 
 
-class SearchLoad:
+class SearchLoad(ClosedLoop):
     """Closed-loop search from `threads` connections: status codes and answering versions."""
 
     def __init__(self, threads: int):
@@ -633,8 +633,7 @@ class SearchLoad:
 
         self.codes: Counter = Counter()
         self.answers: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        super().__init__(threads)
 
     def _run(self) -> None:
         with requests.Session() as session:
@@ -646,16 +645,6 @@ class SearchLoad:
                         self.answers.append((time.monotonic(), r.json()["version"]))
                 except requests.RequestException as e:
                     self.codes[type(e).__name__] += 1
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
 
 
 def test_a_new_index_version_replaces_the_old_under_load_without_a_failed_answer(served):

@@ -20,7 +20,15 @@ import requests
 
 from app.runtime.artifact import open_artifact, run_logits
 from tests.conftest import REPO
-from tests.e2e.conftest import SERVE, TEST_API_KEY, TEST_API_KEY_ENV, get_json, run_job, wait_for
+from tests.e2e.conftest import (
+    SERVE,
+    TEST_API_KEY,
+    TEST_API_KEY_ENV,
+    ClosedLoop,
+    get_json,
+    run_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 JSON = {"Content-Type": "application/json"}
@@ -409,7 +417,7 @@ def test_triton_client_reads_metadata_and_infers_json_and_binary(served):
         assert result.as_numpy("probabilities").shape == (16, 10)
 
 
-class Load:
+class Load(ClosedLoop):
     """Closed-loop load from a few threads: status codes, answering versions and replica pids."""
 
     def __init__(
@@ -428,8 +436,7 @@ class Load:
         self.errors: list[str] = []
         self.error_seconds: list[float] = []  # how long each failed request took
         self.error_started: list[float] = []  # when each failed request was sent (monotonic)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        super().__init__(threads)
 
     def _run(self):
         while not self._stop.is_set():
@@ -457,16 +464,6 @@ class Load:
     @property
     def failures(self) -> int:
         return sum(n for code, n in self.codes.items() if code != 200)
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
 
 
 def answering_version(model: str) -> str | None:
