@@ -49,7 +49,10 @@ wrk:
 # The search page's browser test: Debian's chromium, installed when absent (as root); without
 # it the test skips (fails under CI=true).
 browser:
-	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null || sudo -n apt-get install -y -q chromium >/dev/null || echo "chromium not installed: the search page's test will skip"
+	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+		|| sudo -n apt-get install -y -q chromium >/dev/null \
+		|| echo "chromium not installed: the search page's test will skip (and fail under CI=true)"
 
 bench-smoke: install wrk
 	$(PY) -m bench.run_all --smoke
