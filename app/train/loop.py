@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from app.config import Config
-from app.data.feed import rows_in
 from app.errors import CheckpointError
 from app.tasks.classify import classification_loss
 from app.tasks.steps import LossFn, all_reduce, autocast
@@ -165,13 +164,10 @@ def epoch_batches(
 ) -> Iterable[Any]:
     """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth,
     and no more than `train.max_steps` leaves (a seeded in-memory pass permutes the whole shard,
-    so every epoch draws from all of it). A pipeline takes whole batches only (its stages'
-    buffers have the first batch's shape): the rows a pass leaves over wait for the next
-    epoch's order."""
+    so every epoch draws from all of it). A pipeline fills a short last batch itself
+    (app/train/pipeline.py)."""
     t = config.train
     batches = feed.batches(batch_size, seed=seed)
-    if t.strategy == "pipeline":
-        batches = (b for b in batches if rows_in(b) == batch_size)
     limits = [t.max_steps_per_epoch, t.max_steps and max(t.max_steps - steps_done, 0)]
     limit = min((x for x in limits if x is not None), default=None)
     if limit is None:

@@ -13,9 +13,10 @@ functions, as with app/train/parallel.py.
   both; each computes its own part of the gradient and the two are summed after each step, so
   the copies stay equal.
 - Schedules: GPipe, 1F1B and interleaved 1F1B (`VIRTUAL_STAGES` stages a rank). Each
-  microbatch's loss is divided by the microbatches and accumulated batches of an optimizer
-  step, so with equal microbatches a step's loss and gradients are those of the whole batch
-  through the unsplit model.
+  microbatch's mean loss is weighed by the target elements it counts, over the batch's and
+  the optimizer step's accumulated batches, so a step's loss and gradients are those of the
+  whole batch through the unsplit model. A short batch (an epoch's last) is filled to the
+  stages' shape with its last row, the added rows' targets `IGNORE`: every row counts once.
 - `PipelinedModel` is what a Ray Train rank trains (`train.strategy: pipeline`): its stages'
   modules under the model's names, so optimizer groups, state dicts and sharded checkpoints
   name parameters as the unsplit model does (a run resumes at another stage count), plus the
@@ -40,7 +41,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Interleaved 1F1B holds this many stages a rank (stage r, r + ranks, ...): its bubble shrinks
 # with each, and each adds a send per microbatch.
 VIRTUAL_STAGES = 2
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> mean loss
+# (output, target) -> the mean loss over the target elements that are not IGNORE
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+IGNORE = -100  # a padded row's target: F.cross_entropy's default ignore_index skips it
 Batch = dict[str, torch.Tensor]
 # A batch's inputs to the first stage, by the model's argument names, and the last's target.
 Scored = tuple[Batch, torch.Tensor]
@@ -175,6 +178,7 @@ class Pipeline:
         device: torch.device,
         split_points: Sequence[int] = (),
         accumulation: int = 1,
+        rows: int | None = None,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -195,14 +199,17 @@ class Pipeline:
             PipelineStage(stage, i, count, device, group=self.groups.pipeline)
             for stage, i in zip(self.stages, indices, strict=True)
         ]
-        # Each microbatch's loss is divided by every batch the optimizer step adds up
-        # (microbatches of `accumulation` batches), and the schedule leaves the gradients as
-        # they are: its own division by the microbatches would also divide the gradients an
-        # earlier batch of the step left.
-        self.shares = microbatches * accumulation
+        # A microbatch's mean loss weighs by the target elements it counts over the batch's
+        # (times the `accumulation` batches of an optimizer step), so a step's loss is the
+        # batch's mean however padding falls; the schedule leaves the gradients as they are:
+        # its own division by the microbatches would also divide what an earlier batch left.
+        self.rows, self.accumulation, self.counted = rows, accumulation, 1
 
         def share(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return loss_fn(output, target) / self.shares
+            counted = int((target != IGNORE).sum())
+            if not counted:  # padding only: no loss, and still a graph to run backward through
+                return output.sum() * 0.0
+            return loss_fn(output, target) * (counted / self.counted)
 
         self.schedule = _schedule(schedule, pipes, microbatches, share)
 
@@ -222,6 +229,8 @@ class Pipeline:
         rank's parameters; with `sync`, the last batch of an optimizer step, they are summed
         over tied copies and averaged over the data-parallel rows). Returns the batch's mean
         loss on the rank holding the last stage, None elsewhere."""
+        inputs, targets = self._padded(inputs, targets)
+        self.counted = int((targets != IGNORE).sum()) * self.accumulation
         losses: list[torch.Tensor] = []
         named = self._on_device(inputs) if self.holds_input else {}
         target = targets.to(self.device) if self.holds_output else None
@@ -231,7 +240,23 @@ class Pipeline:
             self._average_rows()
         if not losses:
             return None
-        return torch.stack(losses).mean().detach() * self.shares  # each was loss / shares
+        return torch.stack(losses).sum().detach() * self.accumulation
+
+    def _padded(self, inputs: Batch, targets: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+        """A short batch (an epoch's last) filled to the stages' shape, the first batch's or
+        `rows`: its last row repeated, the added rows' targets IGNORE, so that every row
+        counts and only once."""
+        self.rows = rows = self.rows or len(targets)
+        missing = rows - len(targets)
+        if missing < 0:
+            raise ValueError(f"a batch of {len(targets)} rows; the pipeline's stages take {rows}")
+        if not missing:
+            return inputs, targets
+        filled = {
+            k: torch.cat([v, v[-1:].expand(missing, *v.shape[1:])]) for k, v in inputs.items()
+        }
+        ignored = torch.full((missing, *targets.shape[1:]), IGNORE, dtype=targets.dtype)
+        return filled, torch.cat([targets, ignored.to(targets.device)])
 
     @torch.no_grad()
     def forward(self, inputs: Batch) -> torch.Tensor | None:
@@ -373,6 +398,7 @@ def pipelined(
         device,
         p.split_points,
         accumulation=t.grad_accum_steps,
+        rows=t.batch_size,
     )
     return PipelinedModel(pipeline, scoring.inputs)
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism on gloo ranks (plain torch.distributed, no Ray: the functions a Train
 worker runs): a step's loss and every gradient equal the unsplit model's on the same batch for
 each schedule and family, the tied embedding's two copies included, also accumulated over two
-batches; after an optimizer step the stages gathered are the unsplit model after the same step. The library's own tests cover
+batches, and an epoch's short last batch filled with ignored rows; after an optimizer step the
+stages gathered are the unsplit model after the same step. The library's own tests cover
 NCCL only; each process group has a short timeout, so a hang fails loudly instead of waiting."""
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def rank_main(rank: int, world: int, stages: int, schedules: list[str], init: st
                 assert (out - expected_out).abs().max().item() < 1e-4, case
             dist.barrier()
     accumulate(mesh, schedules)
+    short_batch(mesh, schedules)
     leave_together()
 
 
@@ -174,6 +176,31 @@ def accumulate(mesh: Mesh, schedules: list[str]) -> None:
         for name, param in pipe.named_parameters().items():
             diff = (param.grad - grads[name].grad).abs().max().item()
             assert diff < 1e-5, f"accumulated {kind}: {name} gradient off by {diff}"
+
+
+def short_batch(mesh: Mesh, schedules: list[str]) -> None:
+    """An epoch's last, short batch (5 rows where the stages take 8: the last microbatch is
+    padding only) counts every row once: its loss and gradients are the unsplit model's on
+    those 5 rows, for a language model and a classifier."""
+    for family in ("gpt", "transformer"):
+        _, make_batch, loss_fn = CASES[family]
+        inputs, target = make_batch(torch.Generator().manual_seed(4))
+        inputs, target = {k: v[:5] for k, v in inputs.items()}, target[:5]
+        whole, loss = reference(family, inputs, target)
+        grads = dict(whole.named_parameters(remove_duplicate=False))
+        for kind in schedules:
+            case = f"short {family} {kind}"
+            pipe = Pipeline(
+                model(family).eval(), mesh, kind, MICROBATCHES, loss_fn, torch.device("cpu"),
+                rows=ROWS,
+            )  # fmt: skip
+            got = pipe.step(inputs, target)
+            if pipe.holds_output:
+                assert abs(got.item() - loss.item()) < 1e-5, (case, got, loss)
+            for name, param in pipe.named_parameters().items():
+                scale = max(1.0, grads[name].grad.abs().max().item())
+                diff = (param.grad - grads[name].grad).abs().max().item()
+                assert diff < 1e-5 * scale, f"{case}: {name} gradient off by {diff} of {scale}"
 
 
 def run_ranks(tmp_path, world: int, stages: int, schedules: list[str]) -> None:
