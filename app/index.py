@@ -35,6 +35,7 @@ from app.runtime.index import (
     INDEX_FILE,
     INDEX_TASK,
     ITEMS_FILE,
+    THUMBNAIL,
     THUMBNAILS_FILE,
     THUMBNAILS_SCHEMA,
     set_search_params,
@@ -42,7 +43,7 @@ from app.runtime.index import (
 
 log = logging.getLogger(__name__)
 EMBEDDING = "embedding"
-THUMBNAIL = "thumbnail"  # jobs.predict's thumbnails: stored apart, never as metadata
+# Thumbnails are stored apart (THUMBNAILS_FILE), never as metadata.
 NOT_METADATA = (EMBEDDING, THUMBNAIL, "model_name", "model_version")
 ITEM_ID = "id"  # the items table's first column: each item's id (predict's id column)
 TOP = 10

@@ -30,9 +30,9 @@ from app.data.preprocess import Column
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, good_values, outputs_table
 from app.predict.rows import CheckedBatch, InputSpec, check_batch
+from app.runtime.index import THUMBNAIL
 
 EMBEDDING = "embedding"
-THUMBNAIL = "thumbnail"  # JPEG bytes of the picture embedded, when `index.thumbnails`
 
 
 def _folder(uri: str) -> str:
@@ -93,7 +93,7 @@ class EmbeddingPredictor(ArtifactBatches):
             name = self.spec.feature_columns[0]
             columns[name] = self._read_paths(columns[name], known)
         checked = check_batch(columns, n, self.spec, known)
-        inputs = self._inputs(checked)  # may refuse more rows: pictures that do not decode
+        inputs, thumbnails = self._inputs(checked)  # may refuse pictures that do not decode
         vectors = self._embed(inputs)
         flat = pa.array(vectors.reshape(-1), pa.float32())
         outputs = {
@@ -104,7 +104,7 @@ class EmbeddingPredictor(ArtifactBatches):
         for name in self.spec.passthrough:
             outputs[name] = good_values(columns[name], checked.good)
         if self.thumbnail is not None:
-            outputs[THUMBNAIL] = pa.array(inputs.pop(THUMBNAIL, []), pa.binary())
+            outputs[THUMBNAIL] = pa.array(thumbnails, pa.binary())
         return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
 
     def _read_paths(self, column: Column, known: list[str | None]) -> list[Any]:
@@ -127,9 +127,10 @@ class EmbeddingPredictor(ArtifactBatches):
             out.append(data)
         return out
 
-    def _inputs(self, checked: CheckedBatch) -> dict[str, Any]:
+    def _inputs(self, checked: CheckedBatch) -> tuple[dict[str, np.ndarray], list[bytes | None]]:
+        """The graph's inputs for the good rows, and their thumbnails when asked for."""
         if self.spec.num_features == CAPTIONS:
-            return self.pre.text_features(checked.raw)
+            return self.pre.text_features(checked.raw), []
         pixels, good, thumbnails = [], [], []
         name = self.spec.feature_columns[0]
         for row, data in zip(checked.good.tolist(), checked.raw, strict=True):
@@ -143,11 +144,9 @@ class EmbeddingPredictor(ArtifactBatches):
             if self.thumbnail is not None:
                 thumbnails.append(self.thumbnail.of(picture))
         checked.good = np.asarray(good, np.int64)
-        inputs: dict[str, Any] = {"pixels": self.pre.stacked(pixels)}
-        return inputs | ({THUMBNAIL: thumbnails} if self.thumbnail is not None else {})
+        return {"pixels": self.pre.stacked(pixels)}, thumbnails
 
-    def _embed(self, inputs: dict[str, Any]) -> np.ndarray:
-        inputs = {k: v for k, v in inputs.items() if k != THUMBNAIL}
+    def _embed(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         rows = len(next(iter(inputs.values())))
         if not rows:
             return np.zeros((0, self.artifact.schema["embed_dim"]), np.float32)

@@ -27,7 +27,8 @@ from app.errors import ArtifactError
 from app.runtime.artifact import ArtifactManifest, open_verified
 
 INDEX_FILE, ITEMS_FILE, THUMBNAILS_FILE = "index.faiss", "items.parquet", "thumbnails.parquet"
-THUMBNAILS_SCHEMA = pa.schema([("thumbnail", pa.binary())])
+THUMBNAIL = "thumbnail"  # jobs.predict's column and the thumbnails file's: JPEG bytes or null
+THUMBNAILS_SCHEMA = pa.schema([(THUMBNAIL, pa.binary())])
 INDEX_TASK = "index"
 
 
@@ -74,7 +75,7 @@ def open_index(uri: str) -> VectorIndex:
         raise ArtifactError(f"{uri}: {index.ntotal} vectors but {items.num_rows} items")
     thumbnails = None
     if THUMBNAILS_FILE in files:
-        thumbnails = pq.read_table(io.BytesIO(files[THUMBNAILS_FILE]))["thumbnail"]
+        thumbnails = pq.read_table(io.BytesIO(files[THUMBNAILS_FILE]))[THUMBNAIL]
         if len(thumbnails) != index.ntotal:
             raise ArtifactError(f"{uri}: {index.ntotal} vectors but {len(thumbnails)} thumbnails")
     report = json.loads(files["report.json"])
