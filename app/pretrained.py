@@ -14,6 +14,7 @@ preprocessor, so checkpoints and artifacts rebuild the model without the folder 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -194,6 +195,14 @@ class Pretrained:
             state.update(load_file(self._path(name)))
         return state
 
+    def stored(self) -> dict[str, Stored]:
+        """Every tensor of the folder by its name there, unread (read a part with `Stored.read`)."""
+        return {
+            tensor: Stored(self._path(name), tensor)
+            for name in self.weight_files
+            for tensor in safetensors_shapes(self._path(name), self.fail)
+        }
+
     def tensor_names(self) -> list[str]:
         return list(self.tensor_shapes())
 
@@ -234,6 +243,38 @@ class Pretrained:
             # The classifier head sits on the pooler when the folder has one (app/models/bert.py).
             "has_pooler": any(".pooler." in f".{n}" for n in self.tensor_names()),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A tensor of a safetensors file, not read: the file, its name there, and whether the
+    module takes it transposed (`t()` and `contiguous()` let a family's renaming, written for
+    tensors, map these too)."""
+
+    path: str
+    name: str
+    transposed: bool = False
+
+    def t(self) -> Stored:
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def contiguous(self) -> Stored:
+        return self
+
+    def read(self, rows: range | None = None) -> Any:
+        """The tensor as the module takes it, or only its `rows` (dimension 0 of the module's
+        tensor): a slice of the file (`get_slice`), never the whole file."""
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            part = f.get_slice(self.name)
+            if rows is None:
+                tensor = part[:]
+            elif self.transposed:
+                tensor = part[:, rows.start : rows.stop]
+            else:
+                tensor = part[rows.start : rows.stop]
+        return tensor.t().contiguous() if self.transposed else tensor
 
 
 @functools.lru_cache(maxsize=4)

@@ -24,7 +24,7 @@ from app.models.cnn import ResNetCNN
 from app.models.gpt import GPT
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
-from app.pretrained import open_pretrained
+from app.pretrained import Pretrained, Stored, open_pretrained
 
 # Each takes the preprocessor of the kind of data ACCEPTS names for it.
 Builder = Callable[[ModelConfig, Any], nn.Module]
@@ -140,24 +140,53 @@ def has_pretrained(pre: Preprocessor) -> bool:
 def load_pretrained(model: nn.Module, pre: Preprocessor) -> None:
     """Copy the pretrained folders' weights into `model` (built by `build_model`): the folder's,
     or each tower's under its prefix (a dual encoder of two folders)."""
+    for prefix, record in pretrained_records(pre):
+        load_folder(model, record, prefix)
+
+
+def pretrained_records(pre: Preprocessor) -> list[tuple[str, dict[str, Any]]]:
+    """(name prefix in the model, folder record) of each pretrained folder the model takes."""
     if "towers" in pre.state:
-        for prefix, record in pre.state["towers"].items():
-            load_folder(model, record, f"{prefix}.encoder.")
-        return
-    load_folder(model, pre.state["pretrained"], "")
+        return [(f"{prefix}.encoder.", r) for prefix, r in pre.state["towers"].items()]
+    return [("", pre.state["pretrained"])]
 
 
-def load_folder(model: nn.Module, record: dict[str, Any], prefix: str) -> None:
-    """Every backbone tensor of the folder must be there with its shape; only the new head,
-    projections and temperature (and LoRA adapters) stay fresh."""
+def stored_weights(pre: Preprocessor) -> dict[str, Stored]:
+    """Every pretrained tensor the model takes, by its name in the model, unread (a sharded
+    rank reads only its part of each: app/train/materialise.py)."""
+    from app.models.families import family_of
+
+    stored: dict[str, Stored] = {}
+    for prefix, record in pretrained_records(pre):
+        base = _unchanged(record)
+        stored |= {prefix + k: v for k, v in family_of(base).rename(base.stored()).items()}
+    return stored
+
+
+def is_fresh(name: str, prefix: str = "") -> bool:
+    """A tensor no folder provides: the new head, a dual encoder's projections and
+    temperature, LoRA adapters."""
+    return (
+        name.removeprefix(prefix).startswith("head.") or ".lora_" in name or name.startswith(FRESH)
+    )
+
+
+def _unchanged(record: dict[str, Any]) -> Pretrained:
     base = open_pretrained(record["uri"])
     if base.weights_sha256() != record["weights_sha256"]:
         raise ConfigError(
             f"config error: model.pretrained: {record['uri']}: the weights changed since this "
             "run began (sha256 differs); start a new run"
         )
+    return base
+
+
+def load_folder(model: nn.Module, record: dict[str, Any], prefix: str) -> None:
+    """Every backbone tensor of the folder must be there with its shape; only the new head,
+    projections and temperature (and LoRA adapters) stay fresh."""
     from app.models.families import family_of
 
+    base = _unchanged(record)
     state = {prefix + k: v for k, v in family_of(base).rename(base.weights()).items()}
     try:
         result = model.load_state_dict(state, strict=False)
@@ -165,8 +194,7 @@ def load_folder(model: nn.Module, record: dict[str, Any], prefix: str) -> None:
         detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
         raise ConfigError(f"config error: model.pretrained: {record['uri']}: {detail}") from None
     mine = [k for k in result.missing_keys if k.startswith(prefix)]
-    missing = [k for k in mine if not (k.removeprefix(prefix).startswith("head.") or ".lora_" in k)]
-    missing = [k for k in missing if not k.startswith(FRESH)]
+    missing = [k for k in mine if not is_fresh(k, prefix)]
     if missing or result.unexpected_keys:
         what = (
             f"lacks {missing[:3]}"

@@ -78,6 +78,10 @@ class ImageTower(nn.Module):
         self.blocks = nn.ModuleList(_layers(sizes))
         self.post_norm = nn.LayerNorm(dim, eps=eps)
 
+    def reset_parameters(self) -> None:
+        """Its own tensor (app/models/init.py): the class token starts at 0."""
+        nn.init.zeros_(self.cls_token)
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patch(pixels).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1), x], dim=1)

@@ -36,7 +36,12 @@ class DualEncoder(nn.Module):
         self.image, self.text = image, text
         self.image_proj = nn.Linear(image_dim, embed_dim, bias=False)
         self.text_proj = nn.Linear(text_dim, embed_dim, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(float(scale)))
+        self.initial_scale = float(scale)
+        self.logit_scale = nn.Parameter(torch.tensor(self.initial_scale))
+
+    def reset_parameters(self) -> None:
+        """Its own tensor (app/models/init.py): the temperature starts at `scale`."""
+        nn.init.constant_(self.logit_scale, self.initial_scale)
 
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.image_proj(self.image(pixels)), dim=-1)

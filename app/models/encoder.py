@@ -62,12 +62,20 @@ def pooled(
     return x.mean(1) if attention_mask is None else masked_mean(x, attention_mask)
 
 
-def new_head(dim: int, classes: int, std: float) -> nn.Linear:
+class Head(nn.Linear):
     """The classifier head a pretrained backbone gets: N(0, initializer_range), zero bias."""
-    head = nn.Linear(dim, classes)
-    nn.init.normal_(head.weight, std=std)
-    nn.init.zeros_(head.bias)
-    return head
+
+    def __init__(self, dim: int, classes: int, std: float):
+        self.std = std  # read by the reset nn.Linear's constructor calls
+        super().__init__(dim, classes)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+        nn.init.zeros_(self.bias)
+
+
+def new_head(dim: int, classes: int, std: float) -> nn.Linear:
+    return Head(dim, classes, std)
 
 
 def block_rules(blocks: str, names: dict[str, str]) -> list[tuple[str, str]]:

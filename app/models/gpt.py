@@ -13,6 +13,7 @@ can feed one new token at a time instead of recomputing the prefix (a KV cache).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -112,21 +113,22 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tokens.weight  # tied: one matrix embeds and un-embeds
-        self._init_weights(layers)
+        self.depth = layers
+        for name, module in self.named_modules():
+            self.init_module(name, module)
 
-    def _init_weights(self, layers: int) -> None:
-        # GPT-2's scheme: N(0, 0.02) everywhere, and the projections that add into the residual
-        # stream scaled by 1/sqrt(2 * layers) so its variance does not grow with depth.
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """GPT-2's scheme over the layers' defaults (app/models/init.py calls it per module):
+        N(0, 0.02) everywhere, and the projections that add into the residual stream scaled by
+        1/sqrt(2 * layers) so its variance does not grow with depth."""
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            return
+        residual = re.fullmatch(r"blocks\.\d+\.(attn\.proj|mlp\.2)", name)
+        std = 0.02 / math.sqrt(2 * self.depth) if residual else 0.02
+        with torch.no_grad():
+            nn.init.normal_(module.weight, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            assert isinstance(block, Block)
-            for residual in (block.attn.proj, block.mlp[2]):
-                assert isinstance(residual, nn.Linear)
-                nn.init.normal_(residual.weight, std=0.02 / math.sqrt(2 * layers))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, time] token ids -> [batch, time, vocab] next-token logits."""

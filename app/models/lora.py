@@ -24,8 +24,18 @@ class LoRALinear(nn.Linear):
         self.bias = base.bias
         self.scale = alpha / rank
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank))
+        self.reset_lora()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if "lora_a" in self._parameters:  # nn.Linear's constructor calls this before they exist
+            self.reset_lora()
+
+    def reset_lora(self) -> None:
+        """B starts at zero, so the adapted layer starts as the base layer."""
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale

@@ -68,6 +68,11 @@ class ViTClassifier(nn.Module):
         self.pooler = nn.Linear(dim, dim) if pooler else None
         self.head = new_head(dim, num_classes, init_std)
 
+    def reset_parameters(self) -> None:
+        """Its own tensors (app/models/init.py): the class token and the positions start at 0."""
+        nn.init.zeros_(self.cls_token)
+        nn.init.zeros_(self.positions)
+
     def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[batch, 1 + patches, dim]: the class token, then each patch, with their positions."""
         x = self.patch(pixel_values).flatten(2).transpose(1, 2)

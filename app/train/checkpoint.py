@@ -75,17 +75,19 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def save(
     folder: str,
-    model: nn.Module,
+    model: nn.Module | None,
     train_state: dict[str, Any],
     meta: CheckpointMeta | dict[str, Any],
 ) -> None:
-    """Write a checkpoint folder. `meta` as a dict (tools) is checked against the contract first,
-    so a checkpoint that could not be read back is never written."""
+    """Write a checkpoint folder (`model` None: its `model.safetensors` is written already, as
+    a sharded run's is). `meta` as a dict (tools) is checked against the contract first, so a
+    checkpoint that could not be read back is never written."""
     path = os.path.join(folder, META)
     if not isinstance(meta, CheckpointMeta):
         meta = CheckpointMeta.parse(meta, path)
     os.makedirs(folder, exist_ok=True)
-    save_model(unwrap(model), os.path.join(folder, WEIGHTS))
+    if model is not None:
+        save_model(unwrap(model), os.path.join(folder, WEIGHTS))
     torch.save(train_state, os.path.join(folder, STATE))
     with open(path, "w") as f:
         json.dump(meta.to_json_dict(), f, indent=2, sort_keys=True)

@@ -104,7 +104,8 @@ def plan_run(config: Config) -> RunPlan:
     check_metric(config, task)
     # A model that cannot take this data, or cannot fit a worker, fails here (built on the meta
     # device: structure without memory).
-    model = finetune.meta_model(lambda: finetune.trainable_model(config, preprocessor))
+    model = finetune.trainable_model(config, preprocessor, meta=True)
+    finetune.check_initialisable(model, config.train)
     check_pipeline(config, task, model)
     mlflow_run = open_mlflow_run(config, name)  # an unreachable backend fails before training
     connect_ray()

@@ -7,6 +7,7 @@ embeddings (`EMBEDDINGS`) and their new head (`head`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -14,20 +15,29 @@ from torch import nn
 
 from app.config import Config, TrainConfig
 from app.errors import ConfigError
+from app.models.init import initialise
 from app.models.lora import apply_lora
 
 GIB = 2**30
 TOWERS = {"image": ("image",), "text": ("text",), "towers": ("image", "text")}
 
 
-def trainable_model(config: Config, pre: Any, base_weights: bool = False) -> nn.Module:
-    """The model as training holds it: built, LoRA adapters added, the pretrained folder's
-    weights copied in (`base_weights`: a fresh run's first start), frozen where asked."""
+def trainable_model(
+    config: Config, pre: Any, base_weights: bool = False, meta: bool = False
+) -> nn.Module:
+    """The model as training holds it: built, LoRA adapters added, its initial weights drawn
+    from `train.seed` module by module (app/models/init.py), the pretrained folder's weights
+    copied in (`base_weights`: a fresh run's first start), frozen where asked. `meta`: the
+    structure alone, on the meta device (a sharded rank then materialises only its part:
+    app/train/materialise.py)."""
     from app.models import build_model, has_pretrained, load_pretrained
 
-    model = adapt(build_model(config.model, pre), config.train)
-    if base_weights and has_pretrained(pre):
-        load_pretrained(model, pre)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = adapt(build_model(config.model, pre), config.train)
+    if not meta:
+        initialise(model, config.train.seed)
+        if base_weights and has_pretrained(pre):
+            load_pretrained(model, pre)
     freeze(model, config.train)
     return model
 
@@ -101,7 +111,15 @@ def check_fits(estimate: dict[str, int], t: TrainConfig, available: float | None
     )
 
 
-def meta_model(build) -> nn.Module:
-    """The model's structure without its memory (parameter counts for the estimate)."""
-    with torch.device("meta"):
-        return build()
+def check_initialisable(model: nn.Module, t: TrainConfig) -> None:
+    """FSDP and pipeline ranks build the model on the meta device and draw only their part of
+    it: every tensor needs a rule that draws it (app/models/init.py)."""
+    from app.models.init import uncovered
+
+    missing = uncovered(model) if t.strategy != "ddp" else []
+    if missing:
+        raise ConfigError(
+            f"config error: train.strategy: {t.strategy} draws each rank's part of the model "
+            f"module by module, but nothing draws {missing[:3]}: give their module a "
+            "reset_parameters() (as torch.nn's layers have)"
+        )

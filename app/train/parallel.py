@@ -20,7 +20,7 @@ is spread over devices". No Ray here: Ray Train workers (app/train/driver.py) an
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import logging
 from typing import Any
 
 import torch
@@ -29,8 +29,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from app.config import TrainConfig
+from app.models.init import tied_names
 from app.train.blocks import find_blocks
+from app.train.materialise import materialise_sharded, on_meta
 from app.train.pipeline import PipelinedModel, Scoring, pipelined
+
+log = logging.getLogger(__name__)
 
 
 def parallelize(
@@ -46,6 +50,8 @@ def parallelize(
     then sharding, then compilation (FSDP2's hooks are excluded from Dynamo's graphs, so the
     compiled blocks keep their parameter names and checkpoints do not change).
     """
+    meta = on_meta(model)  # sharded strategies: each rank materialises its part (below)
+    ties = tied_names(model) if meta else []
     blocks = find_blocks(model)
     units = blocks or [model]
     if t.activation_checkpointing:
@@ -56,9 +62,15 @@ def parallelize(
     if t.strategy == "pipeline":
         assert scoring is not None, "a pipeline needs the task's scoring"
         return pipelined(model, t, device, scoring)
-    model.to(device)
+    if not meta:
+        model.to(device)
     if t.strategy == "fsdp":
         shard(model, blocks, device, t.precision)
+        if meta:
+            made = materialise_sharded(model, ties, device, t.seed)
+            log.info("materialised %s of this rank's shards", made)
+    elif meta:
+        raise ValueError(f"train.strategy={t.strategy} holds the whole model: build it whole")
     if t.compile:
         for unit in units:
             unit.compile()  # in place: same module, same state-dict keys
@@ -98,8 +110,10 @@ def precision_policy(precision: str):
 
 def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, precision: str) -> None:
     """FSDP2: `fully_shard` each block, then the root (which takes every parameter left:
-    embeddings, norms, the head). Every rank built the same weights from the same seed, so
-    each keeps its own slice of them and nothing is broadcast."""
+    embeddings, norms, the head). A model built on the meta device is sharded as it is and
+    each rank then materialises its own shards (app/train/materialise.py); one built whole
+    holds the same weights on every rank (one seed), so each keeps its slice and nothing is
+    broadcast."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -129,34 +143,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> None:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-# --- consolidated weights ---------------------------------------------------------------------
-
-
-def full_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The whole model's state dict on CPU in rank 0 (empty on the other ranks).
-
-    A collective under FSDP and pipelines: every rank must call it. Works for DDP and plain
-    modules too.
-    """
-    if isinstance(model, PipelinedModel):
-        return model.full_state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
-
-
-def plain_model(build: Callable[[], nn.Module], state: dict[str, Any]) -> nn.Module:
-    """A fresh, unwrapped CPU copy of the model holding `state` (for the safetensors file that
-    evaluate and export read). Built for real, not on the meta device: `to_empty` would untie
-    shared parameters (a GPT's embedding and output head); its random initialisation draws from
-    a forked RNG, so training's random stream is untouched."""
-    with torch.random.fork_rng(devices=[]):
-        model = build()
-    model.load_state_dict(state)
-    return model
 
 
 # --- memory -----------------------------------------------------------------------------------

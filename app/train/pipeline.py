@@ -25,6 +25,7 @@ functions, as with app/train/parallel.py.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,10 @@ from torch import nn
 
 from app.config import TrainConfig
 from app.train.blocks import block_container
+from app.train.materialise import materialise_held, on_meta
 from app.train.splits import Split, State, split_of
 
+log = logging.getLogger(__name__)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Interleaved 1F1B holds this many stages a rank (stage r, r + ranks, ...): its bubble shrinks
 # with each, and each adds a send per microbatch.
@@ -165,8 +168,9 @@ class Mesh:
 
 class Pipeline:
     """This rank's stages of a model, the schedule that runs them, and the gradient sums a step
-    needs. Every rank builds the whole model from the same seed and keeps its stages' parts
-    (the rest is freed once the caller drops the model)."""
+    needs. A model built on the meta device has only this rank's stages allocated and drawn
+    (from `seed`, as a whole build draws them: app/train/materialise.py); of one built whole,
+    every rank keeps its stages' parts (the rest is freed once the caller drops the model)."""
 
     def __init__(
         self,
@@ -179,6 +183,7 @@ class Pipeline:
         split_points: Sequence[int] = (),
         accumulation: int = 1,
         rows: int | None = None,
+        seed: int = 0,
     ):
         from torch.distributed.pipelining import PipelineStage
 
@@ -190,11 +195,20 @@ class Pipeline:
         ranges = block_ranges(len(getattr(model, container)), count, split_points)
         self.groups = _groups(mesh)
         self.indices = indices = list(range(mesh.stage_rank, count, mesh.stages))
-        self.stages = [
-            Stage(model, split, container, ranges[i], i == 0, i == count - 1).to(device)
-            for i in indices
-        ]
-        self.tied = _tied_names(model, split)
+        self.tied = _tied_names(model, split)  # before materialising unties them
+
+        def stages() -> list[Stage]:
+            return [
+                Stage(model, split, container, ranges[i], i == 0, i == count - 1) for i in indices
+            ]
+
+        self.stages = stages()
+        if on_meta(model):  # built on the meta device: allocate and draw this rank's stages only
+            held = {name for stage in self.stages for name in stage.state_dict(keep_vars=True)}
+            made = materialise_held(model, held, device, seed)
+            log.info("materialised %s of this rank's stages", made)
+            self.stages = stages()  # over the allocated tensors
+        self.stages = [stage.to(device) for stage in self.stages]
         pipes = [
             PipelineStage(stage, i, count, device, group=self.groups.pipeline)
             for stage, i in zip(self.stages, indices, strict=True)
@@ -331,16 +345,6 @@ class Pipeline:
         """This rank's part of the model's state dict, under the model's names."""
         return {k: v for stage in self.stages for k, v in stage.state_dict().items()}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on CPU in the first rank of row 0 (empty elsewhere):
-        every stage's part gathered over the row's pipeline. A collective of row 0."""
-        if self.mesh.row != 0:
-            return {}
-        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        parts: list[Any] = [None] * self.mesh.stages if self.mesh.stage_rank == 0 else []
-        dist.gather_object(mine, parts or None, dst=0, group=self.groups.pipeline)
-        return {k: v for part in parts for k, v in part.items()}
-
 
 class PipelinedModel(nn.Module):
     """What one rank trains under `train.strategy: pipeline`: its stages' modules registered
@@ -377,9 +381,6 @@ class PipelinedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.pipeline.clip_grad_norm_(max_norm)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.pipeline.full_state_dict()
-
 
 def pipelined(
     model: nn.Module, t: TrainConfig, device: torch.device, scoring: Scoring
@@ -399,6 +400,7 @@ def pipelined(
         p.split_points,
         accumulation=t.grad_accum_steps,
         rows=t.batch_size,
+        seed=t.seed,
     )
     return PipelinedModel(pipeline, scoring.inputs)
 

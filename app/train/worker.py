@@ -22,14 +22,16 @@ import torch.distributed as dist
 from torch import nn
 
 from app import hooks
-from app.config import Config, dump, validate
+from app.config import Config, TrainConfig, dump, validate
 from app.data import kinds
 from app.data.feed import padded, padding_only
 from app.data.ingest import padding_batches
 from app.data.preprocess import Preprocessor
+from app.models import has_pretrained
+from app.models.init import tied_names
 from app.ray_private import quiet_train_logs
 from app.tasks.registry import Task
-from app.train import checkpoint, elastic, finetune, parallel, tracking
+from app.train import checkpoint, consolidate, elastic, finetune, materialise, parallel, tracking
 from app.train.loop import (
     TrainState,
     all_reduce,
@@ -76,7 +78,6 @@ class Worker:
     val_feed: Any
     val_padding: int  # padding batches after this rank's val share (equal forward passes)
     state: TrainState
-    build: Callable[[], nn.Module]
     probes: RunProbes
     run_dir: str
     mlflow_run: str | None
@@ -116,8 +117,9 @@ class Worker:
             train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, data_rank))
         build = functools.partial(finetune.trainable_model, config, preprocessor)
         state = start_state(
-            config, build, loop_config["train_rows"], resumed, rank, world, device, task
-        )
+            config, build, loop_config["train_rows"], resumed, rank, world, device, task,
+            preprocessor,
+        )  # fmt: skip
         mlflow = loop_config.get("mlflow")
         reference = loop_config.get("reference_metrics")
         return cls(
@@ -134,7 +136,6 @@ class Worker:
             val_feed=val_feed,
             val_padding=val_padding,
             state=state,
-            build=build,
             # Memory, step times, profiler trace: optimizer hooks, so after restoring.
             probes=RunProbes(state, config, run_dir, rank, device),
             run_dir=run_dir,
@@ -199,7 +200,6 @@ class Worker:
             self.rank,
             stopped_early,
             self.mlflow_run,
-            build=self.build,
             run_stats=run_stats,
         )
 
@@ -218,6 +218,7 @@ def start_state(
     world: int,
     device: torch.device,
     task: Task,
+    preprocessor: Preprocessor,
 ) -> TrainState:
     """DDP, FSDP or a pipeline, activation checkpointing, torch.compile (app/train/parallel.py);
     the optimizer over what that leaves (under FSDP and pipelines, this rank's part). A fresh
@@ -226,7 +227,10 @@ def start_state(
     scoring = None
     if t.strategy == "pipeline":
         scoring = Scoring(task.part(PIPELINE_BATCH), task.part(PIPELINE_LOSS))
-    model = parallel.parallelize(build(base_weights=not resumed), t, device, scoring)
+    if t.strategy == "ddp":
+        model = parallel.parallelize(build(base_weights=not resumed), t, device, scoring)
+    else:
+        model = sharded_model(build, t, device, scoring, None if resumed else preprocessor)
     state = TrainState.create(model, config, train_rows, world // t.stages)
     if resumed:
         with resumed.as_directory() as folder:
@@ -239,6 +243,25 @@ def start_state(
         state.num_workers_history, world, state.epoch + 1, t, announce=rank == 0
     )
     return state
+
+
+def sharded_model(
+    build: Callable[..., nn.Module],
+    t: TrainConfig,
+    device: torch.device,
+    scoring: Scoring | None,
+    pretrained: Preprocessor | None,
+) -> nn.Module:
+    """FSDP and pipeline ranks never hold the whole model: built on the meta device, sharded or
+    cut into stages, then this rank's part allocated and drawn (app/train/materialise.py) and,
+    on a fresh run from a pretrained folder, its part of the folder's weights read in."""
+    meta = build(meta=True)
+    ties = tied_names(meta)
+    model = parallel.parallelize(meta, t, device, scoring)
+    if pretrained is not None and has_pretrained(pretrained):
+        read = materialise.load_parts(model, pretrained, ties)
+        log.info("read %.1f MiB of pretrained weights (this rank's part)", read / 2**20)
+    return model
 
 
 def feed(
@@ -297,7 +320,6 @@ def report(
     stopped_early: bool = False,
     mlflow_run_id: str | None = None,
     *,
-    build: Callable[[], nn.Module] | None = None,
     run_stats: dict[str, Any] | None = None,
 ) -> None:
     """Every rank calls report (it is a barrier); rank 0 alone attaches the checkpoint, except
@@ -305,15 +327,15 @@ def report(
     folders.
 
     The upload mode is `train.checkpoint_upload`; either way Ray deletes the local folder once
-    the checkpoint is persisted under `train.storage_path`. `build` makes a plain copy of the
-    model (FSDP's consolidated `model.safetensors`); `run_stats` are extra `meta.json` fields.
+    the checkpoint is persisted under `train.storage_path`. A sharded run's consolidated
+    `model.safetensors` is written as its shards are gathered (`sharded_checkpoint`);
+    `run_stats` are extra `meta.json` fields.
     """
     import ray.train
 
     folder, weights = None, state.model
     if parallel.is_sharded(state.model):
-        assert build is not None, "a sharded checkpoint needs the model builder"
-        folder, weights = sharded_checkpoint(state, build, rank)
+        folder, weights = sharded_checkpoint(state, rank), None
     upload = {
         "checkpoint_upload_mode": ray.train.CheckpointUploadMode[
             config.train.checkpoint_upload.upper()
@@ -351,15 +373,14 @@ def report(
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), **upload)
 
 
-def sharded_checkpoint(
-    state: TrainState, build: Callable[[], nn.Module], rank: int
-) -> tuple[str, nn.Module | None]:
+def sharded_checkpoint(state: TrainState, rank: int) -> str:
     """Collective (FSDP, pipeline): every rank writes its shards into a local folder of its
-    own; rank 0 also gets a plain, consolidated copy of the model for `model.safetensors`."""
+    own; rank 0 also writes the consolidated `model.safetensors`, one tensor at a time."""
     folder = tempfile.mkdtemp(prefix="raytorch-ckpt-")
     checkpoint.save_sharded(folder, state.model, state.optimizer, rank)
-    full = parallel.full_state_dict(state.model)  # gathered to rank 0, on CPU
-    return folder, parallel.plain_model(build, full) if rank == 0 else None
+    path = os.path.join(folder, checkpoint.WEIGHTS) if rank == 0 else None
+    consolidate.write_consolidated(path, state.model)
+    return folder
 
 
 class TrainMetrics:

@@ -4,6 +4,8 @@ accounting, sharded save and resume, the consolidated copy)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from app.config import ConfigError, dump, load_config
 from app.models.cnn import ResNetCNN
 from app.models.mlp import MLP
 from app.models.transformer import TransformerClassifier
-from app.train import checkpoint, parallel
+from app.train import checkpoint, consolidate, parallel
 from app.train.loop import TrainState
 
 pytestmark = pytest.mark.unit
@@ -131,7 +133,7 @@ def test_fsdp_shards_every_block_and_the_root_and_counts_its_bytes(one_rank_grou
 def save_fsdp_checkpoint(state: TrainState, config, folder: str) -> None:
     """What a rank-0 FSDP worker writes: shards, consolidated weights, train state, meta."""
     checkpoint.save_sharded(folder, state.model, state.optimizer, rank=0)
-    plain = parallel.plain_model(tiny_transformer, parallel.full_state_dict(state.model))
+    consolidate.write_consolidated(os.path.join(folder, checkpoint.WEIGHTS), state.model)
     meta = {
         "config": dump(config),
         "epoch": 1,
@@ -139,7 +141,7 @@ def save_fsdp_checkpoint(state: TrainState, config, folder: str) -> None:
         "metrics": {},
         "preprocessor": "{}",
     }
-    checkpoint.save(folder, plain, state.train_state(), meta)
+    checkpoint.save(folder, None, state.train_state(), meta)
 
 
 def test_sharded_checkpoint_resumes_model_optimizer_schedule_and_rng(one_rank_group, tmp_path):
@@ -148,6 +150,7 @@ def test_sharded_checkpoint_resumes_model_optimizer_schedule_and_rng(one_rank_gr
     step(state)
     folder = str(tmp_path / "ckpt")
     save_fsdp_checkpoint(state, config, folder)
+    saved = {n: p.full_tensor().detach().clone() for n, p in state.model.state_dict().items()}
     assert "optimizer" not in state.train_state()  # its shards live in `sharded/`
     # The second step's loss depends on the first update after the restart (AdamW moments,
     # the warm-up learning rate), the draw on the restored RNG.
@@ -159,11 +162,11 @@ def test_sharded_checkpoint_resumes_model_optimizer_schedule_and_rng(one_rank_gr
     assert resumed.step == 1
     assert [step(resumed), step(resumed)] == pytest.approx(expected, abs=1e-6)
     torch.testing.assert_close(torch.rand(3), draw)
-    # The consolidated copy is the plain model family with the trained values.
+    # The consolidated file is the plain model family with the trained values.
     loaded = tiny_transformer()
     checkpoint.load_weights(folder, loaded)
-    reference = parallel.full_state_dict(fsdp_state(config).model)
-    assert set(loaded.state_dict()) == set(reference)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, saved[name], msg=name)
 
 
 def test_a_ddp_checkpoint_is_not_resumed_by_an_fsdp_run_or_the_reverse(one_rank_group, tmp_path):
@@ -195,17 +198,38 @@ class TiedLM(torch.nn.Module):
         return self.head(x)
 
 
-def test_consolidated_copy_keeps_tied_weights_tied(one_rank_group, tmp_path):
-    from safetensors.torch import load_model, save_model
+def test_consolidated_file_is_what_save_model_writes_and_keeps_tied_weights_tied(
+    one_rank_group, tmp_path
+):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model, save_model
 
+    torch.manual_seed(0)
+    whole = TiedLM()
     config = train_config("train.strategy=fsdp")
+    torch.manual_seed(0)
     model = parallel.parallelize(TiedLM(), config.train, torch.device("cpu"))
-    plain = parallel.plain_model(TiedLM, parallel.full_state_dict(model))
-    assert plain.head.weight is plain.tokens.weight
-    save_model(plain, str(tmp_path / "model.safetensors"))  # what checkpoint.save writes
+    streamed, saved = str(tmp_path / "streamed.safetensors"), str(tmp_path / "saved.safetensors")
+    consolidate.write_consolidated(streamed, model)  # tensor by tensor, as a sharded run saves
+    save_model(whole, saved)  # the unsplit model, as a DDP run saves
+    got, expected = load_file(streamed), load_file(saved)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+    with safe_open(streamed, "pt") as a, safe_open(saved, "pt") as b:
+        assert a.metadata() == b.metadata()  # the dropped copy names the kept one
     loaded = TiedLM()
-    load_model(loaded, str(tmp_path / "model.safetensors"))
-    torch.testing.assert_close(loaded.head.weight, plain.tokens.weight)
+    load_model(loaded, streamed)
+    assert loaded.head.weight is loaded.tokens.weight
+    torch.testing.assert_close(loaded.head.weight, whole.tokens.weight)
+
+
+def test_a_failed_consolidated_write_leaves_no_file(tmp_path):
+    spec = consolidate.Spec("w", (2, 3), torch.float32)
+    path = str(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="w: got"):
+        consolidate.write_safetensors(path, [spec], iter([torch.zeros(3, 2)]), {})
+    assert os.listdir(tmp_path) == []
 
 
 # --- pipeline stages (app/train/pipeline.py; the schedules run in tests/integration) ----------

@@ -1,0 +1,149 @@
+"""A sharded rank's model without the whole of it: built on the meta device, sharded (FSDP) or cut
+into stages (pipeline), then only what this rank owns is allocated, drawn and loaded.
+
+- Allocation: FSDP2's own `to_empty` allocates each parameter's local shard; a pipeline rank
+  allocates the tensors its stages hold (`materialise_held`), a shared one once.
+- Initial values: app/models/init.py draws one module at a time, full size on the CPU, and this
+  rank keeps its part (`assign_part`), so the weights equal a single-process build's of the seed.
+- Pretrained weights (`load_parts`): each held tensor's part is read from the folder's
+  safetensors files with `safe_open(...).get_slice`, never a whole file; a remote folder is
+  downloaded once per machine (app/pretrained.py). A sharded checkpoint resumes through
+  torch.distributed.checkpoint, which reads each rank's own byte ranges.
+
+No Ray here: Ray Train workers and the plain `torch.distributed` benchmark (bench/b26) call it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from app.errors import ConfigError
+from app.models.init import held_tensors, initialise, lookup, own_tensors, tied_names
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Materialised:
+    """What a rank allocated: its tensors' bytes, and the largest module it drew whole (scratch,
+    freed before the next)."""
+
+    held_bytes: int
+    scratch_bytes: int
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialise_sharded(
+    model: nn.Module, ties: list[list[str]], device: torch.device, seed: int
+) -> Materialised:
+    """FSDP2: allocate every parameter's local shard (ties kept: FSDP2 holds a shared parameter
+    once), then draw each module and keep this rank's rows."""
+    model.to_empty(device=device)
+    scratch = initialise(model, seed, ties, assign=assign_part)
+    return Materialised(held_bytes(model), scratch)
+
+
+def materialise_held(
+    model: nn.Module, names: set[str], device: torch.device, seed: int
+) -> Materialised:
+    """A pipeline rank: allocate the tensors named `names` (the whole model's names), a shared
+    one once under all its names, and draw them; the rest stays on the meta device."""
+    ties = tied_names(model)
+    for group in ties:
+        mine = [n for n in group if n in names]
+        if not mine:
+            continue
+        first = lookup(model, mine[0])
+        assert first is not None
+        fresh: torch.Tensor = torch.empty_like(first, device=device)
+        if isinstance(first, nn.Parameter):
+            fresh = nn.Parameter(fresh, requires_grad=first.requires_grad)
+        for name in mine:
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path)
+            if attr in module._parameters:
+                module._parameters[attr] = fresh  # type: ignore[assignment]
+            else:
+                module._buffers[attr] = fresh
+    scratch = initialise(model, seed, ties)
+    return Materialised(held_bytes(model), scratch)
+
+
+def load_parts(model: nn.Module, pre: Any, ties: list[list[str]]) -> int:
+    """Copy into each tensor this rank holds its part of the pretrained folders' weights, read
+    as a slice of the file; returns the bytes read. A tensor the folders lack and that is not
+    fresh (app/models: `is_fresh`) is a config error naming it."""
+    from app.models import is_fresh, stored_weights
+
+    stored, read = stored_weights(pre), 0
+    for group in ties:
+        held = held_tensors(model, group)
+        source = next((stored[n] for n in group if n in stored), None)
+        if not held:
+            continue
+        if source is None:
+            if not all(is_fresh(n) for n in group):
+                raise ConfigError(f"config error: model.pretrained: the weights lack {group[0]!r}")
+            continue
+        for tensor in held:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            part = source.read(shard_rows(tensor) if local is not tensor else None)
+            if part.shape != local.shape:
+                raise ConfigError(
+                    f"config error: model.pretrained: {source.name} has shape "
+                    f"{tuple(part.shape)} where {group[0]!r} takes {tuple(local.shape)}"
+                )
+            with torch.no_grad():
+                local.copy_(part)
+            read += part.numel() * part.element_size()
+    return read
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct tensors this rank holds (a DTensor's local shard)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for _, tensor in own_tensors(module):
+            if not tensor.is_meta:
+                seen.setdefault(id(tensor), tensor)
+    return sum(local_bytes(t) for t in seen.values())
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def assign_part(held: torch.Tensor, full: torch.Tensor) -> None:
+    """Fill `held` with its part of `full`: a DTensor its local shard, anything else all of it."""
+    with torch.no_grad():
+        if hasattr(held, "to_local"):
+            rows = shard_rows(held)
+            held.to_local().copy_(full[rows.start : rows.stop])
+        else:
+            held.copy_(full)
+
+
+def shard_rows(tensor: Any) -> range:
+    """The rows of the whole tensor a DTensor's local shard holds: FSDP2 shards dimension 0 of
+    a 1-D mesh as `torch.chunk` does (each rank ceil(rows / ranks), the last ones fewer)."""
+    from torch.distributed.tensor import Shard
+
+    (placement,) = tensor.placements
+    if not (isinstance(placement, Shard) and placement.dim == 0):
+        raise ValueError(f"a parameter sharded as {placement}, not by rows")
+    mesh, rows = tensor.device_mesh, tensor.shape[0]
+    size = -(-rows // mesh.size())
+    start = min(mesh.get_local_rank() * size, rows)
+    held = range(start, min(start + size, rows))
+    if len(held) != tensor.to_local().shape[0]:
+        raise ValueError(f"a shard of {tensor.to_local().shape[0]} rows where {held} was expected")
+    return held

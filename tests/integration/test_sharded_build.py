@@ -1,0 +1,181 @@
+"""No sharded rank holds the whole model (plain torch.distributed on 2 gloo ranks, the functions a
+Ray Train worker runs): under FSDP and pipeline stages the model is built on the meta device and
+each rank allocates only its part (the bytes its tensors hold are counted against its rows of
+each tensor, or its stages), no allocation during the build is larger than the largest single
+module, and the weights gathered tensor by tensor equal a single-process build of the same
+seed, the tied embedding included. From a GPT-2 folder each rank reads only its part of each
+tensor (the bytes read are counted) and ends with the folder's weights."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from app.config import TrainConfig
+from app.models import load_folder
+from app.models.gpt import GPT, from_gpt2
+from app.models.init import initialise, tied_names
+from app.models.vit import ViTClassifier
+from app.pretrained import open_pretrained
+from app.tasks.lm import token_loss
+from app.train import parallel
+from app.train.consolidate import write_consolidated
+from app.train.materialise import held_bytes, load_parts
+from app.train.pipeline import Scoring
+from tests.gloo_ranks import leave_together
+from tests.make_tiny_pretrained import make_gpt2
+
+pytestmark = pytest.mark.integration
+SEED, WORLD = 7, 2
+FAMILIES = {
+    "gpt": lambda: GPT(vocab_size=61, block_size=16, dim=32, layers=4, heads=2),
+    "vit": lambda: ViTClassifier(
+        3, image_size=8, patch_size=4, channels=3, dim=32, layers=4, heads=2, ff_dim=64
+    ),  # fmt: skip
+}
+STRATEGIES = {
+    "fsdp": {"strategy": "fsdp", "seed": SEED},
+    "pipeline": {"strategy": "pipeline", "seed": SEED, "num_workers": WORLD,
+                 "pipeline": {"stages": WORLD, "schedule": "1f1b", "microbatches": 2}},
+}  # fmt: skip
+SCORING = Scoring(lambda batch: (batch, batch["input_ids"]), token_loss)  # not run here
+
+
+class Allocations(TorchDispatchMode):
+    """The bytes of every tensor allocated off the meta device, one entry an allocation."""
+
+    FACTORIES = {"empty", "empty_strided", "empty_like", "zeros", "ones", "full", "new_empty",
+                 "new_empty_strided", "new_zeros", "clone", "_to_copy", "cat"}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ in self.FACTORIES and isinstance(out, torch.Tensor):
+            local = out.to_local() if hasattr(out, "to_local") else out
+            if not local.is_meta:
+                self.sizes.append(local.numel() * local.element_size())
+        return out
+
+
+def whole_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied one once
+
+
+def largest_module_bytes(model: torch.nn.Module) -> int:
+    return max(
+        sum(t.numel() * t.element_size() for t in m.parameters(recurse=False))
+        for m in model.modules()
+    )
+
+
+def shard_bytes(model: torch.nn.Module, rank: int) -> int:
+    """This rank's rows of every tensor, split as torch.chunk splits them (FSDP2's shards)."""
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0]
+        size = -(-rows // WORLD)
+        mine = max(0, min(size, rows - rank * size))
+        total += mine * (p.numel() // rows) * p.element_size()
+    return total
+
+
+def sharded(build, strategy: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build()
+    t = TrainConfig(**STRATEGIES[strategy])
+    return parallel.parallelize(model, t, torch.device("cpu"), SCORING)
+
+
+def check_build(family: str, strategy: str, rank: int, folder: str) -> None:
+    case = f"{family} {strategy} rank {rank}"
+    whole = FAMILIES[family]()
+    with Allocations() as allocations:
+        model = sharded(FAMILIES[family], strategy)
+    held = held_bytes(model)
+    if strategy == "fsdp":
+        assert held == shard_bytes(whole, rank), case
+    else:  # each rank its stages; a tied tensor on both ends of the pipeline
+        tied = sum(t.numel() * t.element_size() for t in _tied(whole))
+        total = torch.tensor([held])
+        dist.all_reduce(total)
+        assert held < whole_bytes(whole) and total.item() == whole_bytes(whole) + tied, case
+    assert max(allocations.sizes) <= largest_module_bytes(whole), case
+    path = os.path.join(folder, f"{family}-{strategy}.safetensors")
+    write_consolidated(path if rank == 0 else None, model)
+    if rank == 0:
+        expected = load_file(os.path.join(folder, f"{family}.safetensors"))
+        got = load_file(path)
+        assert got.keys() == expected.keys(), case
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{case}: {name}"
+
+
+def _tied(model: torch.nn.Module) -> list[torch.Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [named[group[0]] for group in tied_names(model) if len(group) > 1]
+
+
+def check_pretrained(strategy: str, rank: int, folder: str) -> None:
+    case = f"gpt2 folder {strategy} rank {rank}"
+    base = open_pretrained(os.path.join(folder, "gpt2"))
+    pre = types.SimpleNamespace(state={"pretrained": base.record()})
+
+    def build() -> GPT:
+        return from_gpt2(base.config, pre, types.SimpleNamespace(dropout=0.0))
+
+    with torch.device("meta"):
+        ties = tied_names(build())
+    model = sharded(build, strategy)
+    read = load_parts(model, pre, ties)
+    # Every tensor comes from the folder: a rank reads exactly what it holds, a part of it.
+    assert read == held_bytes(model) < whole_bytes(build()), (case, read)
+    path = os.path.join(folder, f"gpt2-{strategy}.safetensors")
+    write_consolidated(path if rank == 0 else None, model)
+    if rank == 0:
+        expected = load_file(os.path.join(folder, "gpt2-whole.safetensors"))
+        got = load_file(path)
+        assert got.keys() == expected.keys(), case
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{case}: {name}"
+
+
+def rank_main(rank: int, init: str, folder: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    for family in FAMILIES:
+        for strategy in STRATEGIES:
+            check_build(family, strategy, rank, folder)
+            dist.barrier()
+    for strategy in STRATEGIES:
+        check_pretrained(strategy, rank, folder)
+        dist.barrier()
+    leave_together()
+
+
+def test_sharded_ranks_materialise_and_read_only_their_part(tmp_path):
+    """The single-process references are written first: each family built whole with the same
+    seed, and the GPT-2 folder loaded whole."""
+    for family, build in FAMILIES.items():
+        model = build()
+        initialise(model, SEED)
+        save_model(model, str(tmp_path / f"{family}.safetensors"))
+    base = open_pretrained(make_gpt2(str(tmp_path / "gpt2")))
+    whole = from_gpt2(base.config, None, types.SimpleNamespace(dropout=0.0))
+    load_folder(whole, base.record(), "")
+    save_model(whole, str(tmp_path / "gpt2-whole.safetensors"))
+    os.environ.pop("MASTER_ADDR", None)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(rank_main, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
