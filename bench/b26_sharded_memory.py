@@ -24,6 +24,7 @@ pipeline).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -106,9 +107,7 @@ def _model(strategy: str, folder: str):
 
     kind = strategy.removesuffix("-whole")
     pipeline = {"stages": WORLD, "schedule": "1f1b", "microbatches": ROWS}
-    t = TrainConfig(
-        strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline
-    )
+    t = TrainConfig(strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline)
     scoring = Scoring(shifted, token_loss)
     cpu = torch.device("cpu")
     if kind == "ddp" or strategy.endswith("-whole"):
@@ -192,17 +191,10 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
 
 
 def _parameters(folder: str) -> int:
-    from safetensors import safe_open
+    from app.pretrained import safetensors_shapes
 
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        return sum(_numel(f.get_slice(n).get_shape()) for n in f.keys())
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
+    shapes = safetensors_shapes(os.path.join(folder, "model.safetensors"), ValueError)
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 if __name__ == "__main__":

@@ -4,19 +4,22 @@ each rank allocates only its part (the bytes its tensors hold are counted agains
 each tensor, or its stages), no allocation during the build is larger than the largest single
 module, and the weights gathered tensor by tensor equal a single-process build of the same
 seed, the tied embedding included. From a GPT-2 folder each rank reads only its part of each
-tensor (the bytes read are counted) and ends with the folder's weights."""
+tensor (the bytes read are counted), from one file or a sharded folder's several, and ends
+with the folder's weights."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import shutil
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.config import TrainConfig
@@ -126,9 +129,9 @@ def _tied(model: torch.nn.Module) -> list[torch.Tensor]:
     return [named[group[0]] for group in tied_names(model) if len(group) > 1]
 
 
-def check_pretrained(strategy: str, rank: int, folder: str) -> None:
-    case = f"gpt2 folder {strategy} rank {rank}"
-    base = open_pretrained(os.path.join(folder, "gpt2"))
+def check_pretrained(strategy: str, name: str, rank: int, folder: str) -> None:
+    case = f"{name} folder {strategy} rank {rank}"
+    base = open_pretrained(os.path.join(folder, name))
     pre = types.SimpleNamespace(state={"pretrained": base.record()})
 
     def build() -> GPT:
@@ -140,7 +143,7 @@ def check_pretrained(strategy: str, rank: int, folder: str) -> None:
     read = load_parts(model, pre, ties)
     # Every tensor comes from the folder: a rank reads exactly what it holds, a part of it.
     assert read == held_bytes(model) < whole_bytes(build()), (case, read)
-    path = os.path.join(folder, f"gpt2-{strategy}.safetensors")
+    path = os.path.join(folder, f"{name}-{strategy}.safetensors")
     write_consolidated(path if rank == 0 else None, model)
     if rank == 0:
         expected = load_file(os.path.join(folder, "gpt2-whole.safetensors"))
@@ -148,6 +151,22 @@ def check_pretrained(strategy: str, rank: int, folder: str) -> None:
         assert got.keys() == expected.keys(), case
         for name, value in expected.items():
             assert torch.equal(got[name], value), f"{case}: {name}"
+
+
+def split_weights(folder, to) -> None:
+    """The folder again with its weights in two files and their index, as `save_pretrained`
+    writes a checkpoint over its `max_shard_size`."""
+    shutil.copytree(folder, to, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = load_file(folder / "model.safetensors")
+    names = sorted(state)
+    files = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, part in files.items():
+        save_file({n: state[n] for n in part}, str(to / file), metadata={"format": "pt"})
+    weight_map = {n: file for file, part in files.items() for n in part}
+    (to / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def rank_main(rank: int, init: str, folder: str) -> None:
@@ -159,8 +178,8 @@ def rank_main(rank: int, init: str, folder: str) -> None:
         for strategy in STRATEGIES:
             check_build(family, strategy, rank, folder)
             dist.barrier()
-    for strategy in STRATEGIES:
-        check_pretrained(strategy, rank, folder)
+    for strategy, name in [("fsdp", "gpt2"), ("pipeline", "gpt2"), ("fsdp", "gpt2-sharded")]:
+        check_pretrained(strategy, name, rank, folder)
         dist.barrier()
     leave_together()
 
@@ -176,6 +195,7 @@ def test_sharded_ranks_materialise_and_read_only_their_part(tmp_path):
     whole = from_gpt2(base.config, None, types.SimpleNamespace(dropout=0.0))
     load_folder(whole, base.record(), "")
     save_model(whole, str(tmp_path / "gpt2-whole.safetensors"))
+    split_weights(tmp_path / "gpt2", tmp_path / "gpt2-sharded")
     os.environ.pop("MASTER_ADDR", None)
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(rank_main, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
