@@ -13,7 +13,7 @@ only its slices of the folder (app.train.worker.sharded_model); then 3 AdamW ste
 written tensor by tensor, app.train.consolidate). `fsdp-whole` is the path sharded runs took
 before: every rank builds the whole model and loads every weight, then shards, and saves by
 gathering a full state dict into a plain copy. The figure is each rank process's peak resident
-memory over the whole run (`ru_maxrss`; the largest rank counts), with the peak after each
+memory over the whole run (VmHWM; the largest rank counts), with the peak after each
 phase beside it. The model's training state is its fp32 weights + gradients + AdamW's two
 moments (16 bytes a parameter); the fixed overhead is the same run's peak for the 10M model
 (interpreter, torch, gloo, activations of the small model).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import time
 import types
 from pathlib import Path
@@ -50,21 +49,27 @@ def make_folder(folder: str, sizes: dict[str, int]) -> str:
 
 
 def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory: its address space's high-water mark (VmHWM),
+    which starts afresh at exec (`ru_maxrss` would carry the spawning parent's peak)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def _worker(rank: int, port: int, strategy: str, folder: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from app.train.finetune import adamw
+
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     phases = {"started": _peak()}
     start = time.perf_counter()
-    model, pre, build = _model(strategy, folder)
+    model, t, build = _model(strategy, folder)
     phases["built_and_loaded"] = _peak()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = adamw(model, t)  # the training loop's own
     ids = torch.randint(0, 8192, (ROWS, TOKENS + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(STEPS):
         _step(model, strategy, ids, rank)
@@ -107,12 +112,14 @@ def _model(strategy: str, folder: str):
 
     kind = strategy.removesuffix("-whole")
     pipeline = {"stages": WORLD, "schedule": "1f1b", "microbatches": ROWS}
-    t = TrainConfig(strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline)
+    t = TrainConfig(
+        strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline, lr=1e-5
+    )
     scoring = Scoring(shifted, token_loss)
     cpu = torch.device("cpu")
     if kind == "ddp" or strategy.endswith("-whole"):
-        return parallelize(build(base_weights=True), t, cpu, scoring), pre, build
-    return sharded_model(build, t, cpu, scoring, pre), pre, build  # type: ignore[arg-type]
+        return parallelize(build(base_weights=True), t, cpu, scoring), t, build
+    return sharded_model(build, t, cpu, scoring, pre), t, build  # type: ignore[arg-type]
 
 
 def _step(model, strategy: str, ids, rank: int) -> None:

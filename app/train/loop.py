@@ -57,10 +57,10 @@ class TrainState:
 
     @classmethod
     def create(cls, model: nn.Module, config: Config, train_rows: int, world: int) -> TrainState:
-        from app.train.finetune import param_groups
+        from app.train.finetune import adamw
 
         t = config.train
-        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
+        optimizer = adamw(model, t)
         for group in optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")

@@ -255,6 +255,7 @@ def sharded_model(
     """FSDP and pipeline ranks never hold the whole model: built on the meta device, sharded or
     cut into stages, then this rank's part allocated and drawn (app/train/materialise.py) and,
     on a fresh run from a pretrained folder, its part of the folder's weights read in."""
+    materialise.return_freed_buffers()  # these strategies are for memory: keep it bounded
     meta = build(meta=True)
     ties = tied_names(meta)
     model = parallel.parallelize(meta, t, device, scoring)

@@ -5,7 +5,7 @@ each tensor, or its stages), no allocation during the build is larger than the l
 module, and the weights gathered tensor by tensor equal a single-process build of the same
 seed, the tied embedding included. From a GPT-2 folder each rank reads only its part of each
 tensor (the bytes read are counted), from one file or a sharded folder's several, and ends
-with the folder's weights."""
+with the folder's weights. A sharded rank gives the buffers it frees back to the OS."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -199,3 +201,32 @@ def test_sharded_ranks_materialise_and_read_only_their_part(tmp_path):
     os.environ.pop("MASTER_ADDR", None)
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(rank_main, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
+
+
+HOLES = """
+import sys, torch
+from app.train.materialise import return_freed_buffers
+if sys.argv[1] == "fixed":
+    assert return_freed_buffers()
+def rss():
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmRSS"))
+    return int(line.split()[1]) * 1024
+big = torch.ones(24 * 2**20 // 4)
+del big  # a large buffer freed: glibc raises its mmap threshold past 8 MiB
+chunks = [torch.ones(8 * 2**20 // 4) for _ in range(32)]
+before = rss()
+del chunks[::2]  # 128 MiB freed between buffers still held: holes the heap cannot trim
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_a_sharded_rank_gives_freed_buffers_back_to_the_os():
+    def returned(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", HOLES, mode], capture_output=True, text=True, check=True
+        )
+        return int(run.stdout.strip())
+
+    assert returned("dynamic") < 32 * 2**20  # glibc's default: the holes stay in the process
+    assert returned("fixed") >= 120 * 2**20  # return_freed_buffers: each goes back when freed
