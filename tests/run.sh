@@ -25,17 +25,23 @@ MARK=(-m "not slow")
 if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
 unit_log=$(mktemp)
-"${PYTEST[@]}" "${MARK[@]}" tests/unit > "$unit_log" 2>&1 &
+started=$SECONDS
+( "${PYTEST[@]}" "${MARK[@]}" tests/unit > "$unit_log" 2>&1; code=$?
+  echo "tier unit: $((SECONDS - started)) s" >> "$unit_log"; exit $code ) &
 unit_pid=$!
 "${PYTEST[@]}" "${MARK[@]}" tests/integration
 integration=$?
+integration_s=$((SECONDS - started))
 wait "$unit_pid"
 unit=$?
 cat "$unit_log"
 rm -f "$unit_log"
+echo "tier integration (beside unit): $integration_s s"
 check "$unit" || { echo "unit tier failed (exit $unit)" >&2; exit 1; }
+started=$SECONDS
 "${PYTEST[@]}" "${MARK[@]}" tests/e2e
 e2e=$?
+echo "tier e2e: $((SECONDS - started)) s"
 failed=0
 check "$integration" || { echo "integration tier failed (exit $integration)" >&2; failed=1; }
 check "$e2e" || { echo "e2e tier failed (exit $e2e)" >&2; failed=1; }
