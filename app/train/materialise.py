@@ -37,6 +37,12 @@ class Materialised:
     held_bytes: int
     scratch_bytes: int
 
+    def __str__(self) -> str:
+        return (
+            f"{self.held_bytes / 2**20:.1f} MiB held (the largest module drawn whole: "
+            f"{self.scratch_bytes / 2**20:.1f} MiB)"
+        )
+
 
 def on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())

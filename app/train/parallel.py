@@ -68,7 +68,7 @@ def parallelize(
         shard(model, blocks, device, t.precision)
         if meta:
             made = materialise_sharded(model, ties, device, t.seed)
-            log.info("materialised %s of this rank's shards", made)
+            log.info("materialised this rank's shards: %s", made)
     elif meta:
         raise ValueError(f"train.strategy={t.strategy} holds the whole model: build it whole")
     if t.compile:

@@ -206,7 +206,7 @@ class Pipeline:
         if on_meta(model):  # built on the meta device: allocate and draw this rank's stages only
             held = {name for stage in self.stages for name in stage.state_dict(keep_vars=True)}
             made = materialise_held(model, held, device, seed)
-            log.info("materialised %s of this rank's stages", made)
+            log.info("materialised this rank's stages: %s", made)
             self.stages = stages()  # over the allocated tensors
         self.stages = [stage.to(device) for stage in self.stages]
         pipes = [
