@@ -133,6 +133,11 @@ def build_model(cfg: ModelConfig, pre: Preprocessor) -> nn.Module:
     return resolve(name)(cfg, pre)
 
 
+def is_custom(cfg: ModelConfig, pre: Preprocessor) -> bool:
+    """A user's own model (`model.name: pkg.module:callable`), not one of the families here."""
+    return not has_pretrained(pre) and bool(cfg.name) and cfg.name not in REGISTRY
+
+
 def has_pretrained(pre: Preprocessor) -> bool:
     return "pretrained" in pre.state or "towers" in pre.state
 

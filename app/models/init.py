@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -67,18 +68,28 @@ def uncovered(model: nn.Module) -> list[str]:
     return missing
 
 
+@dataclass
+class Drawn:
+    """What `initialise` did: the largest module it drew whole (the scratch memory it took),
+    and the held tensors no rule wrote (left as they were)."""
+
+    scratch_bytes: int = 0
+    undrawn: list[str] = field(default_factory=list)
+
+
 def initialise(
     model: nn.Module, seed: int, ties: list[list[str]] | None = None, assign: Assign | None = None
-) -> int:
+) -> Drawn:
     """Draw the initial value of every tensor this process holds (not on the meta device), one
-    module at a time; returns the largest module's drawn bytes (the scratch memory it took).
+    module at a time. A tensor no rule writes keeps its value (a whole build's, from its
+    constructor) and is listed as undrawn.
 
     `ties` (from `tied_names`, taken before materialising) names the copies of shared
     tensors; `assign` puts a drawn tensor into a held one (default: a plain copy)."""
     ties = ties if ties is not None else tied_names(model)
     copies = {group[0]: group for group in ties}
     assign = assign or _copy
-    largest = 0
+    done = Drawn()
     for path, module in model.named_modules():
         targets = {
             attr: held
@@ -88,15 +99,21 @@ def initialise(
         if not targets:
             continue
         drawn = draw(model, path, seed)
-        largest = max(largest, sum(t.numel() * t.element_size() for t in drawn.values()))
+        done.scratch_bytes = max(
+            done.scratch_bytes, sum(t.numel() * t.element_size() for t in drawn.values())
+        )
         for attr, held in targets.items():
+            if attr not in drawn:
+                done.undrawn.append(join(path, attr))
+                continue
             for tensor in held:
                 assign(tensor, drawn[attr])
-    return largest
+    return done
 
 
 def draw(model: nn.Module, path: str, seed: int) -> dict[str, torch.Tensor]:
-    """Module `path`'s own tensors, full size on the CPU, as its construction draws them."""
+    """Module `path`'s own tensors, full size on the CPU, as its construction draws them: those
+    its rules write whole (each starts as a marker no rule leaves: NaN, or an integer's least)."""
     module = model.get_submodule(path)
     twin = _twin(module)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -108,7 +125,22 @@ def draw(model: nn.Module, path: str, seed: int) -> dict[str, torch.Tensor]:
             hook = getattr(ancestor, "init_module", None)
             if hook is not None:
                 hook(name, twin)
-    return dict(own_tensors(twin))
+    return {attr: t for attr, t in own_tensors(twin) if _written(t)}
+
+
+def _marker(dtype: torch.dtype) -> float | int | bool:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _written(tensor: torch.Tensor) -> bool:
+    """Whether a rule wrote every element (no marker left; a bool tensor cannot tell)."""
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return not bool(torch.isnan(tensor).any())
+    if tensor.dtype == torch.bool:
+        return True
+    return not bool((tensor == _marker(tensor.dtype)).any())
 
 
 def _twin(module: nn.Module) -> nn.Module:
@@ -117,15 +149,16 @@ def _twin(module: nn.Module) -> nn.Module:
     twin = object.__new__(type(module))  # not copy.copy: FSDP2's classes rebuild in __new__
     twin.__dict__ = dict(module.__dict__)
     twin._parameters = {
-        k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), False)
+        k: None if p is None else nn.Parameter(_marked(p), False)
         for k, p in module._parameters.items()
     }
-    twin._buffers = {
-        k: None if b is None else torch.empty(b.shape, dtype=b.dtype)
-        for k, b in module._buffers.items()
-    }
+    twin._buffers = {k: None if b is None else _marked(b) for k, b in module._buffers.items()}
     twin._modules = {}
     return twin
+
+
+def _marked(like: torch.Tensor) -> torch.Tensor:
+    return torch.full(like.shape, _marker(like.dtype), dtype=like.dtype)
 
 
 def _ancestors(model: nn.Module, path: str) -> Iterator[tuple[nn.Module, str]]:

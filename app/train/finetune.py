@@ -26,16 +26,18 @@ def trainable_model(
     config: Config, pre: Any, base_weights: bool = False, meta: bool = False
 ) -> nn.Module:
     """The model as training holds it: built, LoRA adapters added, its initial weights drawn
-    from `train.seed` module by module (app/models/init.py), the pretrained folder's weights
+    from `train.seed` module by module (app/models/init.py; a user's own `pkg.module:callable`
+    model built whole keeps its constructor's), the pretrained folder's weights
     copied in (`base_weights`: a fresh run's first start), frozen where asked. `meta`: the
     structure alone, on the meta device (a sharded rank then materialises only its part:
     app/train/materialise.py)."""
-    from app.models import build_model, has_pretrained, load_pretrained
+    from app.models import build_model, has_pretrained, is_custom, load_pretrained
 
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = adapt(build_model(config.model, pre), config.train)
     if not meta:
-        initialise(model, config.train.seed)
+        if not is_custom(config.model, pre):  # a user's own model keeps its constructor's
+            initialise(model, config.train.seed)
         if base_weights and has_pretrained(pre):
             load_pretrained(model, pre)
     freeze(model, config.train)

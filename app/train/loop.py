@@ -101,6 +101,9 @@ class TrainState:
 
     def restore(self, folder: str, rank: int = 0) -> None:
         saved = checkpoint.load_train_state(folder)
+        # A checkpoint's groups carry the optimizer's implementation (`fused`); this run's
+        # stays (a GradScaler steps a fused AdamW and a looped one differently).
+        fused = [group.get("fused") for group in self.optimizer.param_groups]
         rng = None
         if parallel.is_sharded(self.model):  # FSDP, pipeline: each rank reads its shards, its RNG
             rng = checkpoint.load_sharded(folder, self.model, self.optimizer, rank)
@@ -112,6 +115,8 @@ class TrainState:
         else:
             checkpoint.load_weights(folder, self.model)
             self.optimizer.load_state_dict(saved["optimizer"])
+        for group, flag in zip(self.optimizer.param_groups, fused, strict=True):
+            group["fused"] = flag
         self.rows = int(saved["rows"])
         self.scaler.load_state_dict(saved["scaler"])
         checkpoint.set_rng_state(rng or saved["rng"])

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from app.errors import ConfigError
-from app.models.init import held_tensors, initialise, lookup, own_tensors, tied_names
+from app.models.init import Drawn, held_tensors, initialise, lookup, own_tensors, tied_names
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def materialise_sharded(
     """FSDP2: allocate every parameter's local shard (ties kept: FSDP2 holds a shared parameter
     once), then draw each module and keep this rank's rows."""
     model.to_empty(device=device)
-    scratch = initialise(model, seed, ties, assign=assign_part)
-    return Materialised(held_bytes(model), scratch)
+    drawn = _all_drawn(initialise(model, seed, ties, assign=assign_part))
+    return Materialised(held_bytes(model), drawn.scratch_bytes)
 
 
 def materialise_held(
@@ -99,8 +99,18 @@ def materialise_held(
                 module._parameters[attr] = fresh  # type: ignore[assignment]
             else:
                 module._buffers[attr] = fresh
-    scratch = initialise(model, seed, ties)
-    return Materialised(held_bytes(model), scratch)
+    drawn = _all_drawn(initialise(model, seed, ties))
+    return Materialised(held_bytes(model), drawn.scratch_bytes)
+
+
+def _all_drawn(drawn: Drawn) -> Drawn:
+    """A tensor allocated here and written by no rule would start as whatever memory held."""
+    if drawn.undrawn:
+        raise ConfigError(
+            f"config error: train.strategy: nothing draws {drawn.undrawn[:3]} on a rank that "
+            "builds its part of the model: give their module a reset_parameters() that sets them"
+        )
+    return drawn
 
 
 def load_parts(model: nn.Module, pre: Any, ties: list[list[str]]) -> int:

@@ -204,7 +204,14 @@ class Pipeline:
 
         self.stages = stages()
         if on_meta(model):  # built on the meta device: allocate and draw this rank's stages only
-            held = {name for stage in self.stages for name in stage.state_dict(keep_vars=True)}
+            held = {
+                name
+                for stage in self.stages
+                for name, _ in (
+                    *stage.named_parameters(remove_duplicate=False),
+                    *stage.named_buffers(remove_duplicate=False),  # non-persistent ones too
+                )
+            }
             made = materialise_held(model, held, device, seed)
             log.info("materialised this rank's stages: %s", made)
             self.stages = stages()  # over the allocated tensors

@@ -95,6 +95,27 @@ def test_a_sharded_run_refuses_a_tensor_nothing_draws_naming_it():
     check_initialisable(BareParameter(), TrainConfig(strategy="ddp"))  # built whole: fine
 
 
+class UndrawnBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3)))
+
+    def reset_parameters(self) -> None:  # draws nothing of its own: the mask is left
+        pass
+
+
+def test_a_tensor_no_rule_writes_keeps_its_value_and_a_rank_building_its_part_refuses_it():
+    whole = UndrawnBuffer()
+    drawn = initialise(whole, seed=0)
+    assert drawn.undrawn == ["mask"]
+    assert torch.equal(whole.mask, torch.tril(torch.ones(3, 3)))  # the constructor's
+    with torch.device("meta"):
+        meta = UndrawnBuffer()
+    with pytest.raises(ConfigError, match=r"nothing draws \['mask'\]"):
+        materialise_held(meta, {"mask", "layer.weight", "layer.bias"}, torch.device("cpu"), 0)
+
+
 def test_a_stored_tensor_reads_a_part_of_its_rows_transposed_or_not(tmp_path):
     path = str(tmp_path / "model.safetensors")
     weight = torch.arange(24.0).reshape(4, 6)

@@ -349,3 +349,21 @@ def test_a_pipelines_stages_stream_their_rows_share_in_order():
 
     assert ordered("train.strategy=pipeline")
     assert not ordered("train.strategy=ddp")
+
+
+def test_a_checkpoint_of_a_looped_adamw_resumes_into_this_runs_fused_one(tmp_path):
+    config = train_config()
+    torch.manual_seed(0)
+    state = TrainState.create(tiny_transformer(), config, 10 * 8, world=1)
+    assert all(group["fused"] for group in state.optimizer.param_groups)
+    step(state)
+    saved = state.train_state()
+    for group in saved["optimizer"]["param_groups"]:
+        group["fused"] = None  # as a checkpoint from before fused AdamW holds it
+    folder = str(tmp_path / "ckpt")
+    meta = {"config": dump(config), "epoch": 1, "step": 1, "metrics": {}, "preprocessor": "{}"}
+    checkpoint.save(folder, state.model, saved, meta)
+    resumed = TrainState.create(tiny_transformer(), config, 10 * 8, world=1)
+    resumed.restore(folder)
+    assert all(group["fused"] for group in resumed.optimizer.param_groups)
+    step(resumed)  # the fused step runs on the restored moments
