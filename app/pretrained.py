@@ -269,7 +269,7 @@ class Stored:
         with safe_open(self.path, framework="pt") as f:
             part = f.get_slice(self.name)
             if rows is None:
-                tensor = part[:]
+                tensor = part[...]  # `[:]` cannot take a 0-dim tensor (a temperature)
             elif self.transposed:
                 tensor = part[:, rows.start : rows.stop]
             else:

@@ -119,8 +119,9 @@ def test_a_tensor_no_rule_writes_keeps_its_value_and_a_rank_building_its_part_re
 def test_a_stored_tensor_reads_a_part_of_its_rows_transposed_or_not(tmp_path):
     path = str(tmp_path / "model.safetensors")
     weight = torch.arange(24.0).reshape(4, 6)
-    save_file({"w": weight}, path)
+    save_file({"w": weight, "scale": torch.tensor(2.5)}, path)
     stored = Stored(path, "w")
+    assert Stored(path, "scale").read().item() == 2.5  # a 0-dim tensor whole
     assert torch.equal(stored.read(range(1, 3)), weight[1:3])
     assert torch.equal(stored.read(), weight)
     # A GPT-2 Conv1D weight is stored [in, out]: the module's rows are the file's columns.
