@@ -100,7 +100,7 @@ def _trainer(strategy: str, size: dict, ids, rank: int):
         torch.device("cpu"),
     )
     return (
-        lambda: pipe.step(ids[:, :-1], ids[:, 1:]),
+        lambda: pipe.step({"input_ids": ids[:, :-1]}, ids[:, 1:]),
         pipe.parameters(),
         lambda: {"compute_s": _compute_seconds(pipe, ids, size)},
     )
@@ -119,7 +119,8 @@ def _compute_seconds(pipe, ids, size: dict) -> float:
             for stage in pipe.stages:
                 inputs = x if stage.first else torch.randn(*x.shape, size["dim"])
                 inputs.requires_grad_(not stage.first)
-                stage(inputs).float().sum().backward()
+                out = stage(input_ids=inputs) if stage.first else stage(inputs)
+                out.float().sum().backward()
         runs.append(time.perf_counter() - start)
     for param in pipe.parameters():
         param.grad = None
@@ -127,7 +128,7 @@ def _compute_seconds(pipe, ids, size: dict) -> float:
 
 
 def _bytes(parameters, optimizer) -> dict[str, int]:
-    from app.train.parallel import local_bytes
+    from app.train.materialise import local_bytes
 
     state = [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
     held = {

@@ -154,6 +154,7 @@ def held_bytes(model: nn.Module) -> int:
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for `tensor` (its shard, for a DTensor)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
 

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from app.config import TrainConfig
 from app.models.init import tied_names
 from app.train.blocks import find_blocks
-from app.train.materialise import materialise_sharded, on_meta
+from app.train.materialise import local_bytes, materialise_sharded, on_meta
 from app.train.pipeline import PipelinedModel, Scoring, pipelined
 
 log = logging.getLogger(__name__)
@@ -146,12 +146,6 @@ def world_size() -> int:
 
 
 # --- memory -----------------------------------------------------------------------------------
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds for `tensor` (its shard, for a DTensor)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
