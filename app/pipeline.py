@@ -18,7 +18,8 @@ from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.kinds import processor
 from app.data.kinds.image_text import IMAGE_ID
-from app.data.prepare import read_manifest, split_files
+from app.data.pieces import Tasks
+from app.data.prepare import prepare_dataset, read_manifest, split_files
 from app.errors import UserError
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Part, run_task
@@ -47,8 +48,15 @@ FOLLOW_UP = Part[FollowUp]("follow_up")
 log = logging.getLogger(__name__)
 
 
+def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
+    """jobs.prepare: the data layer's `prepare_dataset` with the run's pretrained folders (their
+    tokenizer, and the check that they take the data) handed down from the model families."""
+    from app.models.families import Bases  # torch: the driver only
+
+    return prepare_dataset(config, Bases(config.model), tasks)
+
+
 def pipeline(config: Config) -> dict[str, Any]:
-    from app.data.prepare import prepare
     from app.evaluate import evaluate
     from app.export.exporter import export
     from app.serve.control.deploy import deploy

@@ -63,12 +63,8 @@ def measure(make_iter, passes: int) -> dict[str, Any]:
 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     from app.data.feed import MemoryFeed, StreamFeed
-    from app.data.ingest import (
-        fit_preprocessor,
-        read_rank_share,
-        split_shards,
-        stream_split,
-    )
+    from app.data.ingest import read_rank_share, split_shards, stream_split
+    from app.train.preprocessing import fit_preprocessor
     from bench.torch_data import TorchShard
 
     bench = Bench(ID, GOAL, WHAT, out, smoke)

@@ -80,7 +80,7 @@ def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> 
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     import torch
 
-    from app.data.ingest import fit_preprocessor
+    from app.train.preprocessing import fit_preprocessor
 
     bench = Bench(ID, GOAL, WHAT, out, smoke)
     torch.set_num_threads(1)

@@ -107,10 +107,11 @@ def ingest_pass(config) -> dict[str, Any]:
     import ray.train
 
     from app.config import dump
-    from app.data.ingest import fit_preprocessor, split_shards
+    from app.data.ingest import split_shards
     from app.data.prepare import read_manifest
     from app.ray_private import lean_torch_trainer
     from app.ray_runtime import init_private_ray
+    from app.train.preprocessing import fit_preprocessor
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)

@@ -429,7 +429,8 @@ def ensure_prepared(config) -> dict[str, Any]:
     own private one to meet."""
     from app import storage
     from app.data.pieces import InProcess
-    from app.data.prepare import MANIFEST, prepare, read_manifest
+    from app.data.prepare import MANIFEST, read_manifest
+    from app.pipeline import prepare
 
     if not storage.exists(storage.join(config.data_output, MANIFEST)):
         prepare(config, InProcess())
@@ -518,9 +519,9 @@ def train_inprocess(
     """
     import torch
 
-    from app.data.ingest import fit_preprocessor
     from app.tasks.classify import validate_classifier
     from app.train.loop import train_epoch
+    from app.train.preprocessing import fit_preprocessor
     from bench.torch_data import TorchShard
 
     if precision:

@@ -77,9 +77,9 @@ def run(config, loader_workers: int, out: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     from app.config import dump
-    from app.data.ingest import fit_preprocessor
     from app.data.prepare import read_manifest
     from app.train.loop import steady_median
+    from app.train.preprocessing import fit_preprocessor
 
     manifest = read_manifest(config.data_output)
     pre = fit_preprocessor(config, manifest)

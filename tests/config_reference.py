@@ -1,4 +1,4 @@
-"""docs/config.md, written from app/config.py: every key, its type, default and the comment above
+"""docs/config.md, written from app/config/ (a module per section): every key, its type, default and the comment above
 it. `python -m tests.config_reference > docs/config.md` rewrites it; a unit test checks it is
 current, so the reference and the code never disagree."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import types
 from pathlib import Path
 from typing import Literal, Union, get_args, get_origin
@@ -14,14 +15,21 @@ from pydantic import BaseModel
 
 from app.config import Config
 
-SOURCE = Path(__file__).resolve().parents[1] / "app" / "config.py"
+SOURCES = sorted((Path(__file__).resolve().parents[1] / "app" / "config").glob("*.py"))
 
 
 def field_comments() -> dict[tuple[str, str], str]:
     """(class name, field) -> the comment lines just above the field, or on its line."""
-    lines = SOURCE.read_text().splitlines()
     out = {}
-    for node in ast.walk(ast.parse(SOURCE.read_text())):
+    for source in SOURCES:
+        out |= module_comments(source.read_text())
+    return out
+
+
+def module_comments(text: str) -> dict[tuple[str, str], str]:
+    lines = text.splitlines()
+    out = {}
+    for node in ast.walk(ast.parse(text)):
         if not isinstance(node, ast.ClassDef):
             continue
         for item in node.body:
@@ -66,7 +74,7 @@ def type_name(annotation) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join("None" if a is type(None) else type_name(a) for a in args)
     if origin is not None:
-        return str(annotation).replace("typing.", "").replace("app.config.", "")
+        return re.sub(r"app\.config\.(\w+\.)*", "", str(annotation).replace("typing.", ""))
     return getattr(annotation, "__name__", str(annotation))
 
 
@@ -84,7 +92,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         "Every key of a config file (`section.key: value`, or `section.key=value` on the command",
-        "line), its type, its default and what it does. Written from `app/config.py` by",
+        "line), its type, its default and what it does. Written from `app/config/` by",
         "`python -m tests.config_reference > docs/config.md`; a unit test keeps it current.",
         "",
         "| key | type | default | what it does |",

@@ -3,7 +3,6 @@ generates text."""
 
 from __future__ import annotations
 
-from app.data.ingest import DATASET_PREPROCESSOR
 from app.evaluate import EVALUATE, evaluate_language_model
 from app.export.exporter import EXPORT
 from app.export.lm import export_lm
@@ -23,6 +22,7 @@ from app.tasks.lm import (
 )
 from app.tasks.registry import Task
 from app.train.parts import (
+    DATASET_PREPROCESSOR,
     HEADLINE,
     LOSS,
     PIPELINE_BATCH,

@@ -44,8 +44,8 @@ from app.data.pieces import (
     Tasks,
     row_keys,
 )
+from app.data.preprocess import PretrainedLookup
 from app.errors import UserError
-from app.models.families import base_for
 
 log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"  # separates documents; the only special token
@@ -82,7 +82,7 @@ class Encoding:
     max_examples: int = 5
 
 
-def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
+def planned(config: Config, tasks: Tasks, folder: str, bases: PretrainedLookup) -> SourcePlan:
     cfg = config.data
     assert cfg.path is not None  # DataConfig requires it for this source
     corpus, sizes = listed(cfg.path, cfg.exclude_dirs)
@@ -94,7 +94,7 @@ def planned(config: Config, tasks: Tasks, folder: str) -> SourcePlan:
             f"split (data.val_fraction={cfg.val_fraction}, by path): add documents or raise "
             "data.val_fraction"
         )
-    base = base_for(config.model, Tokens)
+    base = bases.base(Tokens)
     if base is None:
         tokenizer = trained_tokenizer(
             tasks, corpus, rule, config.model.vocab_size, cfg.skip_bad_rows

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -30,23 +30,14 @@ from app import storage
 from app.config import Config
 from app.data import kinds
 from app.data.kinds import processor
-from app.data.prepare import DatasetManifest, read_manifest, split_files
-from app.data.preprocess import FitOptions, Preprocessor
+from app.data.prepare import DatasetManifest, split_files
+from app.data.preprocess import FitOptions, Preprocessor, PretrainedLookup
 from app.ray_private import data_tasks_running, quiet_data_progress
-from app.tasks.registry import Part, task_for_dataset
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
 
 
-class DatasetPreprocessor(Protocol):
-    """A dataset that carries its own preprocessing (a corpus tokenized at prepare): its
-    preprocessor, adopted instead of fitted."""
-
-    def __call__(self, config: Config, manifest: DatasetManifest, /) -> Preprocessor: ...
-
-
-DATASET_PREPROCESSOR = Part[DatasetPreprocessor]("preprocessor")  # optional
 # Share of the object store that the cache may take by default: the rest stays for Ray Data
 # blocks in flight, Serve and checkpoints on the same cluster.
 DEFAULT_BUDGET_FRACTION = 0.25
@@ -197,18 +188,14 @@ def split_shards(config: Config, manifest: DatasetManifest, split: str) -> list[
     return [(uri, s.rows) for uri, s in zip(files, manifest.splits[split].shards, strict=True)]
 
 
-def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) -> Preprocessor:
-    output = config.data_output
-    manifest = manifest or read_manifest(output)
-    task = task_for_dataset(manifest.kind)
-    if task.has(DATASET_PREPROCESSOR):  # the dataset carries its own (a corpus, tokenized)
-        return task.part(DATASET_PREPROCESSOR)(config, manifest)
-    files = split_files(output, manifest, "train")
-    # torch: the driver only, not Ray Data's workers
-    from app.models.families import base_for, tower_bases
-
-    base = base_for(config.model, processor(manifest.kind))
-    text_base, image_base = tower_bases(config.model, processor(manifest.kind))
+def fit_on_train_split(
+    config: Config, manifest: DatasetManifest, bases: PretrainedLookup
+) -> Preprocessor:
+    """A preprocessor of the dataset's kind fitted on its train split, one shard at a time, on
+    the driver; with a pretrained folder (`bases`), its tokenizer or image processor adopted."""
+    files = split_files(config.data_output, manifest, "train")
+    base = bases.base(processor(manifest.kind))
+    text_base, image_base = bases.towers(processor(manifest.kind))
     reads = base or text_base
     options = FitOptions(
         max_length=config.model.sequence_length(reads.max_positions if reads else None),

@@ -39,6 +39,7 @@ from app.data.pieces import (
     ordered,
     split_rows_of,
 )
+from app.data.preprocess import PretrainedLookup
 from app.data.sources import Kind
 from app.errors import UserError
 
@@ -99,13 +100,14 @@ class DatasetManifest(storage.Contract):
         return self
 
 
-def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
+def prepare_dataset(
+    config: Config, bases: PretrainedLookup, tasks: Tasks | None = None
+) -> dict[str, Any]:
     """The source -> a published dataset: read, checked, split and written by `tasks`
-    (default: Ray Data tasks on the cluster this job joins), a task a piece of the source."""
-    from app.models.families import base_for  # torch: only where a dataset is prepared
-
-    base_for(config.model)  # a bad pretrained folder fails before any data is read
-    return prepare_pieces(config, planner_for(config.data), tasks or ray_tasks())
+    (default: Ray Data tasks on the cluster this job joins), a task a piece of the source.
+    `bases`: the run's pretrained folders (app/models/families.py `Bases(config.model)`)."""
+    bases.base()  # a bad pretrained folder fails before any data is read
+    return prepare_pieces(config, planner_for(config.data, bases), bases, tasks or ray_tasks())
 
 
 class Planner(Protocol):
@@ -115,13 +117,14 @@ class Planner(Protocol):
     def __call__(self, config: Config, tasks: Tasks, folder: str, /) -> SourcePlan: ...
 
 
-def planner_for(cfg: DataConfig) -> Planner:
-    """How a source is cut into pieces, by `data.source` (one piece: a source one task makes)."""
+def planner_for(cfg: DataConfig, bases: PretrainedLookup) -> Planner:
+    """How a source is cut into pieces, by `data.source` (one piece: a source one task makes).
+    A corpus is encoded with the pretrained model's tokenizer when there is one."""
     from app.data import corpus, image_folder, image_text_source, sources, table_source
 
     planners: dict[str, Planner] = {
         "table": table_source.planned,
-        "text_files": corpus.planned,
+        "text_files": functools.partial(corpus.planned, bases=bases),
         "imagefolder": image_folder.planned,
         "image_text": image_text_source.planned,
         **{name: sources.planned for name in sources.MAKERS},
@@ -139,13 +142,13 @@ def ray_tasks() -> Tasks:
     return RayTasks()
 
 
-def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, Any]:
+def prepare_pieces(
+    config: Config, planner: Planner, bases: PretrainedLookup, tasks: Tasks
+) -> dict[str, Any]:
     """A source in one pass over its pieces, a task each, that checks, splits and writes. The
     driver holds the tasks' small records, never a row; a bad source is refused once the tasks
     are done, naming its first bad row in source order, and what they wrote is removed with the
     unpublished generation."""
-    from app.models.families import base_for
-
     cfg, output = config.data, config.data_output
     started = time.perf_counter()
     rule = SplitRule(cfg.seed, cfg.val_fraction, cfg.test_fraction)
@@ -155,7 +158,7 @@ def prepare_pieces(config: Config, planner: Planner, tasks: Tasks) -> dict[str, 
     def write(folder: str, prefix: str) -> DatasetManifest:
         plan = planner(config, tasks, folder)
         plans.append(plan)
-        base_for(config.model, processor(plan.kind))  # the pretrained model must take this data
+        bases.base(processor(plan.kind))  # the pretrained model must take this data
         log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)
         target = Target(folder, prefix, cfg.rows_per_shard, rule)
         run = functools.partial(measured, run=plan.run, target=target)

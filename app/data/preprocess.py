@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -28,6 +28,22 @@ if TYPE_CHECKING:
 LABEL_KEY = "label"  # key of the label index in transformed batches
 Problems: TypeAlias = dict[int, str]  # row -> what is wrong with it; only bad rows are listed
 Column: TypeAlias = "pa.Array | pa.ChunkedArray | list[Any]"
+
+
+class PretrainedLookup(Protocol):
+    """The run's pretrained folders, opened and checked to take data of a kind: what the data
+    layer needs of them (a tokenizer, an image processor, a length), handed down by the layer
+    that composes models and data (app/models/families.py `Bases`)."""
+
+    def base(self, takes: type[Preprocessor] | None = None, /) -> Pretrained | None:
+        """`model.pretrained`, checked to train on `takes` when given."""
+        ...
+
+    def towers(
+        self, takes: type[Preprocessor] | None = None, /
+    ) -> tuple[Pretrained | None, Pretrained | None]:
+        """A dual encoder's (text, image) tower folders."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,21 @@ def base_for(model: ModelConfig, takes: type[Preprocessor] | None = None) -> Pre
     return base
 
 
+@dataclass(frozen=True)
+class Bases:
+    """A run's pretrained folders as the data layer asks for them (its `PretrainedLookup`)."""
+
+    model: ModelConfig
+
+    def base(self, takes: type[Preprocessor] | None = None, /) -> Pretrained | None:
+        return base_for(self.model, takes)
+
+    def towers(
+        self, takes: type[Preprocessor] | None = None, /
+    ) -> tuple[Pretrained | None, Pretrained | None]:
+        return tower_bases(self.model, takes)
+
+
 def tower_bases(
     model: ModelConfig, takes: type[Preprocessor] | None = None
 ) -> tuple[Pretrained | None, Pretrained | None]:

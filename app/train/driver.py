@@ -88,8 +88,9 @@ def train(
 
 def plan_run(config: Config) -> RunPlan:
     """Everything that can fail before a worker starts fails here, with one line."""
-    from app.data.ingest import fit_preprocessor, plan_data_path, split_shards
+    from app.data.ingest import plan_data_path, split_shards
     from app.data.prepare import read_manifest, verify_shards
+    from app.train.preprocessing import fit_preprocessor
 
     check_precision(config)
     elastic.warn_inexact(config.train)

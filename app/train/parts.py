@@ -71,6 +71,13 @@ class Reference(Protocol):
     ) -> dict[str, float]: ...
 
 
+class DatasetPreprocessor(Protocol):
+    """A dataset that carries its own preprocessing (a corpus tokenized at prepare): its
+    preprocessor, adopted instead of fitted."""
+
+    def __call__(self, config: Config, manifest: DatasetManifest, /) -> Preprocessor: ...
+
+
 LOSS = Part[Loss]("loss")
 VALIDATE = Part[Validate]("validate")
 HEADLINE = Part[Headline]("headline")
@@ -78,3 +85,4 @@ REFERENCE = Part[Reference]("reference")  # optional
 # Optional: what a task a pipeline can train adds (app/train/pipeline.py).
 PIPELINE_BATCH = Part[PipelineBatch]("pipeline_batch")
 PIPELINE_LOSS = Part[OutputLoss]("pipeline_loss")
+DATASET_PREPROCESSOR = Part[DatasetPreprocessor]("preprocessor")  # optional

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.config import Config
-from app.data.prepare import prepare
 from app.hooks import HOOKS_ENV
+from app.pipeline import prepare
 from app.ray_runtime import init_private_ray
 from tests.conftest import REPO, make_config
 

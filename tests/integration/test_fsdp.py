@@ -51,9 +51,9 @@ def test_fsdp_reaches_the_bar_and_writes_weights_evaluate_reads(fsdp_run):
 
 
 def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_per_rank(fsdp_run):
-    from app.data.ingest import fit_preprocessor
     from app.data.prepare import read_manifest
     from app.models import build_model
+    from app.train.preprocessing import fit_preprocessor
 
     config, summary = fsdp_run
     model = build_model(config.model, fit_preprocessor(config, read_manifest(config.data_output)))

@@ -9,8 +9,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from app.data.ingest import fit_preprocessor, iter_shards, split_shards, stream_split
+from app.data.ingest import iter_shards, split_shards, stream_split
 from app.data.prepare import read_manifest, split_files
+from app.train.preprocessing import fit_preprocessor
 
 pytestmark = pytest.mark.integration
 

@@ -16,13 +16,13 @@ import requests
 import torch
 
 from app.config import dump
-from app.data.ingest import fit_preprocessor
-from app.data.prepare import prepare
 from app.errors import GateError
 from app.export.exporter import export
 from app.models import build_model
+from app.pipeline import prepare
 from app.runtime import artifact as art
 from app.train.checkpoint import save
+from app.train.preprocessing import fit_preprocessor
 from tests.conftest import REPO, make_config
 
 pytestmark = pytest.mark.integration

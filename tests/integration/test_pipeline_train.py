@@ -32,7 +32,7 @@ PIPELINE = [
 
 @pytest.fixture(scope="module")
 def lm_prepared(workspace):
-    from app.data.prepare import prepare
+    from app.pipeline import prepare
     from tests.conftest import REPO, make_config
 
     def config(*overrides: str):
@@ -68,9 +68,9 @@ def test_a_pipelined_run_learns_and_writes_weights_evaluate_reads(pipeline_run):
 
 
 def test_each_stage_holds_a_part_of_the_model(pipeline_run):
-    from app.data.ingest import fit_preprocessor
     from app.data.prepare import read_manifest
     from app.models import build_model
+    from app.train.preprocessing import fit_preprocessor
 
     config, summary = pipeline_run
     model = build_model(config.model, fit_preprocessor(config, read_manifest(config.data_output)))

@@ -18,8 +18,9 @@ import pytest
 from app import storage
 from app.data import image_text_source
 from app.data.pieces import InProcess
-from app.data.prepare import prepare, read_manifest
+from app.data.prepare import read_manifest
 from app.data.ray_tasks import RayTasks
+from app.pipeline import prepare
 from tests.conftest import make_config
 from tests.integration.test_elastic import node_env
 from tests.s3_server import moto_s3

@@ -16,9 +16,10 @@ import pytest
 
 from app.data import table_source
 from app.data.pieces import InProcess
-from app.data.prepare import MANIFEST, prepare
+from app.data.prepare import MANIFEST
 from app.data.ray_tasks import RayTasks
 from app.errors import UserError
+from app.pipeline import prepare
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from app.data.prepare import prepare
 from app.export.exporter import export
+from app.pipeline import prepare
 from app.predict.write import verify_output
 from app.runtime.artifact import open_artifact, run_logits
 from app.runtime.rows import softmax

@@ -16,7 +16,8 @@ import pytest
 
 from app import storage
 from app.config import Config, load_config
-from app.data.prepare import GENERATION_MARK, MANIFEST, prepare, read_manifest, verify_shards
+from app.data.prepare import GENERATION_MARK, MANIFEST, read_manifest, verify_shards
+from app.pipeline import prepare
 from app.runtime.artifact import LATEST, open_artifact
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray

@@ -13,13 +13,12 @@ import torch
 from PIL import Image
 
 from app.config import dump
-from app.data.ingest import fit_preprocessor
-from app.data.prepare import prepare
 from app.errors import ArtifactError, GateError
 from app.evaluate import labeled_batches, torch_predict
 from app.export.exporter import export, gate
 from app.export.publish import next_version, publish
 from app.models import build_model
+from app.pipeline import prepare
 from app.runtime.artifact import (
     LATEST,
     MANIFEST,
@@ -29,6 +28,7 @@ from app.runtime.artifact import (
     verify,
 )
 from app.train import checkpoint
+from app.train.preprocessing import fit_preprocessor
 from jobs import export as export_job
 from tests.unit.unit_helpers import run_main, sha256_of, snapshot, staging_leftovers
 

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from app.data.prepare import prepare
 from app.errors import UserError
+from app.pipeline import prepare
 from tests.unit.unit_helpers import staging_leftovers
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""app/config.py: YAML + typed dotted overrides; every bad key or value is one line naming the key."""
+"""app/config/: YAML + typed dotted overrides; every bad key or value is one line naming the key."""
 
 from __future__ import annotations
 
@@ -242,7 +242,7 @@ def test_grouped_keys_take_overrides(config_factory):
 
 
 def test_the_config_reference_lists_every_key_as_the_code_declares_it():
-    """docs/config.md is written from app/config.py (`python -m tests.config_reference`): a key
+    """docs/config.md is written from app/config/ (`python -m tests.config_reference`): a key
     added, removed or re-commented without regenerating it fails here."""
     from tests.config_reference import all_keys, render
 

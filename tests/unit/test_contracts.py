@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from app.data.prepare import MANIFEST, DatasetManifest, prepare, read_manifest
+from app.data.prepare import MANIFEST, DatasetManifest, read_manifest
 from app.errors import UserError, validation_line
+from app.pipeline import prepare
 
 pytestmark = pytest.mark.unit
 

@@ -341,7 +341,7 @@ def test_an_unknown_karpathy_split_is_refused_naming_it_and_its_entry(table_fold
 
 
 def test_a_chat_template_with_a_syntax_error_fails_prepare_with_exit_2(tmp_path):
-    from app.data.prepare import prepare
+    from app.pipeline import prepare
     from tests.make_tiny_pretrained import MAKERS
 
     folder = MAKERS["gpt2"](str(tmp_path / "gpt2"))

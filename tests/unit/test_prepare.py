@@ -22,13 +22,13 @@ from app.data.prepare import (
     MANIFEST,
     DatasetManifest,
     current_generation,
-    prepare,
     read_manifest,
     split_files,
     verify_shards,
 )
 from app.data.table_source import plan
 from app.errors import UserError
+from app.pipeline import prepare
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit

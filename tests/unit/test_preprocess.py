@@ -7,12 +7,14 @@ import pandas as pd
 import pytest
 
 from app.data import kinds
-from app.data.ingest import fit_preprocessor, iter_shards
+from app.data.ingest import iter_shards
 from app.data.kinds.image import stored_pixels
 from app.data.kinds.text import PAD
-from app.data.prepare import prepare, read_manifest, split_files
+from app.data.prepare import read_manifest, split_files
 from app.data.preprocess import LABEL_KEY, FitOptions
 from app.errors import UserError
+from app.pipeline import prepare
+from app.train.preprocessing import fit_preprocessor
 from tests.unit.unit_helpers import read_split
 
 pytestmark = pytest.mark.unit

@@ -11,23 +11,23 @@ import pytest
 pytestmark = pytest.mark.unit
 
 APP = Path(__file__).resolve().parents[2] / "app"
-# Stages in flow order; a module may import its own stage or an earlier one, never a later one.
+# Layers, lowest first; a module may import its own layer or a lower one, never a higher one.
+# Each prefix is a whole package: no module is placed apart from its package's layer.
 LAYERS = [
-    ("app.compose", 8),  # the composition root: the built-in tasks from every stage's parts
-    ("app.pipeline", 7),
-    ("app.index", 7),  # a vector index from jobs.predict's embeddings
-    ("app.corpus", 7),
+    ("app.compose", 10),  # the composition root: the built-in tasks from every stage's parts
+    ("app.pipeline", 9),  # the stages composed (jobs.prepare, jobs.pipeline)
+    ("app.index", 8),  # a vector index from jobs.predict's embeddings
+    ("app.corpus", 8),
     ("app.predict", 7),
     ("app.serve", 6),
-    ("app.export", 5),
-    ("app.evaluate", 4),
-    ("app.train", 3),
+    ("app.export", 6),
+    ("app.evaluate", 5),
+    ("app.train", 4),
+    ("app.tasks", 3),  # the registry and the tasks' training parts
     ("app.runtime", 2),  # what runs an artifact: export verifies with it, serve and predict run it
-    ("app.tasks.registry", 1),
-    ("app.tasks", 2),
-    ("app.data", 1),
-    ("app.models", 1),
-    ("app", 0),  # config, errors, storage, cli, plots
+    ("app.models", 2),  # plain torch.nn families; they take data of a kind
+    ("app.data", 1),  # what a pretrained folder or a task gives it is handed down to it
+    ("app", 0),  # config, errors, storage, cli, plots, pretrained folders
 ]
 # The names of the task axis: tasks and the dataset / source kinds only one task trains on.
 TASK_NAMES = {"classify", "lm", "tokens"}
@@ -115,6 +115,11 @@ def test_no_stage_imports_a_later_stage():
         if layer(d) > layer(m)
     ]
     assert upward == []
+
+
+def test_each_layer_is_a_whole_package():
+    """No module is ranked apart from its package: the layers have no exemptions."""
+    assert [prefix for prefix, _ in LAYERS if prefix.count(".") != 1] == ["app"]
 
 
 def test_serving_and_batch_inference_run_the_runtime_and_import_nothing_from_export():

@@ -53,7 +53,8 @@ def prepared_rows(data: DataConfig, root: str | os.PathLike[str]) -> tuple[pd.Da
     """`data` prepared by jobs.prepare's own code, its pieces run in this process: every row
     with its split (a `split` column), in source order within a split, and the summary."""
     from app.data.pieces import InProcess
-    from app.data.prepare import prepare, read_manifest
+    from app.data.prepare import read_manifest
+    from app.pipeline import prepare
     from tests.conftest import make_config
 
     config = make_config(root)
