@@ -5,7 +5,7 @@ A GPT-2-small-shaped model (app.models.gpt: 12 blocks of width 768, 12 heads, an
 vocabulary, the output head tied to the token embedding; a small GPT with --smoke) trained for
 a few AdamW steps by 2 ranks of plain `torch.distributed` (gloo, `torch.multiprocessing.spawn`),
 one thread each, on the same next-token batch: DDP and FSDP through the project's
-app.train.parallel.parallelize, the pipeline through app.train.pipeline.Pipeline (2 stages, 1F1B,
+app.train.parallel.parallelize, the pipeline through app.train.pipelining.Pipeline (2 stages, 1F1B,
 4 microbatches). Each rank counts its local bytes of parameters, gradients and optimizer state
 after a step (the tied embedding counts on both stages that hold it); the largest rank counts.
 Step times are medians of the steps after the first. The pipeline's idle share: one minus the
@@ -80,7 +80,7 @@ def _trainer(strategy: str, size: dict, ids, rank: int):
     from app.config import TrainConfig
     from app.tasks.lm import token_loss
     from app.train.parallel import parallelize
-    from app.train.pipeline import Mesh, Pipeline
+    from app.train.pipelining import Mesh, Pipeline
 
     if strategy != "pipeline":
         model = parallelize(build(size), TrainConfig(strategy=strategy), torch.device("cpu"))

@@ -95,7 +95,7 @@ def _model(strategy: str, folder: str):
     from app.pretrained import open_pretrained
     from app.tasks.lm import shifted, token_loss
     from app.train.parallel import parallelize
-    from app.train.pipeline import Scoring
+    from app.train.pipelining import Scoring
     from app.train.worker import sharded_model
 
     base = open_pretrained(folder)

@@ -10,7 +10,7 @@ from app.config.section import NAME_PATTERN, Section
 
 
 class PipelineSection(Section):
-    """`train.pipeline`: how `train.strategy: pipeline` splits the model (app/train/pipeline.py)."""
+    """`train.pipeline`: how `train.strategy: pipeline` splits the model (app/train/pipelining.py)."""
 
     stages: int = Field(2, ge=2)  # ranks one pipeline spans; workers are a multiple of it
     microbatches: int = Field(4, ge=1)  # a batch's slices in flight; divides train.batch_size

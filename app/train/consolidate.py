@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.models.init import tied_names
-from app.train.pipeline import PipelinedModel
+from app.train.pipelining import PipelinedModel
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

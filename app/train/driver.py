@@ -22,11 +22,11 @@ from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer
 from app.ray_runtime import connect_ray
 from app.tasks.registry import Task, check_metric, run_task
-from app.train import checkpoint, elastic, finetune, pipeline, tracking
+from app.train import checkpoint, elastic, finetune, pipelining, tracking
 from app.train.loop import best_index, short_budget, steady_median
 from app.train.parts import PIPELINE_BATCH, PIPELINE_LOSS, REFERENCE
 from app.train.profiling import PROFILE_DIR
-from app.train.worker import train_loop
+from app.train.worker import PLAN_KEY, WorkerPlan, train_loop
 
 if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the driver only
     from torch import nn
@@ -135,7 +135,7 @@ def check_pipeline(config: Config, task: Task, model: nn.Module) -> None:
             "train.strategy=ddp or fsdp"
         )
     try:
-        pipeline.check_split(model, t)
+        pipelining.check_split(model, t)
     except ValueError as e:
         raise ConfigError(f"config error: {e}") from None
 
@@ -156,6 +156,11 @@ def reference_metrics(config: Config, run: RunPlan) -> dict[str, float]:
     return run.task.part(REFERENCE)(config, run.manifest, run.preprocessor)
 
 
+def mlflow_run(run: RunPlan) -> tracking.MlflowRun | None:
+    uri = tracking.mlflow_uri()
+    return tracking.MlflowRun(uri, run.mlflow_run) if run.mlflow_run and uri else None
+
+
 def memory_per_worker(config: Config) -> float | None:
     """Bytes of memory one train worker can use: the cluster's Ray memory over the workers (the
     most an elastic run may have)."""
@@ -170,22 +175,20 @@ def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner:
 
     t = config.train
     set_controller_env(config)
-    loop_config = {
-        "config": dump(config),
-        "preprocessor": run.preprocessor.to_json(),
-        "run_dir": run.dir,
-        "train_rows": run.manifest.rows["train"],
-        "shards": run.shards,
-        "stream": {split: run.data.split_mode(split) == "stream" for split in run.shards},
-        "task": run.task,  # the object itself: a task registered in the driver only works too
-        "reference_metrics": reference_metrics(config, run),
-        "mlflow": {"uri": tracking.mlflow_uri(), "run_id": run.mlflow_run}
-        if run.mlflow_run
-        else None,
-    }
+    plan = WorkerPlan(
+        config=dump(config),
+        preprocessor=run.preprocessor.to_json(),
+        run_dir=run.dir,
+        train_rows=run.manifest.rows["train"],
+        shards=run.shards,
+        stream={split: run.data.split_mode(split) == "stream" for split in run.shards},
+        task=run.task,
+        reference_metrics=reference_metrics(config, run),
+        mlflow=mlflow_run(run),
+    )
     return lean_torch_trainer(pg_cleaner)(
         train_loop,
-        train_loop_config=loop_config,
+        train_loop_config={PLAN_KEY: plan},
         scaling_config=ray.train.ScalingConfig(**scaling(config)),
         run_config=ray.train.RunConfig(
             name=run.name,

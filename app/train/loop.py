@@ -25,7 +25,7 @@ from app.errors import CheckpointError
 from app.tasks.classify import classification_loss
 from app.tasks.steps import LossFn, all_reduce, autocast
 from app.train import checkpoint, parallel
-from app.train.pipeline import PipelinedModel
+from app.train.pipelining import PipelinedModel
 
 log = logging.getLogger(__name__)
 # (model, batch, device) -> (mean loss, rows in the batch)
@@ -170,7 +170,7 @@ def epoch_batches(
     """One epoch of a feed's batches: at most `train.max_steps_per_epoch` optimizer steps' worth,
     and no more than `train.max_steps` leaves (a seeded in-memory pass permutes the whole shard,
     so every epoch draws from all of it). A pipeline fills a short last batch itself
-    (app/train/pipeline.py)."""
+    (app/train/pipelining.py)."""
     t = config.train
     batches = feed.batches(batch_size, seed=seed)
     limits = [t.max_steps_per_epoch, t.max_steps and max(t.max_steps - steps_done, 0)]

@@ -11,7 +11,7 @@ is spread over devices". No Ray here: Ray Train workers (app/train/driver.py) an
 - `train.strategy: fsdp`: `fully_shard` (FSDP2) on each block, then on the root; parameters,
   gradients and optimizer state are sharded (DTensors), a block's full parameters exist only
   while it runs. Mixed precision from `train.precision` (`MixedPrecisionPolicy`).
-- `train.strategy: pipeline`: the blocks split into stages, one a rank (app/train/pipeline.py);
+- `train.strategy: pipeline`: the blocks split into stages, one a rank (app/train/pipelining.py);
   each rank trains a `PipelinedModel`, its stages under the model's names.
 - Blocks: the children of a `blocks` or `layers` container (app/train/blocks.py); a model
   without one is one unit (its root alone).
@@ -32,7 +32,7 @@ from app.config import TrainConfig
 from app.models.init import tied_names
 from app.train.blocks import find_blocks
 from app.train.materialise import local_bytes, materialise_sharded, on_meta
-from app.train.pipeline import PipelinedModel, Scoring, pipelined
+from app.train.pipelining import PipelinedModel, Scoring, pipelined
 
 log = logging.getLogger(__name__)
 

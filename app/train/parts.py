@@ -82,7 +82,7 @@ LOSS = Part[Loss]("loss")
 VALIDATE = Part[Validate]("validate")
 HEADLINE = Part[Headline]("headline")
 REFERENCE = Part[Reference]("reference")  # optional
-# Optional: what a task a pipeline can train adds (app/train/pipeline.py).
+# Optional: what a task a pipeline can train adds (app/train/pipelining.py).
 PIPELINE_BATCH = Part[PipelineBatch]("pipeline_batch")
 PIPELINE_LOSS = Part[OutputLoss]("pipeline_loss")
 DATASET_PREPROCESSOR = Part[DatasetPreprocessor]("preprocessor")  # optional

@@ -1,4 +1,4 @@
-"""How each transformer family divides into pipeline stages (app/train/pipeline.py).
+"""How each transformer family divides into pipeline stages (app/train/pipelining.py).
 
 A `Split` names what the first stage holds and runs before the blocks (embeddings), how one
 block runs on the state that crosses from stage to stage, and what the last stage holds and

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from app import storage
@@ -63,6 +64,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 # --- MLflow on the driver ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    """The MLflow run a train run logs to: its tracking URI and run id."""
+
+    uri: str
+    run_id: str
 
 
 def mlflow_uri() -> str | None:
@@ -143,7 +152,7 @@ class EpochTracker:
     """Rank 0's per-epoch sink: TensorBoard scalars, and MLflow metrics when the driver opened
     a run (`mlflow` = {"uri", "run_id"}, from the train loop's config)."""
 
-    def __init__(self, run_dir: str, mlflow: dict[str, str] | None = None):
+    def __init__(self, run_dir: str, mlflow: MlflowRun | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dest = storage.join(run_dir, TENSORBOARD_DIR)
@@ -159,7 +168,7 @@ class EpochTracker:
         if mlflow:
             from mlflow.tracking import MlflowClient
 
-            self.client = MlflowClient(mlflow["uri"])
+            self.client = MlflowClient(mlflow.uri)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["epoch"])
@@ -179,7 +188,7 @@ class EpochTracker:
         now = int(time.time() * 1000)
         try:
             self.client.log_batch(
-                self.mlflow["run_id"],
+                self.mlflow.run_id,
                 metrics=[Metric(k, v, now, step) for k, v in sorted(logged.items())],
             )
         except Exception as e:  # noqa: BLE001 - tracking must not end a training run

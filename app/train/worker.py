@@ -42,16 +42,35 @@ from app.train.loop import (
     train_epoch,
 )
 from app.train.parts import HEADLINE, LOSS, PIPELINE_BATCH, PIPELINE_LOSS, VALIDATE
-from app.train.pipeline import PipelinedModel, Scoring
+from app.train.pipelining import PipelinedModel, Scoring
 from app.train.profiling import RunProbes
 
 log = logging.getLogger(__name__)
 VAL_BATCH_FACTOR = 4  # validation batches are this many training batches (no gradients)
 
 
-def train_loop(loop_config: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the driver hands every rank (app/train/driver.py `make_trainer`), pickled once by
+    Ray Train as the loop's config (`{PLAN_KEY: plan}`)."""
+
+    config: dict[str, Any]  # the run's config, dumped; validated again on the rank
+    preprocessor: str  # fitted on the driver, as JSON
+    run_dir: str
+    train_rows: int
+    shards: dict[str, list[tuple[str, int]]]  # split -> (uri, rows) of each shard
+    stream: dict[str, bool]  # split -> streamed with Ray Data (else read once into memory)
+    task: Task  # the object itself: a task registered in the driver only works too
+    reference_metrics: dict[str, float]  # the task's baseline, computed once by the driver
+    mlflow: tracking.MlflowRun | None
+
+
+PLAN_KEY = "plan"
+
+
+def train_loop(loop_config: dict[str, WorkerPlan]) -> None:
     """Ray Train's per-rank function: epochs until the last one, early stopping or the budget."""
-    w = Worker.start(loop_config)
+    w = Worker.start(loop_config[PLAN_KEY])
     # A resumed run that had already stopped early stays stopped (unless patience was raised).
     done = should_stop_early(w.state.history, w.config) or budget_spent(w.state)
     last_epoch = w.state.epoch if done else w.config.train.epochs
@@ -85,25 +104,25 @@ class Worker:
     tracker: tracking.EpochTracker | None
 
     @classmethod
-    def start(cls, loop_config: dict[str, Any]) -> Worker:
+    def start(cls, plan: WorkerPlan) -> Worker:
         """Feeds, model (parallelized), optimizer state (resumed if a checkpoint exists)."""
         import ray.train
         import ray.train.torch
 
         quiet_train_logs()
-        preprocessor = kinds.from_json(loop_config["preprocessor"])
-        task: Task = loop_config["task"]
+        preprocessor = kinds.from_json(plan.preprocessor)
+        task = plan.task
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
         # An elastic run keeps its global batch whatever the world size.
-        config = elastic.for_world(validate(loop_config["config"]), world)
-        t, run_dir = config.train, loop_config["run_dir"]
+        config = elastic.for_world(validate(plan.config), world)
+        t, run_dir = config.train, plan.run_dir
         torch.set_num_threads(t.torch_threads)
         torch.manual_seed(t.seed)  # same initial weights on every rank (DDP broadcasts rank 0's)
         device = ray.train.torch.get_device()
         if t.precision == "fp16" and device.type != "cuda":
             raise RuntimeError(f"train.precision=fp16 needs CUDA, but rank {rank} runs on {device}")
-        shards, stream = loop_config["shards"], loop_config["stream"]
+        shards, stream = plan.shards, plan.stream
         data_rank, data_world = rank // t.stages, world // t.stages
         train_feed, val_feed = (
             feed(config, shards[s], stream[s], preprocessor, data_rank, data_world, s == "val")
@@ -117,11 +136,10 @@ class Worker:
             train_feed.prefetch(t.batch_size, seed=order_seed(t.seed, 1, data_rank))
         build = functools.partial(finetune.trainable_model, config, preprocessor)
         state = start_state(
-            config, build, loop_config["train_rows"], resumed, rank, world, device, task,
+            config, build, plan.train_rows, resumed, rank, world, device, task,
             preprocessor,
         )  # fmt: skip
-        mlflow = loop_config.get("mlflow")
-        reference = loop_config.get("reference_metrics")
+        mlflow = plan.mlflow
         return cls(
             config=config,
             rank=rank,
@@ -130,7 +148,7 @@ class Worker:
             data_world=data_world,
             device=device,
             task=task,
-            validate=functools.partial(task.part(VALIDATE), reference=reference),
+            validate=functools.partial(task.part(VALIDATE), reference=plan.reference_metrics),
             preprocessor=preprocessor,
             train_feed=train_feed,
             val_feed=val_feed,
@@ -139,7 +157,7 @@ class Worker:
             # Memory, step times, profiler trace: optimizer hooks, so after restoring.
             probes=RunProbes(state, config, run_dir, rank, device),
             run_dir=run_dir,
-            mlflow_run=mlflow and mlflow["run_id"],
+            mlflow_run=mlflow.run_id if mlflow else None,
             metrics_sink=TrainMetrics(run_dir, task) if rank == 0 else None,
             tracker=tracking.EpochTracker(run_dir, mlflow) if rank == 0 else None,
         )

@@ -4,7 +4,7 @@ reads, a stage killed mid-run resumes from its shards to the uninterrupted run's
 run goes on at another stage count (4 stages on 4 workers); in `make test-all`, a text
 classifier (its padding mask crossing the stages) does too, and two rows of stages train as one
 data-parallel run. Loss and gradients against the unsplit model, family by family and schedule by
-schedule: tests/integration/test_pipeline.py."""
+schedule: tests/integration/test_pipelining.py."""
 
 from __future__ import annotations
 

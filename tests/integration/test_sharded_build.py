@@ -34,7 +34,7 @@ from app.tasks.lm import token_loss
 from app.train import parallel
 from app.train.consolidate import write_consolidated
 from app.train.materialise import held_bytes, load_parts
-from app.train.pipeline import Scoring
+from app.train.pipelining import Scoring
 from tests.gloo_ranks import leave_together
 from tests.make_tiny_pretrained import make_gpt2
 

@@ -232,11 +232,11 @@ def test_a_failed_consolidated_write_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# --- pipeline stages (app/train/pipeline.py; the schedules run in tests/integration) ----------
+# --- pipeline stages (app/train/pipelining.py; the schedules run in tests/integration) ----------
 
 
 def test_pipeline_blocks_split_evenly_or_at_the_given_points():
-    from app.train.pipeline import block_ranges
+    from app.train.pipelining import block_ranges
 
     assert block_ranges(4, 2) == [range(0, 2), range(2, 4)]
     assert block_ranges(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
@@ -256,7 +256,7 @@ def test_pipeline_blocks_split_evenly_or_at_the_given_points():
     ],
 )
 def test_a_bad_pipeline_split_is_one_line_naming_the_key(blocks, stages, points, words):
-    from app.train.pipeline import block_ranges
+    from app.train.pipelining import block_ranges
 
     with pytest.raises(ValueError, match="train.pipeline") as err:
         block_ranges(blocks, stages, points)
@@ -264,7 +264,7 @@ def test_a_bad_pipeline_split_is_one_line_naming_the_key(blocks, stages, points,
 
 
 def test_pipeline_mesh_rows_and_columns():
-    from app.train.pipeline import Mesh
+    from app.train.pipelining import Mesh
 
     mesh = Mesh(stages=2, world=6, rank=3)
     assert (mesh.row, mesh.stage_rank, mesh.rows) == (1, 1, 3)

@@ -23,7 +23,7 @@ from app.models.transformer import TransformerClassifier
 from app.models.vit import ViTClassifier
 from app.tasks.lm import token_loss
 from app.train.consolidate import write_consolidated
-from app.train.pipeline import SCHEDULES, Mesh, Pipeline, PipelinedModel
+from app.train.pipelining import SCHEDULES, Mesh, Pipeline, PipelinedModel
 from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration
