@@ -94,8 +94,8 @@ def embeddings(work: Path, artifact: str, n: int, centres: np.ndarray) -> str:
 
 def exact_top(vectors_dir: str, queries: np.ndarray) -> np.ndarray:
     """The exact top 10 by jobs.index's own streamed brute-force pass."""
-    from app.index import exact_top as streamed
     from app.predict.write import verify_output
+    from app.tasks.index.build import exact_top as streamed
 
     parts = [os.path.join(vectors_dir, s.file) for s in verify_output(vectors_dir).files]
     return streamed(queries, parts, 100_000)

@@ -78,7 +78,7 @@ def _trainer(strategy: str, size: dict, ids, rank: int):
     import torch
 
     from app.config import TrainConfig
-    from app.tasks.lm import token_loss
+    from app.tasks.lm.train import token_loss
     from app.train.parallel import parallelize
     from app.train.pipelining import Mesh, Pipeline
 

@@ -93,7 +93,7 @@ def _model(strategy: str, folder: str):
     from app.models.gpt import from_gpt2
     from app.models.init import initialise
     from app.pretrained import open_pretrained
-    from app.tasks.lm import shifted, token_loss
+    from app.tasks.lm.train import shifted, token_loss
     from app.train.parallel import parallelize
     from app.train.pipelining import Scoring
     from app.train.worker import sharded_model
@@ -123,7 +123,7 @@ def _model(strategy: str, folder: str):
 
 
 def _step(model, strategy: str, ids, rank: int) -> None:
-    from app.tasks.lm import token_loss
+    from app.tasks.lm.train import token_loss
 
     if strategy == "pipeline":
         model.train_step({"input_ids": ids}, sync=True)

@@ -53,8 +53,8 @@ def step_rate(config, pre, rows: int, batch, precision: str, seconds: float) -> 
     import torch
     import torch.nn.functional as F
 
-    from app.tasks.steps import autocast
     from app.train.loop import optimizer_step
+    from app.train.steps import autocast
 
     config.train.precision = precision
     state = inprocess_state(config, pre, rows)

@@ -519,7 +519,7 @@ def train_inprocess(
     """
     import torch
 
-    from app.tasks.classify import validate_classifier
+    from app.tasks.classify.train import classification_loss, validate_classifier
     from app.train.loop import train_epoch
     from app.train.preprocessing import fit_preprocessor
     from bench.torch_data import TorchShard
@@ -539,7 +539,9 @@ def train_inprocess(
     epochs = []
     for epoch in range(1, t.epochs + 1):
         start = time.perf_counter()
-        stats = train_epoch(state, train_shard.batches(t.batch_size, seed=epoch), device)
+        stats = train_epoch(
+            state, train_shard.batches(t.batch_size, seed=epoch), device, 0, classification_loss
+        )
         val = validate_classifier(
             state.model, val_shard.batches(t.batch_size * 4), device, t.precision
         )

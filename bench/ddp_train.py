@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
 
     from app.config import validate
     from app.data import kinds
-    from app.tasks.registry import task_for_dataset
+    from app.registry import task_for_dataset
     from app.train.loop import epoch_batches, order_seed, train_epoch
     from app.train.parts import LOSS, VALIDATE
     from bench.common import inprocess_state
@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
     for epoch in range(1, t.epochs + 1):
         seed = order_seed(t.seed, epoch, rank)  # as app.train.worker.train_loop
         batches = epoch_batches(train, t.batch_size, seed, config, state.step)
-        stats = train_epoch(state, batches, device, loss_fn=task.part(LOSS))
+        stats = train_epoch(state, batches, device, 0, task.part(LOSS))
         stats.update(validate_task(state.model, val.batches(t.batch_size * 4), device, "fp32"))
         state.end_epoch(epoch)
         epochs.append(stats)
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
 
 
 def reference_metrics(config, manifest, pre) -> dict[str, float]:
-    from app.tasks.registry import task_for_dataset
+    from app.registry import task_for_dataset
     from app.train.parts import REFERENCE
 
     task = task_for_dataset(pre.kind)

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from app.compose import classify
-from app.tasks.classify import split_batch, validate_classifier
-from app.tasks.registry import Task
-from app.tasks.steps import all_reduce
+from app.registry import Task
+from app.tasks.classify import task as classify
+from app.tasks.classify.train import split_batch, validate_classifier
 from app.train.parts import HEADLINE, LOSS, VALIDATE
+from app.train.steps import all_reduce
 
 
 def smoothed_loss(model, batch, device) -> tuple[torch.Tensor, int]:

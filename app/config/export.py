@@ -36,11 +36,11 @@ class ExportConfig(Section):
     # and edge devices; a retrieval model's per encoder, image.pt2, text.pte, ...).
     # A program that cannot be built or fails the gate is left out and the report says why.
     formats: list[Literal["onnx", "aoti", "executorch"]] = ["onnx"]  # pydantic copies defaults
-    # Language models (task lm, app/export/lm.py): int8 perplexity may exceed fp32's by this
+    # Language models (task lm, app/tasks/lm/export.py): int8 perplexity may exceed fp32's by this
     # fraction on `perplexity_rows` val sequences, and along fp32's greedy continuation of
     # `greedy_prompts` val prompts (`greedy_prompt_tokens` each, `greedy_tokens` tokens) int8
     # must pick fp32's token at this share of positions at least (teacher-forced: each position
-    # is one decision, app/export/lm.py:greedy_agreement).
+    # is one decision, app/tasks/lm/export.py:greedy_agreement).
     max_perplexity_increase: float = Field(0.02, ge=0)
     perplexity_rows: int = Field(64, ge=1)
     min_greedy_agreement: float = Field(0.9, ge=0, le=1)

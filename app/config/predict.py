@@ -10,7 +10,7 @@ from app.config.section import Section
 
 
 class PredictGenerationConfig(Section):
-    """`predict.generation`: completions of a language model's rows (app/predict/generate.py)."""
+    """`predict.generation`: completions of a language model's rows (app/tasks/lm/predict.py)."""
 
     # The column of each row's prompt, or of its chat messages (a list of {role, content},
     # rendered with the model's chat template, as /v1/chat/completions does).

@@ -23,7 +23,7 @@ class PipelineSection(Section):
 
 
 class TrainConfig(Section):
-    # What the run learns: a registered task (app/tasks/registry.py) or "pkg.module:TASK";
+    # What the run learns: a registered task (app/registry.py) or "pkg.module:TASK";
     # by default the one the dataset's kind calls for (classify labelled rows, lm token rows).
     task: str | None = None
     # Default "<workload>-<timestamp>-<6 hex>"; an existing one resumes. A folder name, never a path.

@@ -29,9 +29,9 @@ from app.export.measure import accuracy_drop_allowed, latency_ms, rows_per_s
 from app.export.programs import Positional, build_programs, open_program
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
+from app.registry import Part, run_task
 from app.runtime import artifact as art
 from app.runtime import programs as prg
-from app.tasks.registry import Part, run_task
 from app.train.checkpoint import LoadedCheckpoint, load_checkpoint
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from app.config import Config
 from app.data.checks import MISSING, values_of
 from app.data.preprocess import Column
 from app.predict.rows import CheckedBatch, InputSpec, check_batch, json_line_columns
+from app.registry import Part
 from app.runtime.artifact import open_artifact, run_logits
 from app.runtime.rows import softmax
-from app.tasks.registry import Part
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from app.predict.write import (
     commit,
     written_records,
 )
+from app.registry import task_of_schema
 from app.runtime.artifact import open_artifact
-from app.tasks.registry import task_of_schema
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The language model's step on a KV cache: an exported graph (app/export/lm.py) run by ONNX
+"""The language model's step on a KV cache: an exported graph (app/tasks/lm/export.py) run by ONNX
 Runtime, alone or for streams of different lengths together.
 
 The graph takes `input_ids` [batch, tokens] after a KV cache (`past_key_<i>` / `past_value_<i>`

@@ -21,7 +21,7 @@ from app.data.preprocess import Preprocessor
 from app.errors import ConfigError, UserError
 from app.ray_private import lean_torch_trainer
 from app.ray_runtime import connect_ray
-from app.tasks.registry import Task, check_metric, run_task
+from app.registry import Task, check_metric, run_task
 from app.train import checkpoint, elastic, finetune, pipelining, tracking
 from app.train.loop import best_index, short_budget, steady_median
 from app.train.parts import PIPELINE_BATCH, PIPELINE_LOSS, REFERENCE

@@ -22,10 +22,9 @@ from torch import nn
 
 from app.config import Config
 from app.errors import CheckpointError
-from app.tasks.classify import classification_loss
-from app.tasks.steps import LossFn, all_reduce, autocast
 from app.train import checkpoint, parallel
 from app.train.pipelining import PipelinedModel
+from app.train.steps import LossFn, all_reduce, autocast
 
 log = logging.getLogger(__name__)
 # (model, batch, device) -> (mean loss, rows in the batch)
@@ -243,13 +242,13 @@ def train_epoch(
     state: TrainState,
     batches: Iterable[dict[str, torch.Tensor]],
     device: torch.device,
-    log_every: int = 0,
-    loss_fn: LossFn = classification_loss,
+    log_every: int,
+    loss_fn: LossFn,
 ) -> dict[str, float]:
     """One pass over `batches`, timing the loop alone (first batch request to last step).
 
     `log_every` > 0 logs progress every that many batches (long streamed epochs). `loss_fn` is
-    the task's (app/tasks/registry.py): (model, batch, device) -> (mean loss, rows).
+    the task's (app/registry.py): (model, batch, device) -> (mean loss, rows).
     """
     t = state.config.train
     model = state.model

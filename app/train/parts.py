@@ -1,7 +1,7 @@
-"""The parts of a task that training calls (app/tasks/registry.py), each typed by its Protocol:
+"""The parts of a task that training calls (app/registry.py), each typed by its Protocol:
 the loss of a batch, the validation of a model, the epoch's log line, metrics the driver
 computes once for the run, and the batch split and loss a pipeline's stages need. A task's functions are checked against these where it is composed
-(app/compose/)."""
+(app/tasks/<task>/task.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from app.tasks.registry import Part
+from app.registry import Part
 
 if TYPE_CHECKING:
     from app.config import Config

@@ -8,7 +8,7 @@ from app.config import Config
 from app.data.ingest import fit_on_train_split
 from app.data.prepare import DatasetManifest, read_manifest
 from app.data.preprocess import Preprocessor
-from app.tasks.registry import task_for_dataset
+from app.registry import task_for_dataset
 from app.train.parts import DATASET_PREPROCESSOR
 
 

@@ -135,7 +135,7 @@ class RunProbes:
 
     def after_epoch(self) -> dict[str, Any]:
         """Collective (every rank calls it after each epoch): the fields for `meta.json`."""
-        from app.tasks.steps import all_reduce
+        from app.train.steps import all_reduce
 
         self.epochs += 1
         self.timer.stop()

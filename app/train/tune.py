@@ -21,7 +21,7 @@ from typing import Any
 from app.config import Config, SearchDimension, TuneSection, dump, validate
 from app.data.prepare import read_manifest
 from app.errors import ConfigError, UserError
-from app.tasks.registry import check_metric, run_task
+from app.registry import check_metric, run_task
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "checkpoint_path"  # where ray.tune.integration.ray_train puts it

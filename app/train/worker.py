@@ -30,7 +30,7 @@ from app.data.preprocess import Preprocessor
 from app.models import has_pretrained
 from app.models.init import tied_names
 from app.ray_private import quiet_train_logs
-from app.tasks.registry import Task
+from app.registry import Task
 from app.train import checkpoint, consolidate, elastic, finetune, materialise, parallel, tracking
 from app.train.loop import (
     TrainState,

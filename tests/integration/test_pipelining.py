@@ -21,7 +21,7 @@ from app.models.bert import BertClassifier
 from app.models.gpt import GPT
 from app.models.transformer import TransformerClassifier
 from app.models.vit import ViTClassifier
-from app.tasks.lm import token_loss
+from app.tasks.lm.train import token_loss
 from app.train.consolidate import write_consolidated
 from app.train.pipelining import SCHEDULES, Mesh, Pipeline, PipelinedModel
 from tests.gloo_ranks import leave_together

@@ -85,8 +85,8 @@ def test_export_publishes_two_encoders_that_agree_with_torch(run):
 def embedded(run, workspace):
     """The val pictures as a corpus (one row each), embedded by jobs.predict once for the
     module: (the corpus table, the embeddings folder, predict's summary)."""
-    from app.corpus import val_pictures
     from app.predict.driver import predict
+    from app.tasks.retrieval.corpus import val_pictures
 
     corpus = val_pictures(run["config"], str(workspace / "retrieval-corpus"))
     out = str(workspace / "retrieval-embeddings")
@@ -95,8 +95,8 @@ def embedded(run, workspace):
 
 
 def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, embedded):
-    from app.index import build_index
     from app.serve.replicas.search_server import SearchServer
+    from app.tasks.index.build import build_index
 
     config = run["config"]
     table, out, summary = embedded
@@ -124,7 +124,7 @@ def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, emb
 
 def test_an_approximate_index_reports_its_recall_against_exact(run, embedded):
     from app.config import Config
-    from app.index import build_index
+    from app.tasks.index.build import build_index
 
     _, embeddings, _ = embedded
     config: Config = run["config"].model_copy(

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from app.tasks.retrieval import pair_loss
+from app.tasks.retrieval.train import pair_loss
 from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ from app.models.gpt import GPT, from_gpt2
 from app.models.init import initialise, tied_names
 from app.models.vit import ViTClassifier
 from app.pretrained import open_pretrained
-from app.tasks.lm import token_loss
+from app.tasks.lm.train import token_loss
 from app.train import parallel
 from app.train.consolidate import write_consolidated
 from app.train.materialise import held_bytes, load_parts

@@ -10,8 +10,8 @@ import requests
 
 from app.evaluate import evaluate
 from app.export.exporter import export
-from app.pipeline import sample_body
 from app.runtime import artifact as art
+from app.tasks.classify.smoke import sample_body
 from app.train.driver import train
 from tests.integration.conftest import workload_config
 from tests.s3_server import free_port

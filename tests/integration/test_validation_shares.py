@@ -18,8 +18,8 @@ from torch import nn
 
 from app.data.feed import MemoryFeed, padded
 from app.data.ingest import padding_batches, rank_range
-from app.tasks.classify import validate_classifier
-from app.tasks.retrieval import validate_retrieval
+from app.tasks.classify.train import validate_classifier
+from app.tasks.retrieval.train import validate_retrieval
 from tests.gloo_ranks import leave_together
 
 pytestmark = pytest.mark.integration

@@ -25,8 +25,8 @@ from app.data.pieces import InProcess
 from app.data.prepare import read_dataset_file, read_manifest, split_files
 from app.errors import ConfigError, UserError
 from app.pipeline import prepare
-from app.tasks.lm import target_counts, token_rows, unigram_perplexity
-from app.tasks.registry import check_metric, task_for_dataset
+from app.registry import check_metric, task_for_dataset
+from app.tasks.lm.train import target_counts, token_rows, unigram_perplexity
 from app.train.preprocessing import fit_preprocessor
 from tests.unit.unit_helpers import REPO
 

@@ -15,7 +15,7 @@ from app.data.feed import MemoryFeed
 from app.data.ingest import plan_data_path
 from app.data.preprocess import Preprocessor
 from app.models.mlp import MLP
-from app.tasks.classify import validate_classifier
+from app.tasks.classify.train import classification_loss, validate_classifier
 from app.train.loop import TrainState, steady_median, train_epoch
 from tests.unit.unit_helpers import manifest_with_rows
 
@@ -126,8 +126,11 @@ def test_the_ray_free_epoch_learns_and_reports_its_wait(config_factory):
     model = MLP(4, 2, hidden=[16], dropout=0.0)
     state = TrainState.create(model, config, len(feed), world=1)
     device = torch.device("cpu")
-    losses = [train_epoch(state, feed.batches(32, seed=e), device)["train_loss"] for e in range(10)]
-    stats = train_epoch(state, feed.batches(32, seed=10), device)
+    losses = [
+        train_epoch(state, feed.batches(32, seed=e), device, 0, classification_loss)["train_loss"]
+        for e in range(10)
+    ]
+    stats = train_epoch(state, feed.batches(32, seed=10), device, 0, classification_loss)
     assert losses[-1] < 0.5 * losses[0]
     assert 0 <= stats["data_wait_fraction"] < 1 and stats["epoch_seconds"] > 0
     assert validate_classifier(model, feed.batches(128), device, "fp32")["val_accuracy"] > 0.9
@@ -161,7 +164,7 @@ def test_an_epoch_that_ends_an_accumulation_early_still_synchronises_its_last_st
         {"x": np.ones((96, 4), np.float32), "label": np.zeros(96, np.int64)}
     )
     state = TrainState.create(SyncRecorder(), config, len(feed), world=1)
-    train_epoch(state, feed.batches(32, seed=0), torch.device("cpu"))
+    train_epoch(state, feed.batches(32, seed=0), torch.device("cpu"), 0, classification_loss)
     # Three batches, two steps: the second step is the last batch alone, and its gradients are
     # all-reduced like any step's (a rank stepping on its own gradients would drift apart).
     assert state.model.synced == [False, True, True]

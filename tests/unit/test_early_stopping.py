@@ -61,7 +61,7 @@ def test_best_index_first_of_equals_and_nan_never_best():
 
 def test_unknown_metric_or_bad_patience_is_a_config_error(config_factory):
     from app.errors import ConfigError
-    from app.tasks.registry import check_metric, task_named
+    from app.registry import check_metric, task_named
 
     # Any metric the task reports: checked against the run's task before any worker starts.
     config = config_factory("train.early_stopping_metric=val_f1", "train.early_stopping_patience=2")

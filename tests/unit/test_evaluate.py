@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.evaluate import classification_metrics
+from app.tasks.classify.evaluate import classification_metrics
 
 pytestmark = pytest.mark.unit
 

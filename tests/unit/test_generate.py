@@ -1,6 +1,6 @@
 """app/runtime: sampling, incremental text, stop strings, limits (a stream's `Decoding`), the
 decode loop (streams stepped together, leaving, failing); and the exported KV-cache graph
-(app/export/lm.py) of a tiny random GPT against torch."""
+(app/tasks/lm/export.py) of a tiny random GPT against torch."""
 
 from __future__ import annotations
 
@@ -16,12 +16,6 @@ import torch
 
 from app import hooks
 from app.data.corpus import train_tokenizer
-from app.export.lm import (
-    decode_parity,
-    export_kv_onnx,
-    greedy_agreement,
-    perplexity,
-)
 from app.export.quantize import quantize_weight_only
 from app.models.gpt import GPT
 from app.runtime import artifact as art
@@ -37,6 +31,12 @@ from app.runtime.decoding import (
     top_tokens,
 )
 from app.runtime.kv import KVDecoder, greedy, prefill
+from app.tasks.lm.export import (
+    decode_parity,
+    export_kv_onnx,
+    greedy_agreement,
+    perplexity,
+)
 
 pytestmark = pytest.mark.unit
 

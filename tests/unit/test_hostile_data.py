@@ -130,7 +130,7 @@ def test_a_raw_query_of_any_scale_is_a_direction(vector, expected):
 
 
 def test_a_collapsed_encoder_scores_chance_and_a_nan_one_is_refused():
-    from app.tasks.retrieval import NonFiniteEmbeddings, recall
+    from app.tasks.retrieval.train import NonFiniteEmbeddings, recall
 
     pictures, captions = 40, 2
     groups = np.repeat(np.arange(pictures), captions)
@@ -153,7 +153,7 @@ def test_a_collapsed_encoder_scores_chance_and_a_nan_one_is_refused():
 
 
 def test_a_nan_cosine_fails_the_export_gate():
-    from app.export.retrieval import gate, min_cosine
+    from app.tasks.retrieval.export import gate, min_cosine
 
     torch_side = np.ones((4, 3), np.float32)
     onnx_side = torch_side.copy()
@@ -217,7 +217,7 @@ def index_config(tmp_path, *overrides: str):
 
 
 def test_a_passthrough_column_named_id_is_refused_at_index_time(tmp_path):
-    from app.index import build_index
+    from app.tasks.index.build import build_index
 
     uri = predictions(tmp_path / "p", embedded(3, id=["a", "b", "c"]))
     with pytest.raises(UserError, match=r"metadata column 'id': the name of each item's id"):
@@ -225,7 +225,7 @@ def test_a_passthrough_column_named_id_is_refused_at_index_time(tmp_path):
 
 
 def test_a_classifiers_predictions_are_refused_in_one_line(tmp_path):
-    from app.index import build_index
+    from app.tasks.index.build import build_index
 
     table = pa.table({"key": ["a"], "label": ["cat"], "probabilities": [[0.9, 0.1]]})
     uri = predictions(tmp_path / "p", table)
@@ -234,8 +234,8 @@ def test_a_classifiers_predictions_are_refused_in_one_line(tmp_path):
 
 
 def test_binary_metadata_is_stored_base64_and_the_encoder_uri_absolute(tmp_path, monkeypatch):
-    from app.index import build_index
     from app.runtime.index import open_index
+    from app.tasks.index.build import build_index
 
     monkeypatch.chdir(tmp_path)
     uri = predictions(tmp_path / "p", embedded(3, thumb=[b"\x89PNG\x00", b"", None]))
@@ -246,7 +246,7 @@ def test_binary_metadata_is_stored_base64_and_the_encoder_uri_absolute(tmp_path,
 
 
 def test_an_items_metadata_over_its_bound_is_refused_naming_the_row(tmp_path):
-    from app.index import build_index
+    from app.tasks.index.build import build_index
 
     uri = predictions(tmp_path / "p", embedded(3, note=["short", "x" * 5000, "short"]))
     with pytest.raises(UserError, match=r"item 'k1' \(row 1\): 5010 bytes of metadata, more than"):
@@ -365,7 +365,7 @@ def test_a_chat_template_with_a_syntax_error_fails_prepare_with_exit_2(tmp_path)
 
 
 def test_whole_floats_in_integer_sampling_columns_are_read_as_integers():
-    from app.predict.generate import Settings, sampling_params
+    from app.tasks.lm.predict import Settings, sampling_params
 
     settings = Settings.of(load_config(None, ["data.source=synthetic_text"]))
     params = sampling_params({"max_tokens": 8.0, "seed": float("nan")}, settings, ServeConfig())
@@ -375,8 +375,8 @@ def test_whole_floats_in_integer_sampling_columns_are_read_as_integers():
 
 
 def test_a_json_line_with_an_unknown_sampling_field_is_refused():
-    from app.predict.generate import CompletionPredictor
     from app.predict.rows import json_line_columns
+    from app.tasks.lm.predict import CompletionPredictor
 
     config = load_config(None, ["data.source=synthetic_text"])
     spec = CompletionPredictor.input_spec({"kind": "tokens"}, "id", "jsonl", [], config, "in")
@@ -425,8 +425,8 @@ def test_a_message_over_the_transports_limit_is_a_413_not_a_retryable_503():
 
 
 def test_thumbnails_are_stored_apart_from_the_metadata_in_index_order(tmp_path):
-    from app.index import build_index
     from app.runtime.index import open_index
+    from app.tasks.index.build import build_index
 
     jpegs = [b"\xff\xd8one", None, b"\xff\xd8three"]
     uri = predictions(tmp_path / "p", embedded(3, caption=["a", "b", "c"], thumbnail=jpegs))
@@ -444,7 +444,7 @@ def test_a_thumbnail_is_a_small_jpeg_or_none_over_its_cap():
 
     from PIL import Image
 
-    from app.predict.embed import Thumbnails
+    from app.tasks.retrieval.predict import Thumbnails
 
     picture = np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8)
     data = Thumbnails(px=128, max_bytes=16384).of(picture)

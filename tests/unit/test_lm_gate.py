@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.export.lm import greedy_agreement
+from app.tasks.lm.export import greedy_agreement
 
 pytestmark = pytest.mark.unit
 VOCAB = 10

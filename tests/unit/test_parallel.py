@@ -319,7 +319,7 @@ def test_pipeline_stages_count_as_one_data_rank():
 
 def test_the_driver_refuses_a_task_or_model_a_pipeline_cannot_split():
     from app.models.gpt import GPT
-    from app.tasks.registry import task_named
+    from app.registry import task_named
     from app.train.driver import check_pipeline
 
     config = train_config("train.strategy=pipeline")

@@ -7,8 +7,8 @@ import pytest
 
 from app.config import ServeConfig, load_config
 from app.errors import UserError
-from app.predict.generate import CompletionPredictor, Settings, sampling_params
 from app.runtime.types import RequestError
+from app.tasks.lm.predict import CompletionPredictor, Settings, sampling_params
 
 pytestmark = pytest.mark.unit
 SCHEMA = {"kind": "tokens", "task": "lm"}

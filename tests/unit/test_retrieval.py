@@ -18,7 +18,7 @@ from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits
 from app.data.pictures import COLOURS, POSITIONS, SHAPES, SIZES, synthetic
 from app.data.preprocess import FitOptions
 from app.errors import UserError
-from app.tasks.retrieval import recall
+from app.tasks.retrieval.train import recall
 from tests.unit.unit_helpers import prepared_rows
 
 pytestmark = pytest.mark.unit
@@ -285,7 +285,7 @@ def test_the_int8_recall_gate_refuses_a_loss_beyond_the_bound_that_is_more_than_
     30 queries is refused, and a loss within export.max_recall_drop never is."""
     from app.config import validate
     from app.errors import GateError
-    from app.export.retrieval import gate
+    from app.tasks.retrieval.export import gate
 
     config = validate({"export": {"max_recall_drop": 2.0}})
 
@@ -309,7 +309,7 @@ def test_the_int8_recall_gate_refuses_a_loss_beyond_the_bound_that_is_more_than_
 
 
 def test_per_query_hit_chances_give_the_recall():
-    from app.tasks.retrieval import certain_hits, hit_chances, recall
+    from app.tasks.retrieval.train import certain_hits, hit_chances, recall
 
     rng = np.random.default_rng(0)
     images, texts = rng.normal(size=(12, 8)), rng.normal(size=(12, 8))

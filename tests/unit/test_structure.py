@@ -14,16 +14,13 @@ APP = Path(__file__).resolve().parents[2] / "app"
 # Layers, lowest first; a module may import its own layer or a lower one, never a higher one.
 # Each prefix is a whole package: no module is placed apart from its package's layer.
 LAYERS = [
-    ("app.compose", 10),  # the composition root: the built-in tasks from every stage's parts
+    ("app.tasks", 10),  # a folder per task: what it adds at every stage, over the machinery
     ("app.pipeline", 9),  # the stages composed (jobs.prepare, jobs.pipeline)
-    ("app.index", 8),  # a vector index from jobs.predict's embeddings
-    ("app.corpus", 8),
     ("app.predict", 7),
     ("app.serve", 6),
     ("app.export", 6),
     ("app.evaluate", 5),
     ("app.train", 4),
-    ("app.tasks", 3),  # the registry and the tasks' training parts
     ("app.runtime", 2),  # what runs an artifact: export verifies with it, serve and predict run it
     ("app.models", 2),  # plain torch.nn families; they take data of a kind
     ("app.data", 1),  # what a pretrained folder or a task gives it is handed down to it
@@ -32,7 +29,7 @@ LAYERS = [
 # The names of the task axis: tasks and the dataset / source kinds only one task trains on.
 TASK_NAMES = {"classify", "lm", "tokens"}
 # The two tables: tasks by name, kinds of data by kind. Nothing else looks either up.
-TABLES = {"tasks/registry.py", "data/kinds/__init__.py"}
+TABLES = {"registry.py", "data/kinds/__init__.py"}
 
 
 def modules() -> dict[str, Path]:
@@ -135,7 +132,7 @@ def test_serving_and_batch_inference_run_the_runtime_and_import_nothing_from_exp
 
 
 def test_the_task_registry_imports_only_config_and_errors():
-    assert import_graph()["app.tasks.registry"] <= {"app.config", "app.errors"}
+    assert import_graph()["app.registry"] <= {"app.config", "app.errors"}
 
 
 def dispatches_on_task_names(source: str) -> list[int]:

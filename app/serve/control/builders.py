@@ -29,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
 from app.config import NAME_PATTERN, ServeConfig, resolve_uri
+from app.registry import Part, Task, task_of_schema
 from app.runtime.artifact import resolve
 from app.serve.replicas.apps import Index, model_app_name
-from app.tasks.registry import Part, Task, task_of_schema
 
 MODEL_IMPORT_PATH = "app.serve.control.builders:build_model_app"
 INDEX_IMPORT_PATH = "app.serve.control.builders:build_index_app"

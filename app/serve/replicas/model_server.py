@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from app.config import ServeConfig
+from app.registry import DEFAULT as DEFAULT_TASK
 from app.runtime.artifact import LOGITS, Artifact, open_artifact, run_logits
 from app.runtime.rows import request_rows, softmax
 from app.runtime.types import InferRequest, InferResult, ModelInfo, RequestError
@@ -34,7 +35,6 @@ from app.serve.replicas.batching import (
     spread,
     takes_any_length,
 )
-from app.tasks.registry import DEFAULT as DEFAULT_TASK
 
 log = logging.getLogger("ray.serve")
 Answer = tuple[list[str], np.ndarray]  # one request's labels and probabilities

@@ -3,15 +3,18 @@ generates text."""
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE, evaluate_language_model
+from app.evaluate import EVALUATE
 from app.export.exporter import EXPORT
-from app.export.lm import export_lm
-from app.pipeline import SMOKE, sample_completion
+from app.pipeline import SMOKE
 from app.predict.actor import PREDICTOR
-from app.predict.generate import CompletionPredictor
+from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import LMApp
-from app.tasks.lm import (
+from app.tasks.lm.evaluate import evaluate_language_model
+from app.tasks.lm.export import export_lm
+from app.tasks.lm.predict import CompletionPredictor
+from app.tasks.lm.smoke import sample_completion
+from app.tasks.lm.train import (
     dataset_preprocessor,
     headline,
     next_token_loss,
@@ -20,7 +23,6 @@ from app.tasks.lm import (
     token_loss,
     validate_lm,
 )
-from app.tasks.registry import Task
 from app.train.parts import (
     DATASET_PREPROCESSOR,
     HEADLINE,

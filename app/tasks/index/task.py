@@ -1,12 +1,12 @@
-"""A vector index (app/index.py) as the registry sees it: not trained, only served: its
+"""A vector index (app/tasks/index/build.py) as the registry sees it: not trained, only served: its
 schema's task names this entry, whose replica class searches it."""
 
 from __future__ import annotations
 
+from app.registry import Task
 from app.runtime.index import INDEX_TASK
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import SearchApp
-from app.tasks.registry import Task
 
 
 def spec() -> Task:

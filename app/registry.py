@@ -3,7 +3,7 @@
 Each stage declares the part it calls as a typed `Part`, beside the Protocol the part follows
 (`LOSS = Part[Loss]("loss")` in app/train/parts.py, `EXPORT` in app/export/exporter.py, ...),
 and asks a task for it: `task.part(EXPORT)(config, loaded, uri)`. A task is a `Task` holding
-its parts; the built-in ones are composed in app/compose/ (the top layer, which imports every
+its parts; the built-in ones are composed in app/tasks/<task>/task.py (the top layer, which imports every
 stage), where mypy checks each function against its part's Protocol (`EXPORT.of(fn)`).
 
 A prepared dataset's kind picks the task (`task_for_dataset`), an artifact's schema names it
@@ -25,7 +25,7 @@ from app.errors import ConfigError
 
 # Reported by every task's training epoch (app/train/loop.py train_epoch) besides its own metrics.
 TRAIN_METRICS = ("train_loss", "samples_per_second", "epoch_seconds", "learning_rate")
-COMPOSITION_ROOT = "app.compose"  # registers the built-in tasks (its `register`)
+COMPOSITION_ROOT = "app.tasks.builtin"  # registers the built-in tasks (its `register`)
 DEFAULT = "classify"  # artifacts whose schema names no task are classifiers
 
 P = TypeVar("P")

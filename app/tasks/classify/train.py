@@ -15,7 +15,7 @@ from torch import nn
 
 from app.data.feed import unpadded
 from app.data.preprocess import LABEL_KEY
-from app.tasks.steps import all_reduce, autocast
+from app.train.steps import all_reduce, autocast
 
 
 def split_batch(

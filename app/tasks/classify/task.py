@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE, evaluate_classifier
+from app.evaluate import EVALUATE
 from app.export.exporter import EXPORT, export_classifier
-from app.pipeline import SMOKE, sample_infer
+from app.pipeline import SMOKE
 from app.predict.actor import PREDICTOR, Predictor
+from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import ModelApp
-from app.tasks.classify import (
+from app.tasks.classify.evaluate import evaluate_classifier
+from app.tasks.classify.smoke import sample_infer
+from app.tasks.classify.train import (
     classification_loss,
     cross_entropy,
     headline,
     labelled,
     validate_classifier,
 )
-from app.tasks.registry import Task
 from app.train.parts import HEADLINE, LOSS, PIPELINE_BATCH, PIPELINE_LOSS, VALIDATE
 
 

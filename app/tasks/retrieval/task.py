@@ -3,16 +3,18 @@ embeddings share one space, served as OpenAI embeddings and searched through a v
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE, evaluate_retrieval
+from app.evaluate import EVALUATE
 from app.export.exporter import EXPORT
-from app.export.retrieval import export_retrieval
-from app.pipeline import FOLLOW_UP, SMOKE, index_val_pictures, sample_embedding
+from app.pipeline import FOLLOW_UP, SMOKE
 from app.predict.actor import PREDICTOR
-from app.predict.embed import EmbeddingPredictor
+from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import EmbeddingApp
-from app.tasks.registry import Task
-from app.tasks.retrieval import KS, contrastive_loss, headline, validate_retrieval
+from app.tasks.retrieval.evaluate import evaluate_retrieval
+from app.tasks.retrieval.export import export_retrieval
+from app.tasks.retrieval.predict import EmbeddingPredictor
+from app.tasks.retrieval.smoke import index_val_pictures, sample_embedding
+from app.tasks.retrieval.train import KS, contrastive_loss, headline, validate_retrieval
 from app.train.parts import HEADLINE, LOSS, VALIDATE
 
 METRICS = tuple(f"val_{d}_r{k}" for d in ("i2t", "t2i") for k in KS)

@@ -23,7 +23,7 @@ from torch import nn
 
 from app.data.feed import unpadded
 from app.data.kinds.tokens import tokens_of
-from app.tasks.steps import all_reduce, autocast
+from app.train.steps import all_reduce, autocast
 
 if TYPE_CHECKING:  # driver-side types; workers import this module too
     from app.config import Config

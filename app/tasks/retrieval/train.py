@@ -29,7 +29,7 @@ from torch import nn
 from app.data.feed import unpadded
 from app.data.kinds.image_text import GROUP_KEY
 from app.errors import UserError
-from app.tasks.steps import autocast
+from app.train.steps import autocast
 
 KS = (1, 5, 10)
 INPUTS = ("pixels", "input_ids", "attention_mask")

@@ -134,7 +134,7 @@ def verified(
     config: Config, model: Any, pre: ImageText, work: str, sample: dict[str, np.ndarray]
 ) -> dict[str, Any]:
     """`verify`'s report; embeddings that are not finite refuse the export (exit 3)."""
-    from app.tasks.retrieval import NonFiniteEmbeddings
+    from app.tasks.retrieval.train import NonFiniteEmbeddings
 
     try:
         return verify(config, model, pre, work, sample)
@@ -147,8 +147,8 @@ def verify(
 ) -> dict[str, Any]:
     """Parity of fp32 ONNX with torch (cosine per row), val recall of both variants, sizes and
     latency per graph."""
-    from app.evaluate import embed_split, torch_encoders
-    from app.tasks.retrieval import certain_hits, recall
+    from app.tasks.retrieval.evaluate import embed_split, torch_encoders
+    from app.tasks.retrieval.train import certain_hits, recall
 
     sessions = {
         variant: {
@@ -239,7 +239,7 @@ class EncoderCheck:
     """A variant's two encoder programs by the retrieval gate's rules."""
 
     def __init__(self, config: Config, model: Any, pre: ImageText, sample, work: str):
-        from app.evaluate import torch_encoders
+        from app.tasks.retrieval.evaluate import torch_encoders
 
         self.config, self.pre, self.sample = config, pre, sample
         encode = dict(zip(GRAPHS, torch_encoders(model), strict=True))
@@ -251,8 +251,8 @@ class EncoderCheck:
         self.fp32_recall, self.fp32_hits = self.recall(onnx)
 
     def recall(self, sessions: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        from app.evaluate import embed_split
-        from app.tasks.retrieval import certain_hits, recall
+        from app.tasks.retrieval.evaluate import embed_split
+        from app.tasks.retrieval.train import certain_hits, recall
 
         encoders = (
             lambda x: run(sessions["image"], x),
@@ -359,7 +359,7 @@ def significant(lost: int, gained: int, z: float = 1.96) -> bool:
 
 
 def schema_for(pre: ImageText, loaded: LoadedCheckpoint) -> dict[str, Any]:
-    from app.tasks.registry import run_task
+    from app.registry import run_task
 
     task = run_task(loaded.config.train.task, pre.kind).name
     model: Any = loaded.model

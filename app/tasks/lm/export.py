@@ -52,7 +52,7 @@ LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexi
 def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
     """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
     from app.evaluate import verify_dataset
-    from app.tasks.registry import run_task
+    from app.registry import run_task
 
     model = loaded.model
     if not isinstance(model, GPT):
@@ -197,7 +197,7 @@ def export_kv_onnx(model: GPT, path: str, opset: int) -> None:
 def validation_rows(config: Config, loaded: LoadedCheckpoint, limit: int) -> np.ndarray:
     """Up to `limit` packed validation rows [n, block + 1], spread evenly over the split."""
     from app.data.prepare import read_manifest, split_files
-    from app.tasks.lm import token_rows
+    from app.tasks.lm.train import token_rows
 
     manifest = read_manifest(config.data_output)
     rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))

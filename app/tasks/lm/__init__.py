@@ -1,0 +1,1 @@
+"""The `lm` task: what it adds at every stage (task.py composes it)."""
