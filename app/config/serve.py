@@ -44,7 +44,7 @@ class BatchingConfig(Section):
 
 
 class GenerationConfig(Section):
-    """`serve.generation`: a language model's replica (app/serve/replicas/lm_server.py)."""
+    """`serve.generation`: a language model's replica (app/tasks/lm/replica.py)."""
 
     # Prompt tokens at most (and never beyond the model's window), `max_tokens` a request may
     # ask for and its default, and generations a replica runs at once (one more is a 503; the

@@ -596,7 +596,7 @@ def test_a_stream_beyond_the_kv_cache_budget_is_a_503_until_room_is_freed(lm_art
     import asyncio
 
     from app.runtime.types import GenerationRequest, RequestError, Started
-    from app.serve.replicas.lm_server import LMServer
+    from app.tasks.lm.replica import LMServer
 
     config, summary = lm_artifact
     cfg = config.serve.model_copy(deep=True)
@@ -640,7 +640,7 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
     from app.serve.http.gate import IngressMetrics
-    from app.serve.replicas.lm_server import LMServer
+    from app.tasks.lm.replica import LMServer
     from tests.integration.test_request_depth import tracing
 
     config, summary = lm_artifact

@@ -95,8 +95,8 @@ def embedded(run, workspace):
 
 
 def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, embedded):
-    from app.serve.replicas.search_server import SearchServer
     from app.tasks.index.build import build_index
+    from app.tasks.index.replica import SearchServer
 
     config = run["config"]
     table, out, summary = embedded
@@ -167,7 +167,7 @@ def test_both_encoders_export_every_program_and_a_replica_serves_the_pt2(run):
     from app.data.kinds.image_text import PictureLimits
     from app.export.exporter import export
     from app.runtime.artifact import open_artifact
-    from app.serve.replicas.embedding_server import Encoders
+    from app.tasks.retrieval.replica import Encoders
     from tests.integration.test_programs import with_every_format
 
     config = with_every_format(run["config"], "retrieval-programs")

@@ -1,11 +1,11 @@
-"""app/serve/replicas/chat.py: chat messages rendered as transformers renders them, in a sandbox."""
+"""app/tasks/lm/chat.py: chat messages rendered as transformers renders them, in a sandbox."""
 
 from __future__ import annotations
 
 import pytest
 
 from app.runtime.types import RequestError
-from app.serve.replicas.chat import ChatTemplate, plain_template
+from app.tasks.lm.chat import ChatTemplate, plain_template
 
 pytestmark = pytest.mark.unit
 

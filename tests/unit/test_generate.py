@@ -658,7 +658,7 @@ def test_the_kv_budget_counts_the_padded_batch_and_a_steps_outputs(exported, tok
     arrays measured in every call while the admitted streams run stay within the budget."""
     from app.runtime.decode_loop import DecodeLoop
     from app.runtime.types import RequestError
-    from app.serve.replicas.lm_server import KVBudget
+    from app.tasks.lm.replica import KVBudget
 
     _, sessions = exported
     measuring = MeasuringSession(sessions["fp32"])
@@ -697,7 +697,7 @@ def test_a_stream_waits_for_kv_room_and_one_that_never_fits_is_a_400():
     from types import SimpleNamespace
 
     from app.runtime.types import RequestError
-    from app.serve.replicas.lm_server import KVBudget
+    from app.tasks.lm.replica import KVBudget
 
     decoder = SimpleNamespace(layers=2, heads=4, head_dim=8)  # 512 bytes a token
     budget = KVBudget(1.0, decoder, wait_s=5.0)  # 1 MiB: 1024 padded tokens with a step's outputs
@@ -845,7 +845,7 @@ def test_a_prompt_whose_fill_fails_ends_alone_and_a_join_without_memory_is_a_503
 
 def test_ended_generations_are_counted_by_reason():
     from app.serve.metrics import MetricBuffer
-    from app.serve.replicas.lm_server import _GenerationMetrics, _Timing
+    from app.tasks.lm.replica import _GenerationMetrics, _Timing
 
     buffer = MetricBuffer(interval_s=3600)  # no flush during the test
     metrics = _GenerationMetrics("counted-lm", buffer)

@@ -109,7 +109,7 @@ def test_more_embedding_inputs_than_a_request_may_carry_is_the_documented_413():
 
 def test_the_replica_holds_to_the_caps_when_reached_without_the_route():
     from app.runtime.types import SearchQuery, SearchRequest
-    from app.serve.replicas.search_server import within_caps
+    from app.tasks.index.replica import within_caps
 
     many = SearchRequest((SearchQuery(id="x"),) * 300, 10)
     with pytest.raises(RequestError, match=r"queries: 300 is over serve.max_queries=256"):
@@ -121,7 +121,7 @@ def test_the_replica_holds_to_the_caps_when_reached_without_the_route():
     [((1e20, 1e20), [0.7071068, 0.7071068]), ((1e-30, 0.0), [1.0, 0.0])],
 )
 def test_a_raw_query_of_any_scale_is_a_direction(vector, expected):
-    from app.serve.replicas.search_server import unit_query
+    from app.tasks.index.replica import unit_query
 
     assert unit_query(vector, 2, 0) == pytest.approx(np.asarray(expected), abs=1e-6)
 

@@ -119,14 +119,19 @@ def test_each_layer_is_a_whole_package():
     assert [prefix for prefix, _ in LAYERS if prefix.count(".") != 1] == ["app"]
 
 
+# A task folder's modules that a replica or a predict actor imports.
+SERVING_MODULES = {"replica", "predict", "chat"}
+
+
 def test_serving_and_batch_inference_run_the_runtime_and_import_nothing_from_export():
     graph = import_graph()
     found = [
         f"{m} -> {d}"
         for m, deps in sorted(graph.items())
         if m.startswith(("app.serve", "app.predict", "app.runtime"))
+        or m.rsplit(".", 1)[-1] in SERVING_MODULES
         for d in sorted(deps)
-        if d.startswith(("app.export", "app.train"))
+        if d.startswith(("app.export", "app.train")) or d.rsplit(".", 1)[-1] in ("export", "train")
     ]
     assert found == []
 

@@ -41,7 +41,7 @@ class Tokens(Preprocessor):
         }
         if base is not None:
             state["pretrained"] = base.record()
-            # Serving renders chat messages with it (app/serve/replicas/chat.py).
+            # Serving renders chat messages with it (app/tasks/lm/chat.py).
             if (template := base.chat_template()) is not None:
                 state["chat_template"] = template
                 state["chat_special_tokens"] = base.special_tokens()

@@ -7,7 +7,7 @@ requests, and the response and Server-Sent-Event encodings.
   `stream`, `stream_options.include_usage` and `user` (ignored); other OpenAI fields are refused
   by name rather than silently ignored.
 - `POST /v1/chat/completions`: the same subset, `echo` aside, with `messages` (rendered by the
-  replica, app/serve/replicas/chat.py), `max_completion_tokens`, `logprobs` and `top_logprobs`.
+  replica, app/tasks/lm/chat.py), `max_completion_tokens`, `logprobs` and `top_logprobs`.
 - `POST /v2/models/{name}/generate` and `/generate_stream`: Triton's generate extension,
   `{"text_input": ..., "parameters": {max_tokens, temperature, ...}}` -> `text_output`.
 """
@@ -64,7 +64,7 @@ def parse_completion(body: bytes, cfg: ServeConfig) -> Completion:
 
 def parse_chat(body: bytes, cfg: ServeConfig) -> Completion:
     """The body of `POST /v1/chat/completions`: `messages`, rendered into one prompt by the
-    replica with its model's chat template (app/serve/replicas/chat.py)."""
+    replica with its model's chat template (app/tasks/lm/chat.py)."""
     request: ChatRequest = read(body, ChatRequest, cfg)
     messages = tuple({"role": m.role, "content": m.content} for m in request.messages)
     params = _params(request, cfg, request.logprob_count())

@@ -1,7 +1,8 @@
-"""The Serve deployment classes: a model's replica answering its own routes (`ModelApp` for a
-classifier, `LMApp` for a language model: its HTTP stack and its model in one process), and the
-`Index` answering the routes that span models through the model applications' handles. Which
-class a model gets is its task's `server` part; app/serve/control/builders.py deploys them."""
+"""The Serve deployment classes: a model's replica answering its own routes (`SelfServing` mixed
+into a replica class: its HTTP stack and its model in one process; `ModelApp` for a classifier,
+the other tasks' in their folders, app/tasks/<task>/replica.py), and the `Index` answering the
+routes that span models through the model applications' handles. Which class a model gets is
+its task's `server` part; app/serve/control/builders.py deploys them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,7 @@ from app.ray_private import serve_http_host
 from app.serve.http.api import create_api
 from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
 from app.serve.http.gate import IngressMetrics
-from app.serve.replicas.embedding_server import EmbeddingServer
-from app.serve.replicas.lm_server import LMServer
 from app.serve.replicas.model_server import ModelServer
-from app.serve.replicas.search_server import SearchServer
 
 
 def model_app_name(cfg: ServeConfig, model: str) -> str:
@@ -45,21 +43,6 @@ class SelfServing:
 @serve.ingress()
 class ModelApp(SelfServing, ModelServer):
     """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
-
-
-@serve.ingress()
-class LMApp(SelfServing, LMServer):
-    """A language model's replica: the same routes, generation instead of batched inference."""
-
-
-@serve.ingress()
-class EmbeddingApp(SelfServing, EmbeddingServer):
-    """A retrieval model's replica: the same routes, embeddings of texts and pictures."""
-
-
-@serve.ingress()
-class SearchApp(SelfServing, SearchServer):
-    """A vector index's replica: the same routes, search over one index version."""
 
 
 @serve.ingress()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from app.registry import Task
 from app.runtime.index import INDEX_TASK
 from app.serve.control.builders import SERVER
-from app.serve.replicas.apps import SearchApp
+from app.tasks.index.replica import SearchApp
 
 
 def spec() -> Task:

@@ -29,7 +29,7 @@ from app.runtime.decode_loop import DecodeLoop
 from app.runtime.decoding import Generator, PromptError, SamplingParams
 from app.runtime.types import RequestError, TokenLogprob
 from app.serve.http.requests import Message, Sampling, prompt_text, refusal
-from app.serve.replicas.chat import from_preprocessor as chat_template
+from app.tasks.lm.chat import from_preprocessor as chat_template
 
 SAMPLING_FIELDS = tuple(Sampling.model_fields)
 INTEGER_FIELDS = frozenset(

@@ -9,10 +9,10 @@ from app.pipeline import SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER
-from app.serve.replicas.apps import LMApp
 from app.tasks.lm.evaluate import evaluate_language_model
 from app.tasks.lm.export import export_lm
 from app.tasks.lm.predict import CompletionPredictor
+from app.tasks.lm.replica import LMApp
 from app.tasks.lm.smoke import sample_completion
 from app.tasks.lm.train import (
     dataset_preprocessor,

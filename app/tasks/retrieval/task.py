@@ -9,10 +9,10 @@ from app.pipeline import FOLLOW_UP, SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER
-from app.serve.replicas.apps import EmbeddingApp
 from app.tasks.retrieval.evaluate import evaluate_retrieval
 from app.tasks.retrieval.export import export_retrieval
 from app.tasks.retrieval.predict import EmbeddingPredictor
+from app.tasks.retrieval.replica import EmbeddingApp
 from app.tasks.retrieval.smoke import index_val_pictures, sample_embedding
 from app.tasks.retrieval.train import KS, contrastive_loss, headline, validate_retrieval
 from app.train.parts import HEADLINE, LOSS, VALIDATE

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from ray import serve
 
 from app.config import ServeConfig
 from app.runtime.artifact import open_artifact
@@ -34,7 +35,8 @@ from app.runtime.types import (
     SearchResult,
 )
 from app.serve.metrics import RetrievalMetrics
-from app.serve.replicas.embedding_server import Encoders, picture_limits
+from app.serve.replicas.apps import SelfServing
+from app.tasks.retrieval.replica import Encoders, picture_limits
 
 log = logging.getLogger("ray.serve")
 
@@ -233,3 +235,8 @@ def _fits(value: Any, type_: pa.DataType) -> bool:
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
         return False
     return True
+
+
+@serve.ingress()
+class SearchApp(SelfServing, SearchServer):
+    """A vector index's replica: the same routes, search over one index version."""

@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from ray import serve
 
 from app.config import ServeConfig
 from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits, blank_png, require
 from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.types import EmbedRequest, EmbedResult, InferRequest, ModelInfo, RequestError
 from app.serve.metrics import RetrievalMetrics
+from app.serve.replicas.apps import SelfServing
 from app.serve.replicas.model_server import model_info
 
 log = logging.getLogger("ray.serve")
@@ -148,3 +150,8 @@ class EmbeddingServer:
             self.pool, self.encoders.embed, request.items, request.field, self.limits
         )
         return EmbedResult(embeddings, tokens, self.artifact.version, os.getpid())
+
+
+@serve.ingress()
+class EmbeddingApp(SelfServing, EmbeddingServer):
+    """A retrieval model's replica: the same routes, embeddings of texts and pictures."""

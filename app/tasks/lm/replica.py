@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
+from ray import serve
+
 from app.config import ServeConfig
 from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.decode_loop import DecodeLoop, LoopGeneration
@@ -42,8 +44,9 @@ from app.serve.metrics import (
     model_histogram,
     process_buffer,
 )
-from app.serve.replicas.chat import from_preprocessor as chat_template
+from app.serve.replicas.apps import SelfServing
 from app.serve.replicas.model_server import model_info
+from app.tasks.lm.chat import from_preprocessor as chat_template
 
 log = logging.getLogger("ray.serve")
 HEALTH_PROBE = SamplingParams(max_tokens=1, temperature=0)
@@ -292,3 +295,8 @@ class _GenerationMetrics:
         self.buffer.set(self.running, running, self.tags)
         self.buffer.set(self.waiting, waiting, self.tags)
         self.buffer.set(self.kv_tokens, kv_tokens, self.tags)
+
+
+@serve.ingress()
+class LMApp(SelfServing, LMServer):
+    """A language model's replica: the same routes, generation instead of batched inference."""
