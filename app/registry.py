@@ -76,6 +76,12 @@ def _tasks() -> dict[str, Task]:
     return _TASKS
 
 
+def registered() -> list[Task]:
+    """Every task this process knows: the built-ins, and each task from outside app/ it has
+    looked up."""
+    return list(_tasks().values())
+
+
 def task_named(name: str) -> Task:
     """A registered task, or the `Task` object at "pkg.module:NAME" (registered on first use,
     so a task from outside app/ is found in every process that can import its module)."""

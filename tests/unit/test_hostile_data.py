@@ -20,7 +20,9 @@ from app.config import DataConfig, ServeConfig, load_config
 from app.data.kinds.image_text import BadPicture, PictureLimits, picture_size
 from app.errors import ConfigError, GateError, UserError
 from app.runtime.types import RequestError
-from app.serve.http.requests import EmbeddingsRequest, SearchBody, read
+from app.serve.http.protocol import read
+from app.tasks.index.http.protocol import SearchBody
+from app.tasks.retrieval.http.protocol import EmbeddingsRequest
 from tests.unit.unit_helpers import prepared_rows
 
 pytestmark = pytest.mark.unit

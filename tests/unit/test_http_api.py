@@ -619,7 +619,7 @@ def test_an_unknown_json_key_is_a_400_that_echoes_it_safely(monkeypatch, key):
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy():
-    from app.serve.http.requests import Sampling
+    from app.tasks.lm.http.protocol import Sampling
 
     def temperature(t: float) -> float:
         return Sampling(temperature=t).params(ServeConfig())["temperature"]
@@ -736,7 +736,7 @@ def test_a_v2_request_is_traceable_in_six_calls_across_three_modules(monkeypatch
 
 
 def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
-    from app.serve.http.completions import parse_chat
+    from app.tasks.lm.http.serving import parse_chat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
@@ -767,7 +767,7 @@ def test_chat_messages_are_validated_and_refused_by_field(monkeypatch):
 
 
 def test_n_echo_and_penalties_are_read_and_bounded():
-    from app.serve.http.completions import parse_chat, parse_completion
+    from app.tasks.lm.http.serving import parse_chat, parse_completion
 
     cfg = ServeConfig()
     body = {"model": "m", "prompt": "hi", "n": 2, "echo": True, "seed": 7, "presence_penalty": 1}
@@ -807,7 +807,7 @@ def test_a_merged_stream_whose_client_leaves_closes_every_generation_cleanly():
     generation; none may still be running inside the merge (aclose() would raise)."""
     from app.runtime.types import Piece
     from app.serve.http.clients import close_events
-    from app.serve.http.routes.generation import merged
+    from app.tasks.lm.http.router import merged
 
     closed = []
 
@@ -833,7 +833,7 @@ def test_a_merged_stream_whose_client_leaves_closes_every_generation_cleanly():
 
 def test_text_offset_counts_characters_not_the_byte_tokens_of_a_split_one():
     from app.runtime.types import Piece, TokenLogprob
-    from app.serve.http.completions import CompletionEncoder
+    from app.tasks.lm.http.serving import CompletionEncoder
 
     encoder = CompletionEncoder("lm", logprobs=True)
     first, second = "é".encode()  # one character, two byte tokens that each read U+FFFD

@@ -1,7 +1,7 @@
 """Hostile values in every field of every request body: never a 500, and a number field given
 anything but a number in its range is a 400 naming that field.
 
-The generation fields are enumerated from their request models (app/serve/http/requests.py), so a
+The generation fields are enumerated from their request models (app/serve/http/protocol.py), so a
 field added there is fuzzed too; the classifier routes' numeric fields (v2 tensors, v1
 instances) are listed here, as their wire format is read by hand (app/serve/http/routes/v2.py and v1.py). The
 models behind the routes are stand-ins that run what the real replicas run on the values: the
@@ -27,7 +27,8 @@ from app.runtime.rows import request_rows
 from app.runtime.types import Finished, InferResult, ModelInfo, Piece, Started
 from app.serve.http.api import create_api
 from app.serve.http.clients import Models
-from app.serve.http.requests import ChatRequest, CompletionRequest, GenerateRequest, Strict
+from app.serve.http.protocol import Strict
+from app.tasks.lm.http.protocol import ChatRequest, CompletionRequest, GenerateRequest
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,6 @@
-"""The HTTP API of every application: the routers of app/serve/routes over a `Models`
-directory, inside the middleware of app/serve/http/gate.py.
+"""The HTTP API of every application: the v1 and v2 routers of app/serve/http/routes and each
+task's own (its `ROUTES` part) over a `Models` directory, inside the middleware of
+app/serve/http/gate.py.
 
 Routes (README.md, "The HTTP API"): /v2, /v2/health/{live,ready}, /v2/models/{name}[/ready|/infer]
 (also under /versions/{version}), /v1/models, /v1/models/{name}:predict, /v1/completions,
@@ -15,17 +16,27 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.config import ServeConfig
+from app.registry import Part, registered
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
 from app.serve.http.gate import Gate, RequestMetrics, api_key, error, request_id
-from app.serve.http.routes import generation, retrieval, v1, v2
+from app.serve.http.routes import v1, v2
 
 log = logging.getLogger("ray.serve")
+# Optional: a task's own HTTP routes (app/tasks/<task>/http/router.py), beside the v1 and v2 routes
+# every model answers.
+ROUTES = Part[APIRouter]("routes")
+
+
+def task_routers() -> list[APIRouter]:
+    """The routes of every task this process knows (a replica looks its own task up first)."""
+    routers = [task.part(ROUTES) for task in registered() if task.has(ROUTES)]
+    return list({id(router): router for router in routers}.values())
 
 
 def create_api(
@@ -42,7 +53,7 @@ def create_api(
     # Each route on the app itself (FastAPI matches an included router through a wrapper of its
     # own on every request), the POST routes first: a request is matched against each route in
     # turn, and inference is nearly all of the traffic (no two routes overlap).
-    routers = (v2.router, v1.router, generation.router, retrieval.router)
+    routers = (v2.router, v1.router, *task_routers())
     routes = [route for r in routers for route in r.routes if isinstance(route, APIRoute)]
     for route in sorted(routes, key=lambda route: "POST" not in (route.methods or ())):
         methods = sorted(route.methods or ())

@@ -12,6 +12,7 @@ from ray import serve
 
 from app.config import ServeConfig
 from app.ray_private import serve_http_host
+from app.registry import task_of_schema
 from app.serve.http.api import create_api
 from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
 from app.serve.http.gate import IngressMetrics
@@ -36,6 +37,7 @@ class SelfServing:
         # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
         # RayService set it in http_options, not in these args): ask the controller.
         host = await serve_http_host()
+        task_of_schema(self.artifact.schema)  # a task from outside app/: its routes are known
         models = Models.configured({self.artifact.name: LocalModel(self)}, self.config)
         return create_api(self.config, models, IngressMetrics(), serve_host=host, under_serve=True)
 

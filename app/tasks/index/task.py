@@ -6,8 +6,15 @@ from __future__ import annotations
 from app.registry import Task
 from app.runtime.index import INDEX_TASK
 from app.serve.control.builders import SERVER
+from app.serve.http.api import ROUTES
+from app.tasks.index.http.router import router
 from app.tasks.index.replica import SearchApp
 
 
 def spec() -> Task:
-    return Task(name=INDEX_TASK, dataset_kinds=(), metrics=(), parts=dict([SERVER.of(SearchApp)]))
+    return Task(
+        name=INDEX_TASK,
+        dataset_kinds=(),
+        metrics=(),
+        parts=dict([SERVER.of(SearchApp), ROUTES.of(router)]),
+    )

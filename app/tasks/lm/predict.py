@@ -28,8 +28,9 @@ from app.predict.rows import CheckedBatch, InputSpec, id_problems, note
 from app.runtime.decode_loop import DecodeLoop
 from app.runtime.decoding import Generator, PromptError, SamplingParams
 from app.runtime.types import RequestError, TokenLogprob
-from app.serve.http.requests import Message, Sampling, prompt_text, refusal
+from app.serve.http.protocol import prompt_text, refusal
 from app.tasks.lm.chat import from_preprocessor as chat_template
+from app.tasks.lm.http.protocol import Message, Sampling
 
 SAMPLING_FIELDS = tuple(Sampling.model_fields)
 INTEGER_FIELDS = frozenset(

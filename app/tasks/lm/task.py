@@ -9,8 +9,10 @@ from app.pipeline import SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER
+from app.serve.http.api import ROUTES
 from app.tasks.lm.evaluate import evaluate_language_model
 from app.tasks.lm.export import export_lm
+from app.tasks.lm.http.router import router
 from app.tasks.lm.predict import CompletionPredictor
 from app.tasks.lm.replica import LMApp
 from app.tasks.lm.smoke import sample_completion
@@ -53,6 +55,7 @@ def spec() -> Task:
                 EVALUATE.of(evaluate_language_model),
                 EXPORT.of(export_lm),
                 SERVER.of(LMApp),
+                ROUTES.of(router),
                 PREDICTOR.of(CompletionPredictor),
                 SMOKE.of(sample_completion),
             ]

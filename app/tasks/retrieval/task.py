@@ -9,8 +9,10 @@ from app.pipeline import FOLLOW_UP, SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER
+from app.serve.http.api import ROUTES
 from app.tasks.retrieval.evaluate import evaluate_retrieval
 from app.tasks.retrieval.export import export_retrieval
+from app.tasks.retrieval.http.router import router
 from app.tasks.retrieval.predict import EmbeddingPredictor
 from app.tasks.retrieval.replica import EmbeddingApp
 from app.tasks.retrieval.smoke import index_val_pictures, sample_embedding
@@ -34,6 +36,7 @@ def spec() -> Task:
                 EVALUATE.of(evaluate_retrieval),
                 EXPORT.of(export_retrieval),
                 SERVER.of(EmbeddingApp),
+                ROUTES.of(router),
                 PREDICTOR.of(EmbeddingPredictor),
                 SMOKE.of(sample_embedding),
                 FOLLOW_UP.of(index_val_pictures),

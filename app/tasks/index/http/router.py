@@ -1,46 +1,22 @@
-"""Retrieval: OpenAI's `POST /v1/embeddings` (texts and pictures alike, floats or base64:
-little-endian float32, what OpenAI's client asks for by default) for a retrieval model,
-`POST /v1/models/{name}:search` and `GET /v1/models/{name}/thumbnails/{id}` for a vector index,
-and the search page (`GET /search`: plain HTML and a script, no data in it)."""
+"""A vector index's routes: `POST /v1/models/{name}:search`, `GET /v1/models/{name}/thumbnails/{id}`
+and the search page (`GET /search`: plain HTML and a script, no data in it; pages/)."""
 
 from __future__ import annotations
 
-import base64
 from functools import cache
 from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from app.runtime.types import EmbedRequest, EmbedResult, SearchQuery, SearchRequest, bad
+from app.runtime.types import SearchQuery, SearchRequest, bad
 from app.serve.http.gate import body
-from app.serve.http.requests import EmbeddingsRequest, SearchBody, data_url_bytes, read
+from app.serve.http.protocol import read
 from app.serve.http.routes.common import config, models
+from app.tasks.index.http.protocol import SearchBody
+from app.tasks.retrieval.http.protocol import data_url_bytes
 
 router = APIRouter()
-
-
-@router.post("/v1/embeddings")
-async def embeddings(request: Request, response: Response):
-    parsed: EmbeddingsRequest = read(await body(request), EmbeddingsRequest, config(request))
-    result = await models(request).embed(parsed.model, EmbedRequest(parsed.input))
-    response.headers["x-model-replica"] = str(result.replica_pid)
-    return embedding_list(parsed.model, result, parsed.encoding_format or "float")
-
-
-def embedding_list(model: str, result: EmbedResult, encoding: str) -> dict[str, Any]:
-    data = [
-        {"object": "embedding", "index": i, "embedding": _encoded(row, encoding)}
-        for i, row in enumerate(result.embeddings)
-    ]
-    usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
-    return {"object": "list", "data": data, "model": model, "usage": usage}
-
-
-def _encoded(row: Any, encoding: str) -> Any:
-    if encoding == "base64":
-        return base64.b64encode(row.astype("<f4").tobytes()).decode()
-    return row.astype(float).tolist()
 
 
 @router.post("/v1/models/{name}:search")
@@ -94,4 +70,4 @@ async def page(request: Request):
 
 @cache
 def page_text(file: str) -> str:
-    return resources.files("app.serve.http").joinpath("pages", file).read_text("utf-8")
+    return resources.files("app.tasks.index.http").joinpath("pages", file).read_text("utf-8")

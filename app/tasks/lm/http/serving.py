@@ -1,5 +1,5 @@
 """The text-generation HTTP contract, without Ray or FastAPI: requests read into their strict
-models (app/serve/http/requests.py; a `RequestError` naming the field) and turned into generation
+models (app/serve/http/protocol.py; a `RequestError` naming the field) and turned into generation
 requests, and the response and Server-Sent-Event encodings.
 
 - `POST /v1/completions`: OpenAI's completions API, the subset `model`, `prompt`, `max_tokens`,
@@ -22,13 +22,13 @@ from typing import Any
 
 from app.config import ServeConfig
 from app.runtime.types import Finished, GenerationRequest, Piece, TokenLogprob
-from app.serve.http.requests import (
+from app.serve.http.protocol import read
+from app.tasks.lm.http.protocol import (
     ChatRequest,
     CompletionRequest,
     GenerateParameters,
     GenerateRequest,
     OpenAIRequest,
-    read,
 )
 
 DONE = b"data: [DONE]\n\n"

@@ -22,7 +22,9 @@ from app.runtime.types import (
     Started,
 )
 from app.serve.http.clients import Models, close_events, unavailable_errors
-from app.serve.http.completions import (
+from app.serve.http.gate import body
+from app.serve.http.routes.common import config, models
+from app.tasks.lm.http.serving import (
     DONE,
     ChatEncoder,
     Completion,
@@ -33,8 +35,6 @@ from app.serve.http.completions import (
     sse,
     triton_answer,
 )
-from app.serve.http.gate import body
-from app.serve.http.routes.common import config, models
 
 log = logging.getLogger("ray.serve")
 router = APIRouter()

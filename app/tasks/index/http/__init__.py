@@ -1,0 +1,1 @@
+"""Task `index`'s HTTP endpoints: router, protocol (request bodies) and the search page."""

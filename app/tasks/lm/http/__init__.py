@@ -1,0 +1,1 @@
+"""Task `lm`'s HTTP endpoints: router, protocol (request bodies) and serving."""

@@ -1,0 +1,1 @@
+"""Task `retrieval`'s HTTP endpoints: router, protocol (request bodies)."""
