@@ -58,6 +58,10 @@ class DataConfig(Section):
     test_fraction: float = Field(
         0.0, ge=0, lt=1
     )  # share held out for jobs.evaluate alone (0: it scores val)
+    # The kind of data the rows are, by its processor class: "pkg.module:Class", a subclass of
+    # the source's own kind's (a table's `Tabular`, ...) that brings its own preprocessing;
+    # null: the source's own kind.
+    kind: str | None = None
     seed: int = 0
     output: str = "outputs/data/{workload}"  # where prepared shards go (a path or URI)
     rows_per_shard: int = Field(1000, ge=1)  # rows per Parquet shard

@@ -15,6 +15,7 @@ finish.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -22,9 +23,9 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from app import storage
 from app.config import Config, DataConfig
@@ -41,7 +42,7 @@ from app.data.pieces import (
 )
 from app.data.preprocess import PretrainedLookup
 from app.data.sources import Kind
-from app.errors import UserError
+from app.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -77,7 +78,7 @@ class DatasetManifest(storage.Contract):
     layout: int = 1
     created: str
     source: dict[str, Any]  # the source's own description (name, path, seed, ...)
-    kind: Kind
+    kind: str  # a built-in kind, or a kind from outside app/ by its path (`data.kind`)
     feature_columns: list[str]
     label_column: str
     label_names: list[str]
@@ -89,6 +90,14 @@ class DatasetManifest(storage.Contract):
     # Files of the dataset besides its shards, by name (a token dataset's `tokenizer.json`).
     files: dict[str, DataFile] = {}
     block_size: int | None = None  # tokens: the model input length (rows hold one more)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        if kind not in get_args(Kind) and ":" not in kind:
+            known = ", ".join(get_args(Kind))
+            raise ValueError(f"unknown kind {kind!r} (known: {known}, or 'pkg.module:Class')")
+        return kind
 
     @model_validator(mode="after")
     def _splits(self) -> DatasetManifest:
@@ -142,6 +151,20 @@ def ray_tasks() -> Tasks:
     return RayTasks()
 
 
+def of_kind(plan: SourcePlan, cfg: DataConfig) -> SourcePlan:
+    """The source's plan with its rows as data of `data.kind`, which must be a kind of the
+    source's own (it reads the same columns and may preprocess them its own way)."""
+    if cfg.kind is None or cfg.kind == plan.kind:
+        return plan
+    wanted = processor(cfg.kind)
+    if not issubclass(wanted, processor(plan.kind)):
+        raise ConfigError(
+            f"config error: data.kind: {cfg.kind!r} is not a kind of {plan.kind} data, which "
+            f"data.source {cfg.source!r} gives"
+        )
+    return dataclasses.replace(plan, kind=wanted.kind)
+
+
 def prepare_pieces(
     config: Config, planner: Planner, bases: PretrainedLookup, tasks: Tasks
 ) -> dict[str, Any]:
@@ -156,7 +179,7 @@ def prepare_pieces(
     plans: list[SourcePlan] = []
 
     def write(folder: str, prefix: str) -> DatasetManifest:
-        plan = planner(config, tasks, folder)
+        plan = of_kind(planner(config, tasks, folder), cfg)
         plans.append(plan)
         bases.base(processor(plan.kind))  # the pretrained model must take this data
         log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)

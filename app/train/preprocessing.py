@@ -8,7 +8,7 @@ from app.config import Config
 from app.data.ingest import fit_on_train_split
 from app.data.prepare import DatasetManifest, read_manifest
 from app.data.preprocess import Preprocessor
-from app.registry import task_for_dataset
+from app.registry import run_task
 from app.train.parts import DATASET_PREPROCESSOR
 
 
@@ -16,7 +16,7 @@ def fit_preprocessor(config: Config, manifest: DatasetManifest | None = None) ->
     from app.models.families import Bases  # torch: the driver only
 
     manifest = manifest or read_manifest(config.data_output)
-    task = task_for_dataset(manifest.kind)
+    task = run_task(config.train.task, manifest.kind)
     if task.has(DATASET_PREPROCESSOR):
         return task.part(DATASET_PREPROCESSOR)(config, manifest)
     return fit_on_train_split(config, manifest, Bases(config.model))

@@ -1,9 +1,11 @@
 """The kinds of data, one processor class each, chosen from this one table by a dataset's or an
 artifact's `kind`: the only place that looks a kind up (tests/unit/test_structure.py checks).
-A new kind of data is a class and an entry here."""
+A new built-in kind of data is a class and an entry here; one from outside app/ is named by its
+path (`data.kind: "pkg.module:Class"`, a subclass of its source's kind)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +17,7 @@ from app.data.kinds.tabular import Tabular
 from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
 from app.data.preprocess import FitOptions, Preprocessor
-from app.errors import UserError
+from app.errors import ConfigError, UserError
 
 KINDS: dict[str, type[Preprocessor]] = {
     cls.kind: cls for cls in (Tabular, Image, Text, Tokens, ImageText)
@@ -23,10 +25,27 @@ KINDS: dict[str, type[Preprocessor]] = {
 
 
 def processor(kind: str) -> type[Preprocessor]:
-    """The processor class of data of this kind."""
+    """The processor class of data of this kind: a built-in one, or the class at
+    "pkg.module:Class" (`data.kind`: a kind of data from outside app/, found again by its path in
+    every process that reads a manifest, a fitted state or an artifact naming it)."""
     cls = KINDS.get(kind)
+    if cls is None and ":" in kind:
+        cls = KINDS.setdefault(kind, _import_kind(kind))
     if cls is None:
         raise UserError(f"unknown kind of data {kind!r} (known: {', '.join(sorted(KINDS))})")
+    return cls
+
+
+def _import_kind(path: str) -> type[Preprocessor]:
+    module, _, attr = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"config error: data.kind: cannot load {path!r} ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Preprocessor)):
+        raise ConfigError(f"config error: data.kind: {path!r} is not a Preprocessor class")
+    # Named by its path wherever a kind is recorded, so every reader imports the same class.
+    cls.kind = path
     return cls
 
 
