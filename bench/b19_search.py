@@ -157,7 +157,7 @@ def body(query: np.ndarray) -> dict[str, Any]:
 
 
 def one_size(work: Path, artifact: str, n: int, centres: np.ndarray) -> dict[str, Any]:
-    from app.runtime.index import open_index, set_search_params
+    from app.runtime.vector_index import open_index, set_search_params
 
     folder = embeddings(work, artifact, n, centres)
     name = f"b19-{n}"

@@ -34,8 +34,8 @@ FORMATS = "export.formats=[onnx,aoti,executorch]"
 def sessions(artifact: Any, checkpoint: str, threads: int) -> dict[str, Any]:
     import torch
 
-    from app.evaluate import torch_predict
-    from app.export.programs import open_program
+    from app.evaluate.held_out import torch_predict
+    from app.export.compile_programs import open_program
     from app.train.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)
@@ -100,7 +100,7 @@ def replica_memory_mib(uri: str) -> dict[str, float]:
 def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     import torch
 
-    from app.evaluate import labeled_batches
+    from app.evaluate.held_out import labeled_batches
     from app.export.measure import median_call_s, resized, rows_per_s
     from app.runtime.artifact import open_artifact
 

@@ -39,7 +39,7 @@ WORKLOADS = ("digits", "tabular", "text")
 def fixed_batch(config, pre, batch_size: int) -> tuple[dict[str, Any], Any]:
     import torch
 
-    from app.evaluate import labeled_batches
+    from app.evaluate.held_out import labeled_batches
 
     inputs, labels = next(iter(labeled_batches(config, pre, "train", batch_rows=batch_size)))
     inputs = {

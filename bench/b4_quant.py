@@ -49,7 +49,7 @@ def p50_ms(fn, repeats: int) -> dict[str, float]:
 def measure_workload(work: Path, workload: str, smoke: bool) -> dict[str, Any]:
     import torch
 
-    from app.evaluate import labeled_batches, torch_predict
+    from app.evaluate.held_out import labeled_batches, torch_predict
     from app.runtime.artifact import create_session, open_artifact, run_logits
     from app.train.checkpoint import load_checkpoint
 

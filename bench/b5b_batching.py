@@ -101,7 +101,7 @@ def int8_session(
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from app.export.programs import Positional
+    from app.export.compile_programs import Positional
 
     names = list(axes)
     fp32, int8_path = Path(folder) / "m.onnx", Path(folder) / "m.int8.onnx"

@@ -430,7 +430,7 @@ def ensure_prepared(config) -> dict[str, Any]:
     from app import storage
     from app.data.pieces import InProcess
     from app.data.prepare import MANIFEST, read_manifest
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
 
     if not storage.exists(storage.join(config.data_output, MANIFEST)):
         prepare(config, InProcess())

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     setup_logging()
     import ray
 
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
 
     work = Path(args.work)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

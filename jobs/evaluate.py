@@ -1,7 +1,7 @@
 """python -m jobs.evaluate --config configs/digits.yaml --checkpoint URI"""
 
 from app.cli import parser, run_job
-from app.evaluate import evaluate
+from app.evaluate.held_out import evaluate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,7 @@
 All stages, then one sample request. Needs a running cluster for the deploy stage."""
 
 from app.cli import parser, run_job
-from app.pipeline import pipeline
+from app.pipeline.stages import pipeline
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """python -m jobs.prepare --config configs/digits.yaml [section.key=value ...]"""
 
 from app.cli import parser, run_job
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ A hyperparameter search over the config's `tune:` space (Ray Tune, ASHA early st
 summary names the best trial's overrides and checkpoint (`jobs.export --checkpoint` takes it)."""
 
 from app.cli import parser, run_job
-from app.train.tune import tune
+from app.train.tuning import tune
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,11 +5,11 @@ its loading in root.py. Every key is declared; an unknown key or a bad value fai
 work starts with one line naming the key (`ConfigError`, exit code 2 in the jobs).
 """
 
-from app.config.data import SOURCES, DataConfig, StreamConfig
-from app.config.export import ExportConfig
-from app.config.index import IndexConfig
-from app.config.model import ModelConfig
-from app.config.predict import PredictConfig, PredictGenerationConfig
+from app.config.data_config import SOURCES, DataConfig, StreamConfig
+from app.config.export_config import ExportConfig
+from app.config.index_config import IndexConfig
+from app.config.model_config import ModelConfig
+from app.config.predict_config import PredictConfig, PredictGenerationConfig
 from app.config.root import (
     PATH_KEYS,
     ROOT_ENV,
@@ -22,9 +22,9 @@ from app.config.root import (
     validate,
 )
 from app.config.section import NAME_PATTERN, Section
-from app.config.serve import AutoscalingConfig, BatchingConfig, GenerationConfig, ServeConfig
-from app.config.train import PipelineSection, TrainConfig
-from app.config.tune import SearchDimension, TuneSection
+from app.config.serve_config import AutoscalingConfig, BatchingConfig, GenerationConfig, ServeConfig
+from app.config.train_config import PipelineSection, TrainConfig
+from app.config.tune_config import SearchDimension, TuneSection
 from app.errors import ConfigError
 
 __all__ = [

@@ -12,15 +12,15 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from app.config.data import DataConfig
-from app.config.export import ExportConfig
-from app.config.index import IndexConfig
-from app.config.model import ModelConfig
-from app.config.predict import PredictConfig
+from app.config.data_config import DataConfig
+from app.config.export_config import ExportConfig
+from app.config.index_config import IndexConfig
+from app.config.model_config import ModelConfig
+from app.config.predict_config import PredictConfig
 from app.config.section import NAME_PATTERN, Section
-from app.config.serve import ServeConfig
-from app.config.train import TrainConfig
-from app.config.tune import TuneSection
+from app.config.serve_config import ServeConfig
+from app.config.train_config import TrainConfig
+from app.config.tune_config import TuneSection
 from app.errors import ConfigError
 
 # Relative output paths resolve against this folder (default: the current directory). `ray job

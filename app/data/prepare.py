@@ -29,7 +29,7 @@ from pydantic import Field, field_validator, model_validator
 
 from app import storage
 from app.config import Config, DataConfig
-from app.data.kinds import processor
+from app.data.kinds import known, prepared_as, processor
 from app.data.pieces import (
     PieceResult,
     ShardRecord,
@@ -42,7 +42,7 @@ from app.data.pieces import (
 )
 from app.data.preprocess import PretrainedLookup
 from app.data.sources import Kind
-from app.errors import ConfigError, UserError
+from app.errors import UserError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -94,9 +94,9 @@ class DatasetManifest(storage.Contract):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        if kind not in get_args(Kind) and ":" not in kind:
-            known = ", ".join(get_args(Kind))
-            raise ValueError(f"unknown kind {kind!r} (known: {known}, or 'pkg.module:Class')")
+        if not known(kind):
+            names = ", ".join(get_args(Kind))
+            raise ValueError(f"unknown kind {kind!r} (known: {names}, or 'pkg.module:Class')")
         return kind
 
     @model_validator(mode="after")
@@ -129,11 +129,11 @@ class Planner(Protocol):
 def planner_for(cfg: DataConfig, bases: PretrainedLookup) -> Planner:
     """How a source is cut into pieces, by `data.source` (one piece: a source one task makes).
     A corpus is encoded with the pretrained model's tokenizer when there is one."""
-    from app.data import corpus, image_folder, image_text_source, sources, table_source
+    from app.data import image_folder, image_text_source, sources, table_source, text_files
 
     planners: dict[str, Planner] = {
         "table": table_source.planned,
-        "text_files": functools.partial(corpus.planned, bases=bases),
+        "text_files": functools.partial(text_files.planned, bases=bases),
         "imagefolder": image_folder.planned,
         "image_text": image_text_source.planned,
         **{name: sources.planned for name in sources.MAKERS},
@@ -151,20 +151,6 @@ def ray_tasks() -> Tasks:
     return RayTasks()
 
 
-def of_kind(plan: SourcePlan, cfg: DataConfig) -> SourcePlan:
-    """The source's plan with its rows as data of `data.kind`, which must be a kind of the
-    source's own (it reads the same columns and may preprocess them its own way)."""
-    if cfg.kind is None or cfg.kind == plan.kind:
-        return plan
-    wanted = processor(cfg.kind)
-    if not issubclass(wanted, processor(plan.kind)):
-        raise ConfigError(
-            f"config error: data.kind: {cfg.kind!r} is not a kind of {plan.kind} data, which "
-            f"data.source {cfg.source!r} gives"
-        )
-    return dataclasses.replace(plan, kind=wanted.kind)
-
-
 def prepare_pieces(
     config: Config, planner: Planner, bases: PretrainedLookup, tasks: Tasks
 ) -> dict[str, Any]:
@@ -179,7 +165,8 @@ def prepare_pieces(
     plans: list[SourcePlan] = []
 
     def write(folder: str, prefix: str) -> DatasetManifest:
-        plan = of_kind(planner(config, tasks, folder), cfg)
+        plan = planner(config, tasks, folder)
+        plan = dataclasses.replace(plan, kind=prepared_as(plan.kind, cfg.kind))
         plans.append(plan)
         bases.base(processor(plan.kind))  # the pretrained model must take this data
         log.info("prepare: %d piece(s) of %s -> %s", len(plan.pieces), cfg.source, output)

@@ -26,7 +26,7 @@ from app.data.kinds import processor
 from app.data.pieces import PieceResult, ShardWriter, SourcePlan, Target, Tasks
 from app.data.preprocess import Preprocessor
 
-# "tokens": a text corpus packed into token rows for language modelling (app/data/corpus.py).
+# "tokens": a text corpus packed into token rows for language modelling (app/data/text_files.py).
 # "image_text": pictures and their captions (retrieval; no labels).
 Kind = Literal["image", "tabular", "text", "tokens", "image_text"]
 IMAGE_COLUMN = "image"

@@ -23,10 +23,10 @@ from app import storage
 from app.config import Config
 from app.data.preprocess import Preprocessor
 from app.errors import GateError
-from app.evaluate import labeled_batches, predictions, torch_predict, verify_dataset
+from app.evaluate.held_out import labeled_batches, predictions, torch_predict, verify_dataset
 from app.export import quantize as q
+from app.export.compile_programs import Positional, build_programs, open_program
 from app.export.measure import accuracy_drop_allowed, latency_ms, rows_per_s
-from app.export.programs import Positional, build_programs, open_program
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.models import is_conv_net
 from app.registry import Part, run_task

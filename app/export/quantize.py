@@ -29,7 +29,7 @@ import numpy as np
 
 from app.config import Config
 from app.data.preprocess import Preprocessor
-from app.evaluate import labeled_batches
+from app.evaluate.held_out import labeled_batches
 
 log = logging.getLogger(__name__)
 QUANTIZABLE_OPS = ("Conv", "MatMul", "Gemm")

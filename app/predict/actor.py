@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from app.config import Config
 from app.data.checks import MISSING, values_of
 from app.data.preprocess import Column
-from app.predict.rows import CheckedBatch, InputSpec, check_batch, json_line_columns
+from app.predict.row_checks import CheckedBatch, InputSpec, check_batch, json_line_columns
 from app.registry import Part
 from app.runtime.artifact import open_artifact, run_logits
 from app.runtime.rows import softmax

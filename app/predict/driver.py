@@ -17,7 +17,7 @@ from app.data.prepare import Shard
 from app.errors import UserError
 from app.predict.actor import PREDICTOR, Scorer
 from app.predict.read import check_columns, header, input_files, pieces_of
-from app.predict.rows import InputSpec
+from app.predict.row_checks import InputSpec
 from app.predict.worker import PieceWorker
 from app.predict.write import (
     REJECTS,

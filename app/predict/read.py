@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from app import storage
 from app.data.pictures import PICTURE_EXTENSIONS
 from app.errors import UserError
-from app.predict.rows import InputSpec, missing_columns
+from app.predict.row_checks import InputSpec, missing_columns
 
 log = logging.getLogger(__name__)
 

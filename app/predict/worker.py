@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from app.predict.actor import Scorer
 from app.predict.read import read_piece
-from app.predict.rows import InputSpec
+from app.predict.row_checks import InputSpec
 from app.predict.write import Destination, PieceOutput, Written, records_table
 
 

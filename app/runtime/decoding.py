@@ -26,7 +26,7 @@ import numpy as np
 from app.runtime.kv import KVDecoder
 from app.runtime.types import TokenLogprob
 
-EOS = "<|endoftext|>"  # app/data/corpus.py's document separator: the model's end of text
+EOS = "<|endoftext|>"  # app/data/text_files.py's document separator: the model's end of text
 REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
 
 

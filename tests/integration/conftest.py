@@ -10,7 +10,7 @@ import pytest
 
 from app.config import Config
 from app.hooks import HOOKS_ENV
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.ray_runtime import init_private_ray
 from tests.conftest import REPO, make_config
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.evaluate import labeled_batches
+from app.evaluate.held_out import labeled_batches
 from app.runtime import artifact as art
 from app.runtime.rows import softmax
 

@@ -30,7 +30,7 @@ import pytest
 import requests
 
 from app import storage
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.train.driver import train
 from tests import fault_hooks
 from tests.conftest import REPO

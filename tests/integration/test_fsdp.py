@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.evaluate import evaluate
+from app.evaluate.held_out import evaluate
 from app.train.driver import train
 from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config

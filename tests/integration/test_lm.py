@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from app.evaluate import evaluate
+from app.evaluate.held_out import evaluate
 from app.export.exporter import export
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.train.driver import train
 from tests.conftest import REPO, make_config
 from tests.integration.test_train import run_metrics

@@ -19,7 +19,7 @@ from app.config import dump
 from app.errors import GateError
 from app.export.exporter import export
 from app.models import build_model
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.runtime import artifact as art
 from app.train.checkpoint import save
 from app.train.preprocessing import fit_preprocessor

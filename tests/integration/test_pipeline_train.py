@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.evaluate import evaluate
+from app.evaluate.held_out import evaluate
 from app.train.driver import train
 from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config
@@ -32,7 +32,7 @@ PIPELINE = [
 
 @pytest.fixture(scope="module")
 def lm_prepared(workspace):
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from tests.conftest import REPO, make_config
 
     def config(*overrides: str):

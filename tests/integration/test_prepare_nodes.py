@@ -20,7 +20,7 @@ from app.data import image_text_source
 from app.data.pieces import InProcess
 from app.data.prepare import read_manifest
 from app.data.ray_tasks import RayTasks
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from tests.conftest import make_config
 from tests.integration.test_elastic import node_env
 from tests.s3_server import moto_s3

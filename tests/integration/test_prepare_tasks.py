@@ -19,7 +19,7 @@ from app.data.pieces import InProcess
 from app.data.prepare import MANIFEST
 from app.data.ray_tasks import RayTasks
 from app.errors import UserError
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.integration
@@ -165,7 +165,7 @@ def test_an_image_folder_is_decoded_in_tasks_into_the_same_uint8_shards(
 def test_a_text_corpus_is_tokenized_and_packed_in_tasks_like_one_process(
     tmp_path, ray_local, monkeypatch
 ):
-    from app.data import corpus
+    from app.data import text_files as corpus
 
     # This Python's email package (about 0.36 MB): several pieces, planned here.
     monkeypatch.setattr(corpus, "DOCUMENT_BYTES_PER_PIECE", 60_000)

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from app.export.exporter import export
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.predict.write import verify_output
 from app.runtime.artifact import open_artifact, run_logits
 from app.runtime.rows import softmax
@@ -109,7 +109,7 @@ def test_bert_lora_run_exports_merged_adapters_and_jobs_predict_scores_text(
 
 @pytest.mark.slow
 def test_tune_searches_a_pretrained_folders_learning_rate(folders, workspace):
-    from app.train.tune import tune
+    from app.train.tuning import tune
     from tests.integration.test_tune import start_ray_with_dashboard
 
     config = workload_config(

@@ -21,7 +21,7 @@ import pytest
 
 from app.config import ServeConfig
 from app.errors import ArtifactError
-from app.evaluate import labeled_batches, predictions
+from app.evaluate.held_out import labeled_batches, predictions
 from app.runtime import programs as prg
 from app.runtime.artifact import open_artifact, run_logits
 from tests.conftest import REPO

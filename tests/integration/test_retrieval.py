@@ -33,9 +33,9 @@ SHORT = [
 @pytest.fixture(scope="module")
 def run(workspace):
     """Prepared, trained, evaluated and exported once for the module."""
-    from app.evaluate import evaluate
+    from app.evaluate.held_out import evaluate
     from app.export.exporter import export
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from app.train.driver import train
 
     config = workload_config(workspace, "retrieval", *SHORT)
@@ -86,7 +86,7 @@ def embedded(run, workspace):
     """The val pictures as a corpus (one row each), embedded by jobs.predict once for the
     module: (the corpus table, the embeddings folder, predict's summary)."""
     from app.predict.driver import predict
-    from app.tasks.retrieval.corpus import val_pictures
+    from app.tasks.retrieval.val_pictures import val_pictures
 
     corpus = val_pictures(run["config"], str(workspace / "retrieval-corpus"))
     out = str(workspace / "retrieval-embeddings")
@@ -257,7 +257,7 @@ def test_one_pretrained_tower_trains_beside_one_from_scratch(workspace, side):
     falls, and the locked tower is the folder's encoder exactly (its weights as saved)."""
     import torch
 
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from app.train.checkpoint import load_checkpoint
     from app.train.driver import train
     from tests.make_tiny_pretrained import make_bert, make_vit

@@ -17,7 +17,7 @@ import pytest
 from app import storage
 from app.config import Config, load_config
 from app.data.prepare import GENERATION_MARK, MANIFEST, read_manifest, verify_shards
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.runtime.artifact import LATEST, open_artifact
 from tests.conftest import REPO
 from tests.integration.conftest import ensure_local_ray
@@ -127,7 +127,7 @@ def test_prepare_rerun_on_s3_keeps_the_old_dataset_until_the_new_one_is_whole(
 
 
 def test_pipeline_on_s3(s3_root, ray_with_s3_env):
-    from app.evaluate import evaluate
+    from app.evaluate.held_out import evaluate
     from app.export.exporter import export
     from app.train.driver import train
 

@@ -11,9 +11,9 @@ import pytest
 import requests
 
 from app.data.prepare import read_manifest
-from app.evaluate import evaluate
+from app.evaluate.held_out import evaluate
 from app.export.exporter import export
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.runtime import artifact as art
 from app.tasks.classify.smoke import sample_body
 from app.train.driver import train

@@ -71,7 +71,7 @@ def test_mlflow_run_has_the_config_and_per_epoch_metrics(digits, workspace):
 
 
 def test_evaluate_draws_the_confusion_matrix_and_the_run_curves(digits):
-    from app.evaluate import evaluate
+    from app.evaluate.held_out import evaluate
 
     config, summary = digits
     result = evaluate(config, summary["checkpoint"])

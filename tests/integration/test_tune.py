@@ -49,7 +49,7 @@ def test_search_names_a_best_checkpoint_and_stopped_trials_free_a_one_trial_clus
     """The digits tune section (4 trials, ASHA) on a cluster that fits one trial: every trial
     ASHA stops must give its workers' CPUs back, or the next trial never starts; the search
     names the best trial's checkpoint, an ordinary one that jobs.export reads."""
-    from app.train.tune import tune
+    from app.train.tuning import tune
 
     prepared("digits")
     config = workload_config(

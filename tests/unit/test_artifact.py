@@ -14,11 +14,11 @@ from PIL import Image
 
 from app.config import dump
 from app.errors import ArtifactError, GateError
-from app.evaluate import labeled_batches, torch_predict
+from app.evaluate.held_out import labeled_batches, torch_predict
 from app.export.exporter import export, gate
 from app.export.publish import next_version, publish
 from app.models import build_model
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.runtime.artifact import (
     LATEST,
     MANIFEST,

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from app.errors import UserError
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from tests.unit.unit_helpers import staging_leftovers
 
 pytestmark = pytest.mark.unit

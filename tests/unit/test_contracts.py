@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.data.prepare import MANIFEST, DatasetManifest, read_manifest
 from app.errors import UserError, validation_line
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 
 pytestmark = pytest.mark.unit
 

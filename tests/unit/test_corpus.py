@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.data import corpus as corpus_source
-from app.data.corpus import (
+from app.data import text_files as corpus_source
+from app.data.pieces import InProcess
+from app.data.prepare import read_dataset_file, read_manifest, split_files
+from app.data.text_files import (
     EOS,
     TOKENIZER_FILE,
     encode_documents,
@@ -21,10 +23,8 @@ from app.data.corpus import (
     pack,
     train_tokenizer,
 )
-from app.data.pieces import InProcess
-from app.data.prepare import read_dataset_file, read_manifest, split_files
 from app.errors import ConfigError, UserError
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.registry import check_metric, task_for_dataset
 from app.tasks.lm.train import target_counts, token_rows, unigram_perplexity
 from app.train.preprocessing import fit_preprocessor

@@ -174,7 +174,7 @@ def test_an_epoch_that_ends_an_accumulation_early_still_synchronises_its_last_st
 def test_training_refuses_an_altered_shard_before_any_work(config_factory):
     from app.data.prepare import read_manifest
     from app.errors import UserError
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from app.train.driver import train
 
     config = config_factory("train.run_name=altered")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app import hooks
-from app.data.corpus import train_tokenizer
+from app.data.text_files import train_tokenizer
 from app.export.quantize import quantize_weight_only
 from app.models.gpt import GPT
 from app.runtime import artifact as art

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.data.corpus import train_tokenizer
 from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
+from app.data.text_files import train_tokenizer
 from app.errors import ConfigError
 from app.models import build_model
 from app.models.gpt import GPT

@@ -236,7 +236,7 @@ def test_a_classifiers_predictions_are_refused_in_one_line(tmp_path):
 
 
 def test_binary_metadata_is_stored_base64_and_the_encoder_uri_absolute(tmp_path, monkeypatch):
-    from app.runtime.index import open_index
+    from app.runtime.vector_index import open_index
     from app.tasks.index.build import build_index
 
     monkeypatch.chdir(tmp_path)
@@ -343,7 +343,7 @@ def test_an_unknown_karpathy_split_is_refused_naming_it_and_its_entry(table_fold
 
 
 def test_a_chat_template_with_a_syntax_error_fails_prepare_with_exit_2(tmp_path):
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from tests.make_tiny_pretrained import MAKERS
 
     folder = MAKERS["gpt2"](str(tmp_path / "gpt2"))
@@ -377,7 +377,7 @@ def test_whole_floats_in_integer_sampling_columns_are_read_as_integers():
 
 
 def test_a_json_line_with_an_unknown_sampling_field_is_refused():
-    from app.predict.rows import json_line_columns
+    from app.predict.row_checks import json_line_columns
     from app.tasks.lm.predict import CompletionPredictor
 
     config = load_config(None, ["data.source=synthetic_text"])
@@ -427,7 +427,7 @@ def test_a_message_over_the_transports_limit_is_a_413_not_a_retryable_503():
 
 
 def test_thumbnails_are_stored_apart_from_the_metadata_in_index_order(tmp_path):
-    from app.runtime.index import open_index
+    from app.runtime.vector_index import open_index
     from app.tasks.index.build import build_index
 
     jpegs = [b"\xff\xd8one", None, b"\xff\xd8three"]

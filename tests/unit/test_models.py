@@ -179,7 +179,7 @@ def test_mismatch_is_a_config_error_before_ray_starts(config_factory, monkeypatc
     # A bad model/data pairing is a bad config value: exit 2 before any Ray work (the design
     # brief: "an unknown key or a bad value is a one-line error naming the key, exit code 2,
     # before any work starts"). Today it surfaces as a ValueError inside a Ray Train worker.
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from app.train.driver import train
 
     config = config_factory("data.source=wine", "model.name=cnn", "train.run_name=mismatch")

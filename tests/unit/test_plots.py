@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from app import plots
-from app.evaluate import run_history
+from app.evaluate.held_out import run_history
 from app.tasks.classify.evaluate import CONFUSION_PNG, CURVES_PNG, write_plots
 from app.train.checkpoint import META
 

@@ -13,7 +13,7 @@ import pytest
 from app.errors import UserError
 from app.predict.actor import classifier_outputs, outputs_table, split_predictions
 from app.predict.read import check_columns, input_files
-from app.predict.rows import MISSING, InputSpec, check_batch, json_line_columns
+from app.predict.row_checks import MISSING, InputSpec, check_batch, json_line_columns
 from app.predict.write import (
     PartWriter,
     PredictionManifest,

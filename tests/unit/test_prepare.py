@@ -28,7 +28,7 @@ from app.data.prepare import (
 )
 from app.data.table_source import plan
 from app.errors import UserError
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from tests.unit.unit_helpers import read_split, sha256_of, snapshot, staging_leftovers
 
 pytestmark = pytest.mark.unit

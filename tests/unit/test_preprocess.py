@@ -13,7 +13,7 @@ from app.data.kinds.text import PAD
 from app.data.prepare import read_manifest, split_files
 from app.data.preprocess import LABEL_KEY, FitOptions
 from app.errors import UserError
-from app.pipeline import prepare
+from app.pipeline.stages import prepare
 from app.train.preprocessing import fit_preprocessor
 from tests.unit.unit_helpers import read_split
 

@@ -262,3 +262,104 @@ def test_no_function_in_app_is_longer_than_80_lines():
         and node.end_lineno - node.lineno + 1 > 80
     ]
     assert long == []
+
+
+# --- a folder per task, one meaning per name (issue: structure 3) --------------------------------
+
+TASKS = APP / "tasks"
+# What a file name means wherever it repeats: a task folder's parts (inside app/tasks/ only), an
+# endpoint's three modules, and the two sides of a stage that runs on workers.
+TASK_ROLES = {"task", "train", "evaluate", "export", "predict", "replica", "smoke"}
+ENDPOINT_ROLES = {"router", "protocol", "serving"}
+STAGE_SIDES = {"driver", "worker"}
+# app/'s own root holds shared modules, no stage: a stage is a package.
+ROOT_MODULES = {
+    "__init__", "chat_template", "cli", "errors", "hooks", "plots", "pretrained", "ray_private",
+    "ray_runtime", "registry", "storage",
+}  # fmt: skip
+
+
+def task_folders() -> list[Path]:
+    return sorted(p for p in TASKS.iterdir() if (p / "__init__.py").exists())
+
+
+def test_each_built_in_task_is_a_folder_with_its_spec_registered_by_one_line():
+    builtin = (TASKS / "builtin.py").read_text()
+    for folder in task_folders():
+        assert (folder / "task.py").exists(), folder.name
+        assert "def spec() -> Task" in (folder / "task.py").read_text(), folder.name
+        assert f"from app.tasks.{folder.name} import task as" in builtin, folder.name
+    assert [p.name for p in task_folders()] == ["classify", "index", "lm", "retrieval"]
+
+
+def repeated_names(paths: list[Path]) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem != "__init__":
+            where.setdefault(path.stem, []).append(path.relative_to(APP).as_posix())
+    return {name: places for name, places in where.items() if len(places) > 1}
+
+
+def misused(repeated: dict[str, list[str]]) -> list[str]:
+    """Repeated file names that are not one role in each place."""
+    bad = []
+    for name, places in sorted(repeated.items()):
+        in_tasks = all(p.startswith("tasks/") for p in places)
+        if name in ENDPOINT_ROLES | STAGE_SIDES or (name in TASK_ROLES and in_tasks):
+            continue
+        bad.append(f"{name}.py: {', '.join(places)}")
+    return bad
+
+
+def test_a_file_name_means_one_thing_wherever_it_is():
+    assert misused(repeated_names(sorted(APP.rglob("*.py")))) == []
+
+
+def test_the_name_check_sees_a_name_with_two_meanings():
+    paths = [APP / "runtime/index.py", APP / "config/index.py", APP / "tasks/lm/train.py"]
+    paths += [APP / "tasks/classify/train.py", APP / "train/export.py", APP / "tasks/lm/export.py"]
+    assert misused(repeated_names(paths)) == [
+        "export.py: train/export.py, tasks/lm/export.py",
+        "index.py: runtime/index.py, config/index.py",
+    ]
+
+
+def test_no_stage_module_is_loose_at_the_root_of_app():
+    assert {p.stem for p in APP.glob("*.py")} <= ROOT_MODULES
+
+
+def test_config_is_a_package_with_a_module_per_section():
+    from pydantic import BaseModel
+
+    from app.config import Config
+
+    for key, field in Config.model_fields.items():
+        section = next(
+            (a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+             if isinstance(a, type) and issubclass(a, BaseModel)),
+            None,
+        )  # fmt: skip
+        if section is not None:
+            assert section.__module__ == f"app.config.{key}_config", key
+
+
+def test_http_routes_are_grouped_by_endpoint():
+    """Routers live in app/serve/http/routes (v1, v2: every model's) or in a task's http folder,
+    beside its protocol (request bodies)."""
+    for path in sorted(APP.rglob("*.py")):
+        relative = path.relative_to(APP).as_posix()
+        if "APIRouter()" in path.read_text():
+            assert relative.startswith("serve/http/routes/") or relative.endswith("/http/router.py")
+    for folder in task_folders():
+        if (folder / "http").exists():
+            assert {"router.py", "protocol.py"} <= {p.name for p in (folder / "http").iterdir()}
+
+
+def test_the_driver_hands_each_rank_a_typed_plan():
+    import dataclasses
+    import inspect
+
+    from app.train.worker import WorkerPlan, train_loop
+
+    assert dataclasses.is_dataclass(WorkerPlan)
+    assert "WorkerPlan" in str(inspect.signature(train_loop).parameters["loop_config"].annotation)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.config import ConfigError, dump, load_config
-from app.train.tune import require_tune, sample_corner, trial_config
+from app.train.tuning import require_tune, sample_corner, trial_config
 from tests.conftest import DIGITS_YAML
 
 pytestmark = pytest.mark.unit

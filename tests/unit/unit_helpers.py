@@ -54,7 +54,7 @@ def prepared_rows(data: DataConfig, root: str | os.PathLike[str]) -> tuple[pd.Da
     with its split (a `split` column), in source order within a split, and the summary."""
     from app.data.pieces import InProcess
     from app.data.prepare import read_manifest
-    from app.pipeline import prepare
+    from app.pipeline.stages import prepare
     from tests.conftest import make_config
 
     config = make_config(root)

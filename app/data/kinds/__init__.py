@@ -36,6 +36,25 @@ def processor(kind: str) -> type[Preprocessor]:
     return cls
 
 
+def known(kind: str) -> bool:
+    """A built-in kind, or one from outside app/ by its path (imported when first used)."""
+    return kind in KINDS or ":" in kind
+
+
+def prepared_as(source_kind: str, wanted: str | None) -> str:
+    """The kind a source's rows are prepared as: `data.kind` when set, which must be a kind of
+    the source's own (it reads the same columns and may preprocess them its own way)."""
+    if wanted is None or wanted == source_kind:
+        return source_kind
+    cls = processor(wanted)
+    if not issubclass(cls, processor(source_kind)):
+        raise ConfigError(
+            f"config error: data.kind: {wanted!r} is not a kind of {source_kind} data, which "
+            "data.source gives"
+        )
+    return cls.kind
+
+
 def _import_kind(path: str) -> type[Preprocessor]:
     module, _, attr = path.partition(":")
     try:

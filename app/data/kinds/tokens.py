@@ -1,4 +1,4 @@
-"""Token rows: a corpus tokenized and packed at prepare (app/data/corpus.py), `block_size + 1`
+"""Token rows: a corpus tokenized and packed at prepare (app/data/text_files.py), `block_size + 1`
 ids a row (inputs and targets in one: the loss shifts them). Not fitted: the preprocessor only
 carries the dataset's tokenizer (for generation) and its sequence length."""
 

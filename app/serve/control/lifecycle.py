@@ -299,7 +299,7 @@ def versions_in_use(config: Config) -> dict[str, set[str]]:
 
 def index_encoder(folder: str) -> dict[str, str] | None:
     """The encoder a vector index version names (None for a model, or an unreadable schema)."""
-    from app.runtime.index import INDEX_TASK
+    from app.runtime.vector_index import INDEX_TASK
 
     try:
         schema = json.loads(storage.read_bytes(storage.join(folder, "schema.json")))

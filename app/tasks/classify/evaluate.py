@@ -11,7 +11,13 @@ import numpy as np
 from app import storage
 from app.config import Config
 from app.data.prepare import read_manifest
-from app.evaluate import EVALUATION_FILE, labeled_batches, predictions, run_history, torch_predict
+from app.evaluate.held_out import (
+    EVALUATION_FILE,
+    labeled_batches,
+    predictions,
+    run_history,
+    torch_predict,
+)
 from app.train.checkpoint import CheckpointMeta, LoadedCheckpoint
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE
+from app.evaluate.held_out import EVALUATE
 from app.export.exporter import EXPORT, export_classifier
-from app.pipeline import SMOKE
+from app.pipeline.stages import SMOKE
 from app.predict.actor import PREDICTOR, Predictor
 from app.registry import Task
 from app.serve.control.builders import SERVER

@@ -1,5 +1,5 @@
 """Index: a retrieval model's embeddings of a corpus (jobs.predict's output) -> a versioned vector
-index artifact (app/runtime/index.py), published as `<registry>/<model>/index/<version>`.
+index artifact (app/runtime/vector_index.py), published as `<registry>/<model>/index/<version>`.
 
 The embeddings stream from the prediction parts `index.batch_rows` at a time into faiss (exact
 inner product by default, HNSW or IVF when `index.method` says so), and the items' ids and
@@ -31,7 +31,7 @@ from app.errors import UserError
 from app.export.publish import publish
 from app.predict.write import verify_output
 from app.runtime import artifact as art
-from app.runtime.index import (
+from app.runtime.vector_index import (
     INDEX_FILE,
     INDEX_TASK,
     ITEMS_FILE,

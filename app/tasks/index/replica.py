@@ -25,7 +25,6 @@ from ray import serve
 
 from app.config import ServeConfig
 from app.runtime.artifact import open_artifact
-from app.runtime.index import VectorIndex, open_index, set_search_params
 from app.runtime.types import (
     InferRequest,
     ModelInfo,
@@ -34,6 +33,7 @@ from app.runtime.types import (
     SearchRequest,
     SearchResult,
 )
+from app.runtime.vector_index import VectorIndex, open_index, set_search_params
 from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.apps import SelfServing
 from app.tasks.retrieval.replica import Encoders, picture_limits

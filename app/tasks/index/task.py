@@ -4,7 +4,7 @@ schema's task names this entry, whose replica class searches it."""
 from __future__ import annotations
 
 from app.registry import Task
-from app.runtime.index import INDEX_TASK
+from app.runtime.vector_index import INDEX_TASK
 from app.serve.control.builders import SERVER
 from app.serve.http.api import ROUTES
 from app.tasks.index.http.router import router

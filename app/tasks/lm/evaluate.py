@@ -7,7 +7,7 @@ from typing import Any
 
 from app import storage
 from app.config import Config
-from app.evaluate import EVALUATION_FILE
+from app.evaluate.held_out import EVALUATION_FILE
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from torch import nn
 from app.config import Config
 from app.data.kinds.tokens import tokens_of
 from app.errors import GateError, UserError
-from app.export.programs import not_for_task
+from app.export.compile_programs import not_for_task
 from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
 from app.models.gpt import GPT, Block, CausalSelfAttention
@@ -51,7 +51,7 @@ LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexi
 
 def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
     """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
-    from app.evaluate import verify_dataset
+    from app.evaluate.held_out import verify_dataset
     from app.registry import run_task
 
     model = loaded.model

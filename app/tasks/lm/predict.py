@@ -24,7 +24,7 @@ from app.config import Config, ServeConfig
 from app.data.checks import MISSING, values_of
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, outputs_table
-from app.predict.rows import CheckedBatch, InputSpec, id_problems, note
+from app.predict.row_checks import CheckedBatch, InputSpec, id_problems, note
 from app.runtime.decode_loop import DecodeLoop
 from app.runtime.decoding import Generator, PromptError, SamplingParams
 from app.runtime.types import RequestError, TokenLogprob

@@ -3,9 +3,9 @@ generates text."""
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE
+from app.evaluate.held_out import EVALUATE
 from app.export.exporter import EXPORT
-from app.pipeline import SMOKE
+from app.pipeline.stages import SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER

@@ -1,6 +1,6 @@
 """Language modelling (task `lm`): next-token loss, validation, the unigram baseline, evaluation.
 
-Rows of a token dataset hold `block_size + 1` ids (app/data/corpus.py): the model reads the first
+Rows of a token dataset hold `block_size + 1` ids (app/data/text_files.py): the model reads the first
 `block_size` and is scored on predicting each next one. Losses are mean cross entropy per target
 token in nats; perplexity is its exponential.
 
@@ -185,9 +185,9 @@ def evaluate_lm(
 
 def dataset_preprocessor(config: Config, manifest: DatasetManifest) -> Preprocessor:
     """A token dataset's preprocessor: the tokenizer trained at prepare, adopted as it is."""
-    from app.data.corpus import TOKENIZER_FILE
     from app.data.kinds.tokens import Tokens
     from app.data.prepare import read_dataset_file
+    from app.data.text_files import TOKENIZER_FILE
     from app.models.families import base_for
 
     tokenizer = read_dataset_file(config.data_output, manifest, TOKENIZER_FILE).decode()

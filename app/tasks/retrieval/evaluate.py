@@ -16,7 +16,7 @@ from app.config import Config
 from app.data.ingest import iter_shards
 from app.data.prepare import read_manifest, split_files
 from app.data.preprocess import Preprocessor
-from app.evaluate import EVALUATION_FILE
+from app.evaluate.held_out import EVALUATION_FILE
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)

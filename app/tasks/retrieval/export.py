@@ -30,8 +30,8 @@ from app.config import Config
 from app.data.kinds.image_text import ImageText, require
 from app.errors import GateError
 from app.export import quantize as q
+from app.export.compile_programs import Subject, build_all, wanted
 from app.export.measure import batch_drift
-from app.export.programs import Subject, build_all, wanted
 from app.export.publish import check_onnx_fits, publish, write_metadata
 from app.runtime import artifact as art
 from app.train.checkpoint import LoadedCheckpoint
@@ -59,7 +59,7 @@ def export_retrieval(
     config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str
 ) -> dict[str, Any]:
     """Both encoders exported, quantized, gated and published as one artifact."""
-    from app.evaluate import verify_dataset
+    from app.evaluate.held_out import verify_dataset
 
     model, pre = loaded.model.eval(), require(loaded.preprocessor)
     check_onnx_fits(model, checkpoint_uri)
@@ -279,7 +279,7 @@ class EncoderCheck:
         return m, self.refusal(variant, m, hits)
 
     def refusal(self, variant: str, m: dict[str, Any], hits: dict[str, np.ndarray]) -> str | None:
-        from app.export.programs import PRECISION, drift_refusal
+        from app.export.compile_programs import PRECISION, drift_refusal
 
         e = self.config.export
         for graph, cosine in m["min_cosine"].items():

@@ -29,8 +29,8 @@ from app.data.pictures import PictureReader
 from app.data.preprocess import Column
 from app.errors import UserError
 from app.predict.actor import ArtifactBatches, good_values, outputs_table
-from app.predict.rows import CheckedBatch, InputSpec, check_batch
-from app.runtime.index import THUMBNAIL
+from app.predict.row_checks import CheckedBatch, InputSpec, check_batch
+from app.runtime.vector_index import THUMBNAIL
 
 EMBEDDING = "embedding"
 

@@ -26,7 +26,7 @@ def index_val_pictures(config: Config, stages: dict[str, Any]) -> dict[str, Any]
     from app.predict.driver import predict
     from app.serve.control.deploy import deploy
     from app.tasks.index.build import build_index
-    from app.tasks.retrieval.corpus import val_pictures
+    from app.tasks.retrieval.val_pictures import val_pictures
 
     folder = storage.join(config.storage_path, f"{config.workload}-index")
     corpus = val_pictures(config, storage.join(folder, "corpus"))

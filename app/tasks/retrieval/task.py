@@ -3,9 +3,9 @@ embeddings share one space, served as OpenAI embeddings and searched through a v
 
 from __future__ import annotations
 
-from app.evaluate import EVALUATE
+from app.evaluate.held_out import EVALUATE
 from app.export.exporter import EXPORT
-from app.pipeline import FOLLOW_UP, SMOKE
+from app.pipeline.stages import FOLLOW_UP, SMOKE
 from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER

@@ -49,7 +49,7 @@ def prepare(config: Config, tasks: Tasks | None = None) -> dict[str, Any]:
 
 
 def pipeline(config: Config) -> dict[str, Any]:
-    from app.evaluate import evaluate
+    from app.evaluate.held_out import evaluate
     from app.export.exporter import export
     from app.serve.control.deploy import deploy
     from app.train.driver import train

@@ -24,7 +24,7 @@ from torch import nn
 
 from app.config import Config
 from app.data.preprocess import Preprocessor
-from app.evaluate import labeled_batches, predictions, torch_predict
+from app.evaluate.held_out import labeled_batches, predictions, torch_predict
 from app.export import quantize as q
 from app.export.measure import allowed_drop_points, batch_drift, latency_ms
 from app.runtime import artifact as art
