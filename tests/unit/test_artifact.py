@@ -1,4 +1,4 @@
-"""app/export/exporter.py + app/export/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
+"""app/export/exporter.py + app/runtime/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
 
 from __future__ import annotations
 

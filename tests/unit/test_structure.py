@@ -241,6 +241,7 @@ def test_the_dispatch_check_sees_each_form(source):
 def test_the_readme_stays_short_and_nothing_reads_as_a_lab_notebook():
     repo = APP.parent
     assert len((repo / "README.md").read_text().splitlines()) <= 300
+    assert len((repo / "docs/architecture.md").read_text().splitlines()) <= 300
     texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), repo / "bench/README.md"]
     texts += sorted(APP.rglob("*.py"))
     stale = ("last stop", "the run before", "this stop")
