@@ -1,4 +1,4 @@
-"""app/export/exporter.py + app/runtime/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
+"""app/export/exporter.py, app/tasks/classify/export.py + app/runtime/artifact.py without Ray: publish, verify, refuse tampering, the gate."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from PIL import Image
 from app.config import dump
 from app.errors import ArtifactError, GateError
 from app.evaluate.held_out import labeled_batches, torch_predict
-from app.export.exporter import export, gate
+from app.export.exporter import export
 from app.export.publish import next_version, publish
 from app.models import build_model
 from app.pipeline.stages import prepare
@@ -27,6 +27,7 @@ from app.runtime.artifact import (
     resolve,
     verify,
 )
+from app.tasks.classify.export import gate
 from app.train import checkpoint
 from app.train.preprocessing import fit_preprocessor
 from jobs import export as export_job

@@ -20,12 +20,12 @@ from app.config import ModelConfig, TrainConfig
 from app.data import kinds
 from app.data.preprocess import Preprocessor
 from app.errors import ConfigError
-from app.export.exporter import export_onnx
 from app.models import build_model, load_pretrained
 from app.models.families import family_of
 from app.models.lora import LoRALinear, apply_lora, merge_lora
 from app.pretrained import Pretrained, open_pretrained
 from app.runtime.kv import KVDecoder
+from app.tasks.classify.export import export_onnx
 from app.tasks.lm.export import export_kv_onnx
 from app.train import finetune
 from app.train.loop import Schedule

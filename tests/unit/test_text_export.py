@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.export.exporter import export_onnx
 from app.models.transformer import TransformerClassifier
 from app.runtime.artifact import create_session
+from app.tasks.classify.export import export_onnx
 
 pytestmark = pytest.mark.unit
 

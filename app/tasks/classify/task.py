@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from app.evaluate.held_out import EVALUATE
-from app.export.exporter import EXPORT, export_classifier
+from app.export.exporter import EXPORT
 from app.pipeline.stages import SMOKE
 from app.predict.actor import PREDICTOR, Predictor
 from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.replicas.apps import ModelApp
 from app.tasks.classify.evaluate import evaluate_classifier
+from app.tasks.classify.export import export_classifier
 from app.tasks.classify.smoke import sample_infer
 from app.tasks.classify.train import (
     classification_loss,
