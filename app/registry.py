@@ -76,10 +76,15 @@ def _tasks() -> dict[str, Task]:
     return _TASKS
 
 
-def registered() -> list[Task]:
-    """Every task this process knows: the built-ins, and each task from outside app/ it has
-    looked up."""
-    return list(_tasks().values())
+def looked_up() -> list[Task]:
+    """The tasks this process has loaded so far, without loading the built-ins (which import
+    every stage): a task from outside app/ is here once something looked it up."""
+    return list(_TASKS.values())
+
+
+def builtin_routers() -> list[Any]:
+    """The built-in tasks' HTTP routers, imported alone (no task spec, no stage)."""
+    return list(importlib.import_module(COMPOSITION_ROOT).routers())
 
 
 def task_named(name: str) -> Task:

@@ -7,7 +7,7 @@ What a user without Ray would write: fit the preprocessor on the driver (as app.
 `torch.multiprocessing.spawn` one gloo process per `train.num_workers`, each reading its equal
 share of the prepared shards through a torch DataLoader with its own worker process(es)
 (bench.torch_data), and running the project's own Ray-free epoch (app.train.loop.train_epoch /
-app.tasks.classify.validate_classifier), so only the data path and Ray differ from `python -m jobs.train`. No
+app.tasks.classify.train.validate_classifier), so only the data path and Ray differ from `python -m jobs.train`. No
 checkpoints (the Ray side uploads them asynchronously, outside the timed loop). The summary has
 the train summary's timing keys: `epoch_seconds` (steady median), `epoch_seconds_history`,
 `data_wait_fraction`, `first_step_at`, `metrics.val_accuracy`.

@@ -96,7 +96,7 @@ ONNX_LIMIT_BYTES = 2 * 10**9
 
 def check_onnx_fits(model: Any, checkpoint_uri: str) -> None:
     """Refuse, before exporting, a model whose fp32 weights alone pass 2 GB: the artifact is one
-    self-contained ONNX file per variant (docs/architecture.md, "The artifact")."""
+    self-contained ONNX file per variant (the runtime refuses external data)."""
     size = sum(p.numel() * 4 for p in model.parameters())  # tied weights counted once
     if size > ONNX_LIMIT_BYTES:
         raise UserError(

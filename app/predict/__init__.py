@@ -3,7 +3,7 @@
     --input (Parquet | CSV | JSONL file, or a folder of one of them)          read.py
       -> Ray Data read (only the id column and the artifact's feature or text columns)
       -> map_batches(Predictor) in an autoscaling actor pool (1 .. predict.max_actors);   actor.py
-         per batch: check rows (rows.py) -> the artifact's preprocessor -> ONNX Runtime
+         per batch: check rows (row_checks.py) -> the artifact's preprocessor -> ONNX Runtime
       -> the driver writes <output>/part-*.parquet (id, label, probabilities, model_name,
          model_version), rejects/part-*.parquet (id, reason, row) and manifest.json LAST  write.py
     driver.py runs the stage and tallies good and bad rows.

@@ -528,8 +528,8 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(served):
         wait_for(lambda: running_replicas() >= 2, 30, 0.5, "a replacement replica")
         replaced_in = time.monotonic() - killed_at
     assert replaced_in < 30
-    # What a SIGKILL can cost, measured over 30 kills (docs/architecture.md, "A replica that
-    # dies"): HAProxy replays most requests the dead replica left unanswered
+    # What a SIGKILL can cost, measured over 30 kills (docs/architecture.md, "Sharp edges"):
+    # HAProxy replays most requests the dead replica left unanswered
     # (RAY_SERVE_HAPROXY_RETRY_ON), but an answer the replica had begun (headers sent, body not)
     # cannot be replayed, and a few reach it in the instant before HAProxy marks it down. Those
     # fail, each fast, with a broken connection or HAProxy's own plain-text 500 (its 502,

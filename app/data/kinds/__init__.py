@@ -63,6 +63,8 @@ def _import_kind(path: str) -> type[Preprocessor]:
         raise ConfigError(f"config error: data.kind: cannot load {path!r} ({e})") from None
     if not (isinstance(cls, type) and issubclass(cls, Preprocessor)):
         raise ConfigError(f"config error: data.kind: {path!r} is not a Preprocessor class")
+    if cls in KINDS.values():  # a built-in class by its path keeps its own name
+        return cls
     # Named by its path wherever a kind is recorded, so every reader imports the same class.
     cls.kind = path
     return cls

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.config import ServeConfig
-from app.registry import Part, registered
+from app.registry import Part, builtin_routers, looked_up
 from app.runtime.types import RequestError
 from app.serve.http.clients import Models
 from app.serve.http.gate import Gate, RequestMetrics, api_key, error, request_id
@@ -34,8 +34,9 @@ ROUTES = Part[APIRouter]("routes")
 
 
 def task_routers() -> list[APIRouter]:
-    """The routes of every task this process knows (a replica looks its own task up first)."""
-    routers = [task.part(ROUTES) for task in registered() if task.has(ROUTES)]
+    """The built-in tasks' routes, and those of each task from outside app/ this process has
+    looked up (a model's replica looks its own task up first)."""
+    routers = builtin_routers() + [t.part(ROUTES) for t in looked_up() if t.has(ROUTES)]
     return list({id(router): router for router in routers}.values())
 
 

@@ -37,9 +37,17 @@ class SelfServing:
         # The API key rule needs the host Serve really listens on (cluster/serve.yaml and the
         # RayService set it in http_options, not in these args): ask the controller.
         host = await serve_http_host()
-        task_of_schema(self.artifact.schema)  # a task from outside app/: its routes are known
+        own_task_routes(self.artifact.schema)
         models = Models.configured({self.artifact.name: LocalModel(self)}, self.config)
         return create_api(self.config, models, IngressMetrics(), serve_host=host, under_serve=True)
+
+
+def own_task_routes(schema: dict[str, Any]) -> None:
+    """A model of a task from outside app/ ("pkg.module:TASK" in its schema): that task looked
+    up, so its routes are known here. A built-in task's are anyway, without loading any spec."""
+    task = str(schema.get("task", ""))
+    if ":" in task:
+        task_of_schema(schema)
 
 
 @serve.ingress()

@@ -124,7 +124,7 @@ class LMServer:
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        """A generation's events; the request was validated by app.serve.http.completions."""
+        """A generation's events; the request was validated by app.tasks.lm.http.serving."""
         if self.stats["active"] >= self.cfg.generation.max_streams:
             raise RequestError(
                 503,

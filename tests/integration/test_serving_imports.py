@@ -1,0 +1,45 @@
+"""A model's replica builds its HTTP app from the shared routes and the built-in tasks' routers
+alone: it loads no task spec (which imports every stage), so no torch, no export, no training,
+and a replica of an ONNX model stays small."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+BUILD_THE_APP = """
+import json, sys
+from app.config import ServeConfig
+from app.serve.http.api import create_api
+from app.serve.http.clients import Models
+from app.serve.replicas.apps import own_task_routes
+own_task_routes({"task": "classify"})
+api = create_api(ServeConfig(), Models({}, 5))
+from app.registry import looked_up
+heavy = ("torch", "app.export", "app.train", "app.evaluate", "app.pipeline")
+print(json.dumps({
+    "tasks": [t.name for t in looked_up()],
+    "paths": sorted(r.path for r in api.routes),
+    "heavy": sorted(m for m in sys.modules if m.startswith(heavy) or m.endswith(".task")),
+}))
+"""
+
+
+def test_a_replicas_http_app_loads_no_task_spec_nor_torch():
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD_THE_APP], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    built = json.loads(out.stdout.strip().splitlines()[-1])
+    assert built["heavy"] == []
+    assert built["tasks"] == []  # the registry's built-ins were never loaded
+    # Every built-in task's routes are there all the same.
+    for path in ("/v1/completions", "/v1/embeddings", "/v1/models/{name}:search", "/search"):
+        assert path in built["paths"]
