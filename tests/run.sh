@@ -4,9 +4,17 @@
 #   tests/run.sh --all    make test-all: the same plus the `slow` ones
 #   tests/run.sh ARGS...  plain pytest arguments (one pytest run)
 #
-# The unit tier (no Ray, about half a minute of one core) runs beside the integration tier
-# (private local Rays, mostly waiting on process start-ups), then the e2e tier (a cluster from
-# cluster/start.sh on the standard ports) runs alone.
+# The tiers run side by side in three lanes, each line of output prefixed with its tier:
+#   unit          no Ray;
+#   integration   private local Rays on random ports;
+#   e2e           the cluster cluster/start.sh starts, on the standard ports, and then
+#                 integration-late, the integration modules in LATE.
+# The box is CPU-bound with the lanes side by side, so LATE (modules that share no costly session
+# fixture with the rest: their own clusters, or data prepared in seconds) evens out the two long
+# lanes. The integration lane starts once the e2e cluster holds its ports (or the e2e tier has
+# ended): a private Ray takes Ray's fixed dashboard-agent port (52365) when it is free, and the
+# e2e cluster's Jobs API needs it. Each tier runs in a session of its own, so a signal sent to
+# one tier's process group never reaches another's; Ctrl-C stops them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(.venv/bin/python -m pytest --durations=${DURATIONS:-15})
@@ -24,25 +32,47 @@ fi
 MARK=(-m "not slow")
 if [ "${1:-}" = "--all" ]; then MARK=(); fi
 
-unit_log=$(mktemp)
-started=$SECONDS
-( "${PYTEST[@]}" "${MARK[@]}" tests/unit > "$unit_log" 2>&1; code=$?
-  echo "tier unit: $((SECONDS - started)) s" >> "$unit_log"; exit $code ) &
-unit_pid=$!
-"${PYTEST[@]}" "${MARK[@]}" tests/integration
-integration=$?
-integration_s=$((SECONDS - started))
-wait "$unit_pid"
-unit=$?
-cat "$unit_log"
-rm -f "$unit_log"
-echo "tier integration (beside unit): $integration_s s"
-check "$unit" || { echo "unit tier failed (exit $unit)" >&2; exit 1; }
-started=$SECONDS
-"${PYTEST[@]}" "${MARK[@]}" tests/e2e
-e2e=$?
-echo "tier e2e: $((SECONDS - started)) s"
+state=$(mktemp -d)
+signal_tiers() {
+    for leader in "$state"/*.pgid; do
+        [ -e "$leader" ] && kill "-$1" -- "-$(cat "$leader")" 2>/dev/null
+    done
+}
+stop_tiers() { # pytest may sit out one SIGINT inside a Ray call
+    touch "$state/stopped"  # no lane starts its next tier
+    signal_tiers INT
+    sleep 10
+    signal_tiers KILL
+}
+trap 'stop_tiers; wait; rm -rf "$state"; exit 130' INT TERM
+
+LATE=(tests/integration/test_elastic.py tests/integration/test_prepare_nodes.py
+    tests/integration/test_faults.py tests/integration/test_fsdp.py)
+
+tier() { # NAME PATH...: one pytest in its own session; its exit code and time in $state
+    local name=$1 started=$SECONDS
+    shift
+    setsid bash -c 'echo $$ > "$0.pgid"; exec "$@"' "$state/$name" \
+        "${PYTEST[@]}" "${MARK[@]}" "$@" 2>&1 | sed -u "s/^/$name | /"
+    echo "${PIPESTATUS[0]}" > "$state/$name.code"
+    echo "tier $name: $((SECONDS - started)) s" | tee "$state/$name.time"
+}
+
+e2e_cluster_up() { # Ray's dashboard-agent port answers, or the e2e tier is over
+    (exec 3<>/dev/tcp/127.0.0.1/52365) 2>/dev/null || [ -e "$state/e2e.code" ]
+}
+
+tiers=(unit integration e2e integration-late)
+{ tier e2e tests/e2e; [ -e "$state/stopped" ] || tier integration-late "${LATE[@]}"; } &
+tier unit tests/unit &
+for _ in $(seq 240); do e2e_cluster_up && break; sleep 1; done
+tier integration tests/integration "${LATE[@]/#/--ignore=}" &
+wait
 failed=0
-check "$integration" || { echo "integration tier failed (exit $integration)" >&2; failed=1; }
-check "$e2e" || { echo "e2e tier failed (exit $e2e)" >&2; failed=1; }
+for name in "${tiers[@]}"; do
+    cat "$state/$name.time"
+    code=$(cat "$state/$name.code")
+    check "$code" || { echo "$name tier failed (exit $code)" >&2; failed=1; }
+done
+rm -rf "$state"
 exit "$failed"

@@ -62,12 +62,15 @@ def cluster(s3_bucket):
         )
     env = {**os.environ, "RAY_AUTH_MODE": "token", TEST_API_KEY_ENV: TEST_API_KEY}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run(["bash", "cluster/start.sh"], cwd=REPO, env=env, check=True, timeout=180)
+    # Workers on ports the OS picks: the integration tier's private Rays, run beside this one,
+    # hand out Ray's default worker range (10002-19999) too.
+    env["RAYTORCH_RAY_START_ARGS"] = "--min-worker-port=0 --max-worker-port=0"
+    # A throwaway cluster: no draining (saves half a minute of Serve shutdown).
+    stop_env = {**env, "RAYTORCH_STOP_GRACE_S": "0"}
     try:
+        subprocess.run(["bash", "cluster/start.sh"], cwd=REPO, env=env, check=True, timeout=180)
         yield {"token": read_token()}
-    finally:
-        # A throwaway cluster: no draining (saves half a minute of Serve shutdown).
-        stop_env = {**env, "RAYTORCH_STOP_GRACE_S": "0"}
+    finally:  # a start that failed half-way leaves processes too
         subprocess.run(["bash", "cluster/stop.sh"], cwd=REPO, env=stop_env, timeout=120)
 
 

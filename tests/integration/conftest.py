@@ -27,10 +27,30 @@ def ensure_local_ray() -> None:
         init_private_ray()
 
 
+def multinode_cluster():
+    """A `ray.cluster_utils.Cluster` whose head (no CPUs: it runs no worker) holds none of Ray's
+    fixed ports (dashboard 8265, agent 52365): the e2e tier's cluster, which needs them, may be
+    starting beside this tier (tests/run.sh)."""
+    from ray.cluster_utils import Cluster
+
+    head = {"num_cpus": 0, "include_dashboard": False, "dashboard_agent_listen_port": None}
+    return Cluster(initialize_head=True, head_node_args=head)
+
+
 @pytest.fixture
 def ray_local():
     ensure_local_ray()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _private_ray_only(request):
+    """Each test finds this tier's private Ray up, unless its module starts its own (`OWN_RAY`):
+    a stage that connects by itself would otherwise join "the current cluster", which may be
+    the e2e tier's (tests/run.sh runs the tiers side by side), or start one with a dashboard
+    on the port that cluster needs."""
+    if not getattr(request.module, "OWN_RAY", False):
+        ensure_local_ray()
 
 
 @pytest.fixture(scope="session", autouse=True)

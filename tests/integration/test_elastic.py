@@ -34,7 +34,7 @@ from app.pipeline.stages import prepare
 from app.train.driver import train
 from tests import fault_hooks
 from tests.conftest import REPO
-from tests.integration.conftest import workload_config
+from tests.integration.conftest import multinode_cluster, workload_config
 from tests.integration.test_faults import registered_epoch
 from tests.s3_server import free_port, moto_s3
 
@@ -88,7 +88,6 @@ def elastic_run(workspace, tmp_path_factory):
     epoch 5's checkpoint is registered. The cluster stays up for the module's tests."""
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     tmp_path = tmp_path_factory.mktemp("elastic")
     ray.shutdown()  # needs its own multi-node cluster; later tests re-init a local one
@@ -114,7 +113,7 @@ def elastic_run(workspace, tmp_path_factory):
         )
         before = outputs_listing()
         # The head (no CPUs: it runs no worker) is this machine, the driver's, with its HOME.
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        cluster = multinode_cluster()
         # Room for one worker a node (2 CPUs each); after training, the survivor's 2 CPUs hold
         # jobs.predict (Ray Data's file listing alone asks for a whole CPU) and then Serve.
         cluster.add_node(num_cpus=2, env_vars=node_env(tmp_path, "survivor"))

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 
 from app.train.driver import train
-from tests.integration.conftest import workload_config
+from tests.integration.conftest import multinode_cluster, workload_config
 
 # Slow (make test-all): tests/integration/test_elastic.py spreads a run over two nodes too.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+OWN_RAY = True  # starts its own Ray (tests/integration/conftest.py: _private_ray_only)
 
 
 def test_workers_spread_over_two_nodes(prepared, workspace):
     import ray
-    from ray.cluster_utils import Cluster
 
     prepared("digits")
     ray.shutdown()  # this test needs its own multi-node cluster; later tests re-init a local one
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = multinode_cluster()
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     try:
         ray.init(address=cluster.address, log_to_driver=False)

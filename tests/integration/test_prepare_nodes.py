@@ -22,10 +22,12 @@ from app.data.prepare import read_manifest
 from app.data.ray_tasks import RayTasks
 from app.pipeline.stages import prepare
 from tests.conftest import make_config
+from tests.integration.conftest import multinode_cluster
 from tests.integration.test_elastic import node_env
 from tests.s3_server import moto_s3
 
 pytestmark = pytest.mark.integration
+OWN_RAY = True  # starts its own Ray (tests/integration/conftest.py: _private_ray_only)
 
 
 def upload_table(root: str, tmp_path) -> None:
@@ -76,7 +78,6 @@ def shards(output: str) -> dict[str, bytes]:
 
 def test_a_table_and_pictures_prepared_to_s3_on_two_nodes_equal_one_process(tmp_path, monkeypatch):
     import ray
-    from ray.cluster_utils import Cluster
 
     ray.shutdown()  # its own cluster; later tests re-init a local one
     # The JSON's 120 captions in pieces of 30 (planned on the driver): work for both nodes.
@@ -107,7 +108,7 @@ def test_a_table_and_pictures_prepared_to_s3_on_two_nodes_equal_one_process(tmp_
 
         one = prepare(config("one"), InProcess())
         one_pictures = prepare(pictures("one-pictures"), InProcess())
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        cluster = multinode_cluster()
         nodes = [
             cluster.add_node(num_cpus=1, env_vars=node_env(tmp_path, f"n{i}")) for i in range(2)
         ]

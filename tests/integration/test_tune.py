@@ -11,6 +11,7 @@ from tests.integration.conftest import workload_config
 from tests.s3_server import free_port
 
 pytestmark = pytest.mark.integration
+OWN_RAY = True  # starts its own Ray (tests/integration/conftest.py: _private_ray_only)
 
 
 def start_ray_with_dashboard(num_cpus: int) -> None:
