@@ -180,7 +180,12 @@ def start_command(argv: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def output_of(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    proc.wait(timeout=timeout)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a job left running holds the cluster's CPUs from the tests after it
+        proc.wait()
+        raise
     texts = []
     for stream in proc.logs:  # type: ignore[attr-defined]
         stream.seek(0)
