@@ -78,6 +78,7 @@ def prepared(workspace):
     def get(workload: str) -> Config:
         if workload not in done:
             config = workload_config(workspace, workload)
+            ensure_local_ray()  # module fixtures call this before the autouse fixture has run
             prepare(config)
             done[workload] = config
         return done[workload]
