@@ -43,7 +43,7 @@ CHAIN = [
 # What `make test` appends to a chain command (by stage): budgets that keep the suite short.
 BUDGETS = {
     "train": ["train.epochs=4"],
-    "tune": ["tune.num_trials=2", "tune.grace_period=1", "train.epochs=1"],
+    "tune": ["tune.num_trials=2", "tune.grace_period=1", "train.epochs=1", "train.num_workers=1"],
 }
 PRETRAINED = {
     "gpt2": "python -m jobs.pipeline --config configs/gpt2-finetune.yaml",

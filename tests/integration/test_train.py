@@ -59,13 +59,34 @@ def test_cached_run_never_waits_for_data(digits_fp32):
     assert summary["data_wait_fraction"] < 0.10
 
 
-def test_streamed_run_reaches_the_cached_runs_accuracy(digits_fp32, workspace, prepared):
+def test_streamed_run_survives_a_killed_rank_and_reaches_the_cached_runs_accuracy(
+    digits_fp32, workspace, prepared
+):
+    """One run for two behaviours (a Ray Train run's start-up is most of a short run's cost):
+    `data.cache: auto` streams a dataset over its budget, and rank 1 killed at epoch 3 is
+    restarted from the last checkpoint, the stream going on from there."""
     _, cached = digits_fp32
     # A budget below the dataset's size: `data.cache: auto` must stream it.
     config = workload_config(
-        workspace, "digits", *FAST, "data.cache_budget_mb=0.1", "train.run_name=digits-stream"
+        workspace,
+        "digits",
+        *FAST,
+        "data.cache_budget_mb=0.1",
+        # Room for a restart this test did not cause (a worker group that fails to come up
+        # once on a loaded box is retried as well).
+        "train.max_failures=3",
+        "train.run_name=digits-stream",
     )
+    run_dir = os.path.join(config.storage_path, "digits-stream")
+    fail_at(run_dir, rank=1, epoch=3)  # tests/fault_hooks.py, installed in every worker
     streamed = train(config)
+    # Restarted workers went on from a checkpoint, not from scratch: epoch 2's, or epoch 1's if
+    # the controller had not yet polled epoch 2's report when rank 1 died (Ray Train registers a
+    # checkpoint only when it polls; a rank that dies first takes the report with it).
+    assert streamed["resume_history"], "the run restarted from scratch"
+    assert streamed["resume_history"][-1] in (2, 3)
+    assert streamed["final_epoch"] == 5
+    assert "fail-rank1-epoch3" not in os.listdir(run_dir)  # it fired
     assert streamed["data_path"]["mode"] == "stream"
     assert "over the cache budget" in streamed["data_path"]["reason"]
     assert streamed["metrics"]["val_accuracy"] >= 0.97
@@ -82,29 +103,6 @@ def test_bf16_within_one_point_of_fp32(digits_fp32, workspace, prepared):
     bf16 = train(config)
     assert bf16["precision"] == "bf16"
     assert abs(bf16["metrics"]["val_accuracy"] - fp32["metrics"]["val_accuracy"]) <= 0.01
-
-
-def test_rank_failure_resumes_from_the_last_checkpoint(prepared, workspace, ray_local_module):
-    prepared("digits")
-    config = workload_config(
-        workspace,
-        "digits",
-        "train.epochs=3",
-        # Room for a restart this test did not cause (a worker group that fails to come up
-        # once on a loaded box is retried as well).
-        "train.max_failures=3",
-        "train.run_name=digits-fault",
-    )
-    run_dir = os.path.join(config.storage_path, "digits-fault")
-    fail_at(run_dir, rank=1, epoch=3)  # tests/fault_hooks.py, installed in every worker
-    summary = train(config)
-    # Restarted workers went on from a checkpoint, not from scratch: epoch 2's, or epoch 1's if
-    # the controller had not yet polled epoch 2's report when rank 1 died (Ray Train registers a
-    # checkpoint only when it polls; a rank that dies first takes the report with it).
-    assert summary["resume_history"], "the run restarted from scratch"
-    assert summary["resume_history"][-1] in (2, 3)
-    assert summary["final_epoch"] == 3  # ("epoch" is the best checkpoint's, possibly earlier)
-    assert not os.listdir(run_dir) or "fail-rank1-epoch3" not in os.listdir(run_dir)  # it fired
 
 
 # Slow (make test-all): resuming by run name is what test_faults.py's killed-driver run does.
