@@ -156,6 +156,20 @@ def get_json(path: str, **kw) -> dict:
     return r.json()
 
 
+def live_models() -> list[str]:
+    """The names of the models the cluster serves now."""
+    key = {"Authorization": f"Bearer {TEST_API_KEY}"}  # tests/e2e/test_serve.py leaves it on
+    return [m["name"] for m in get_json("/v1/models", headers=key)["models"]]
+
+
+def undeploy(names: list[str], cwd: Path = REPO) -> None:
+    """These models taken off the cluster by `jobs.models undeploy`, in one call. The `slow`
+    modules do it as they end: their replicas (a share of a CPU each) would otherwise hold the
+    CPUs the autoscaling tests and the README's later pipelines need (`make test-all`)."""
+    if names:
+        run_command([PY, "-m", "jobs.models", "undeploy", *names], cwd)
+
+
 def checkout_copy(into: Path) -> Path:
     """This checkout's tracked files (and untracked ones git does not ignore) copied to `into`:
     a user's checkout of its own, whose relative default paths land in it, not in the folder

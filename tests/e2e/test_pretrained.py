@@ -16,7 +16,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.conftest import SERVE, collect_jobs, start_jobs
+from tests.e2e.conftest import SERVE, collect_jobs, live_models, start_jobs, undeploy
 from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
 
@@ -36,8 +36,7 @@ def pipelines(cluster, tmp_path_factory, request):
     """The three pipelines run at once (as three users would submit them), while the README's
     digits chain runs too: each spends most of its time starting processes and waiting on Ray,
     so together they take little more than one. Small CPU shares let all of them train and
-    serve beside the models already deployed; they stay deployed (`pt-*`), as any other live
-    models would."""
+    serve beside the models already deployed; they are undeployed when the module ends."""
     root = tmp_path_factory.mktemp("pretrained")
     runs = {}
     for family, config in CONFIGS.items():
@@ -66,7 +65,8 @@ def pipelines(cluster, tmp_path_factory, request):
     summaries = collect_jobs(jobs, started)
     for family, summary in summaries.items():
         runs[family]["summary"] = summary
-    return runs
+    yield runs
+    undeploy([name for name in live_models() if name.startswith("pt-")])
 
 
 def served_probabilities(model: str, tensor: dict) -> np.ndarray:

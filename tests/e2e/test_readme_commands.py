@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.conftest import PY, SERVE, TEST_API_KEY, get_json, run_command
+from tests.e2e.conftest import SERVE, TEST_API_KEY, get_json, live_models, run_command, undeploy
 from tests.readme_commands import LATER, SEEDED, fill
 
 pytestmark = pytest.mark.e2e
@@ -36,10 +36,7 @@ def chain_alone(readme_chain) -> dict:
     """The README chain's state, with every model but the chain's own taken off the cluster:
     the commands below train on two of its four CPUs, which the replicas the other modules
     left deployed (a share of a CPU each) would otherwise hold (`make test-all`)."""
-    live = [m["name"] for m in get_json("/v1/models", headers=KEY)["models"]]
-    others = [name for name in live if name != "digits"]
-    if others:
-        run_command([PY, "-m", "jobs.models", "undeploy", *others], readme_chain["root"])
+    undeploy([name for name in live_models() if name != "digits"], readme_chain["root"])
     return readme_chain
 
 
@@ -88,5 +85,4 @@ def test_the_retrieval_pipeline_reaches_its_bar_for_every_seed(command, seed, ch
         assert sample["picture"] in sample["hits"], sample
     finally:
         # Its model and index hold a CPU of the cluster's four, which the next seed trains on.
-        names = [f"retrieval-s{seed}", f"retrieval-s{seed}-index"]
-        run_command([PY, "-m", "jobs.models", "undeploy", *names], root)
+        undeploy([f"retrieval-s{seed}", f"retrieval-s{seed}-index"], root)

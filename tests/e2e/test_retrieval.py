@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.e2e.conftest import SERVE, run_jobs
+from tests.e2e.conftest import SERVE, live_models, run_jobs, undeploy
 from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
 
@@ -69,7 +69,8 @@ def pipelines(cluster, tmp_path_factory):
     summaries = run_jobs({family: ("pipeline", run["base"]) for family, run in runs.items()})
     for family, summary in summaries.items():
         runs[family]["summary"] = summary
-    return runs
+    yield runs
+    undeploy([name for name in live_models() if name.startswith("pt-")])
 
 
 SEARCH = f"{SERVE}/v1/models/pt-clip-index:search"
