@@ -87,7 +87,7 @@ def fill(command: str, state: dict[str, Any]) -> list[str]:
     """The argv that runs `command`: optional parts dropped, placeholders from `state`
     (summaries by stage, and `input`, `output`), `python` this interpreter, the budget of its
     stage appended."""
-    command = re.sub(r"\s*\[[^\]]*\]", "", command)
+    command = re.sub(r"\s+\[[^\]]*\]", "", command)  # a word's own `=[a,b]` is kept
     argv = shlex.split(command)
     stage = argv[2].removeprefix("jobs.") if argv[:2] == ["python", "-m"] else "submit"
     out = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 
 from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, TEST_API_KEY, get_json, live_models, run_command, undeploy
@@ -55,7 +56,8 @@ def test_the_other_readme_commands_run_as_shown(command, chain_alone):
     else:
         summary = run_command(argv, root, timeout=900)
     if "undeploy" in command:
-        assert summary["undeployed"] and get_json("/v1/models", headers=KEY)
+        assert summary["undeployed"] == ["digits"]
+        assert requests.get(f"{SERVE}/v2/models/digits", headers=KEY, timeout=10).status_code == 404
     elif "prune" in command:
         assert summary["stage"] == "models"
     elif "pipeline" in command:

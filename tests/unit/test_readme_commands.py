@@ -57,3 +57,6 @@ def test_placeholders_fill_from_the_summaries_before_them():
     assert fill(CHAIN[1], state)[-1] == "train.epochs=4"  # the budget of make test
     undeploy = next(c for c in LATER if "undeploy" in c)
     assert fill(undeploy, state)[-1] == "digits"  # NAME: the exported model's
+    # An optional part is a bracketed word of its own; a list inside a word is a value.
+    [programs] = [c for c in LATER if "export.formats" in c]
+    assert "export.formats=[onnx,aoti,executorch]" in fill(programs, state)
