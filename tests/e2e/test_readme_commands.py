@@ -29,7 +29,7 @@ def test_the_readme_chain_runs_as_shown_with_its_default_paths(readme_chain):
     assert readme_chain["deploy"]["url"] == SERVE
     [digits] = [m for m in readme_chain["models"]["models"] if m["name"] == "digits"]
     assert digits["live"] == artifact.rstrip("/").split("/")[-1]
-    assert get_json("/v2/models/digits")["name"] == "digits"
+    assert get_json("/v2/models/digits", headers=KEY)["name"] == "digits"
 
 
 @pytest.fixture(scope="module")
