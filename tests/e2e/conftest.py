@@ -22,6 +22,8 @@ from tests.s3_server import moto_s3
 PY = sys.executable
 TEST_API_KEY_ENV = "RAYTORCH_TEST_API_KEY"
 TEST_API_KEY = "e2e-test-key-0123456789"
+# The key's header: tests/e2e/test_serve.py turns the key on and leaves it on.
+API_KEY_HEADER = {"Authorization": f"Bearer {TEST_API_KEY}"}
 DASHBOARD = "http://127.0.0.1:8265"
 SERVE = "http://127.0.0.1:8000"
 GCS = "127.0.0.1:6379"
@@ -158,8 +160,7 @@ def get_json(path: str, **kw) -> dict:
 
 def live_models() -> list[str]:
     """The names of the models the cluster serves now."""
-    key = {"Authorization": f"Bearer {TEST_API_KEY}"}  # tests/e2e/test_serve.py leaves it on
-    return [m["name"] for m in get_json("/v1/models", headers=key)["models"]]
+    return [m["name"] for m in get_json("/v1/models", headers=API_KEY_HEADER)["models"]]
 
 
 def undeploy(names: list[str], cwd: Path = REPO) -> None:

@@ -9,11 +9,17 @@ import pytest
 import requests
 
 from tests.conftest import REPO
-from tests.e2e.conftest import SERVE, TEST_API_KEY, get_json, live_models, run_command, undeploy
+from tests.e2e.conftest import (
+    API_KEY_HEADER,
+    SERVE,
+    get_json,
+    live_models,
+    run_command,
+    undeploy,
+)
 from tests.readme_commands import LATER, SEEDED, fill
 
 pytestmark = pytest.mark.e2e
-KEY = {"Authorization": f"Bearer {TEST_API_KEY}"}  # tests/e2e/test_serve.py leaves its key on
 
 
 def test_the_readme_chain_runs_as_shown_with_its_default_paths(readme_chain):
@@ -29,7 +35,7 @@ def test_the_readme_chain_runs_as_shown_with_its_default_paths(readme_chain):
     assert readme_chain["deploy"]["url"] == SERVE
     [digits] = [m for m in readme_chain["models"]["models"] if m["name"] == "digits"]
     assert digits["live"] == artifact.rstrip("/").split("/")[-1]
-    assert get_json("/v2/models/digits", headers=KEY)["name"] == "digits"
+    assert get_json("/v2/models/digits", headers=API_KEY_HEADER)["name"] == "digits"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,12 @@ def test_the_other_readme_commands_run_as_shown(command, chain_alone):
         summary = run_command(argv, root, timeout=900)
     if "undeploy" in command:
         assert summary["undeployed"] == ["digits"]
-        assert requests.get(f"{SERVE}/v2/models/digits", headers=KEY, timeout=10).status_code == 404
+        assert (
+            requests.get(
+                f"{SERVE}/v2/models/digits", headers=API_KEY_HEADER, timeout=10
+            ).status_code
+            == 404
+        )
     elif "prune" in command:
         assert summary["stage"] == "models"
     elif "pipeline" in command:

@@ -21,6 +21,7 @@ import requests
 from app.runtime.artifact import open_artifact, run_logits
 from tests.conftest import REPO
 from tests.e2e.conftest import (
+    API_KEY_HEADER,
     SERVE,
     TEST_API_KEY,
     TEST_API_KEY_ENV,
@@ -32,7 +33,7 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.e2e
 JSON = {"Content-Type": "application/json"}
-AUTHORIZED = {**JSON, "Authorization": f"Bearer {TEST_API_KEY}"}
+AUTHORIZED = {**JSON, **API_KEY_HEADER}
 # Short autoscaling delays so scaling happens within the test's patience.
 SERVE_OVERRIDES = [
     "serve.autoscaling.min_replicas=1",
