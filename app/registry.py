@@ -61,6 +61,14 @@ class Task:
     def has(self, key: Part[Any]) -> bool:
         return key.name in self.parts
 
+    def only(self, *keys: Part[Any]) -> Task:
+        """This task with only the parts `keys` name (those it has): a process this task is
+        pickled to imports what those parts need and nothing more."""
+        names = {key.name for key in keys}
+        return dataclasses.replace(
+            self, parts={name: part for name, part in self.parts.items() if name in names}
+        )
+
 
 _TASKS: dict[str, Task] = {}
 

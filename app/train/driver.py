@@ -26,7 +26,7 @@ from app.train import checkpoint, elastic, finetune, pipelining, tracking
 from app.train.loop import best_index, short_budget, steady_median
 from app.train.parts import PIPELINE_BATCH, PIPELINE_LOSS, REFERENCE
 from app.train.profiling import PROFILE_DIR
-from app.train.worker import PLAN_KEY, WorkerPlan, train_loop
+from app.train.worker import PLAN_KEY, WorkerPlan, rank_task, train_loop
 
 if TYPE_CHECKING:  # app.data.prepare (pandas, pyarrow) is imported on the driver only
     from torch import nn
@@ -182,7 +182,7 @@ def make_trainer(config: Config, run: RunPlan, callbacks: list[Any], pg_cleaner:
         train_rows=run.manifest.rows["train"],
         shards=run.shards,
         stream={split: run.data.split_mode(split) == "stream" for split in run.shards},
-        task=run.task,
+        task=rank_task(run.task),
         reference_metrics=reference_metrics(config, run),
         mlflow=mlflow_run(run),
     )

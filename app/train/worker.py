@@ -60,12 +60,21 @@ class WorkerPlan:
     train_rows: int
     shards: dict[str, list[tuple[str, int]]]  # split -> (uri, rows) of each shard
     stream: dict[str, bool]  # split -> streamed with Ray Data (else read once into memory)
-    task: Task  # the object itself: a task registered in the driver only works too
+    task: Task  # the object itself (a task registered in the driver only works too): `rank_task`
     reference_metrics: dict[str, float]  # the task's baseline, computed once by the driver
     mlflow: tracking.MlflowRun | None
 
 
 PLAN_KEY = "plan"
+# The task's parts a rank calls. Ranks (and Ray Train's controller, which unpickles the plan too)
+# get the task with these alone: its serving and export parts would import Ray Serve, FastAPI and
+# the exporter (hundreds of modules) into every training process.
+RANK_PARTS = (LOSS, PIPELINE_BATCH, PIPELINE_LOSS, VALIDATE, HEADLINE)
+
+
+def rank_task(task: Task) -> Task:
+    """`task` as the driver hands it to the ranks."""
+    return task.only(*RANK_PARTS)
 
 
 def train_loop(loop_config: dict[str, WorkerPlan]) -> None:
