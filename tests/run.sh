@@ -48,7 +48,15 @@ stop_tiers() { # pytest may sit out one SIGINT inside a Ray call
     sleep 10
     signal_tiers KILL
 }
-trap 'stop_tiers; wait; rm -rf "$state"; exit 130' INT TERM
+# The e2e tier's cluster records itself here (cluster/start.sh), so that an interrupted run stops
+# that cluster, and only that one, even when its pytest was killed before its own teardown.
+e2e_cluster="$state/e2e-cluster.state"
+stop_e2e_cluster() {
+    [ -e "$e2e_cluster" ] || return 0
+    RAYTORCH_CLUSTER_STATE="$e2e_cluster" RAYTORCH_STOP_GRACE_S=0 bash cluster/stop.sh >/dev/null ||
+        echo "the e2e tier's cluster did not stop: make cluster-down FORCE=1" >&2
+}
+trap 'stop_tiers; wait; stop_e2e_cluster; rm -rf "$state"; exit 130' INT TERM
 
 LATE=(tests/integration/test_elastic.py tests/integration/test_prepare_nodes.py
     tests/integration/test_faults.py tests/integration/test_fsdp.py)
@@ -67,11 +75,15 @@ e2e_cluster_up() { # Ray's dashboard-agent port answers, or the e2e tier is over
 }
 
 tiers=(unit integration e2e integration-late)
-{ tier e2e tests/e2e; [ -e "$state/stopped" ] || tier integration-late "${LATE[@]}"; } &
+{
+    RAYTORCH_CLUSTER_STATE="$e2e_cluster" tier e2e tests/e2e
+    [ -e "$state/stopped" ] || tier integration-late "${LATE[@]}"
+} &
 tier unit tests/unit &
 for _ in $(seq 240); do e2e_cluster_up && break; sleep 1; done
 tier integration tests/integration "${LATE[@]/#/--ignore=}" &
 wait
+stop_e2e_cluster # left only when the e2e tier's own teardown could not stop it
 failed=0
 for name in "${tiers[@]}"; do
     cat "$state/$name.time"
