@@ -144,14 +144,15 @@ def locked(lease: DeployLease, guard: threading.Lock, body):
 def test_unlocked_concurrent_deploys_lose_a_model(serve):
     # The bug the lock exists for: both read the same config, the second write drops a model
     # (and the deploy that lost it, rolling back to what it read, can drop the other one too).
+    # Whether the loser notices depends on the threads' timing: it may have seen its model up
+    # in the instant before the other write, and then both deploys report success.
     fake = serve(write_delay=0.1)
     fake.read_barrier = threading.Barrier(2)
-    errors = in_threads(
+    in_threads(
         lambda: apply(fake, "digits", "1", timeout_s=0.5),
         lambda: apply(fake, "topics", "1", timeout_s=0.5),
     )
     assert len(fake.models()) < 2, fake.models()
-    assert errors  # the deploy whose model vanished notices it never came up
 
 
 def test_concurrent_deploys_of_different_models_both_end_up_served(serve):
