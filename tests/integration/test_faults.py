@@ -81,6 +81,7 @@ def test_driver_killed_mid_run_and_resubmitted_resumes(prepared, workspace):
         f"data.output={config.data_output}",
         f"train.storage_path={workspace / 'digits-driver-runs'}",
         "train.epochs=8",
+        "train.num_workers=1",  # the driver's death is tested here, not a rank's (test_train.py)
         "train.run_name=digits-driver",
     ]
     run_dir = workspace / "digits-driver-runs" / "digits-driver"
