@@ -60,7 +60,7 @@ class WorkerPlan:
     train_rows: int
     shards: dict[str, list[tuple[str, int]]]  # split -> (uri, rows) of each shard
     stream: dict[str, bool]  # split -> streamed with Ray Data (else read once into memory)
-    task: Task  # the object itself (a task registered in the driver only works too): `rank_task`
+    task: Task  # the object itself, cut by `rank_task` (a task registered in the driver only works)
     reference_metrics: dict[str, float]  # the task's baseline, computed once by the driver
     mlflow: tracking.MlflowRun | None
 
