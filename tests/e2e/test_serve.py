@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -618,6 +619,35 @@ def test_no_listener_of_the_cluster_binds_beyond_loopback(served):
     assert public == []
 
 
+def serving_listeners() -> dict[str, set[int]]:
+    """The ports the cluster's Serve processes listen on, by process name (ray::ProxyActor,
+    ray::ServeReplica:...), on loopback."""
+    import psutil
+
+    found: dict[str, set[int]] = {}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status != psutil.CONN_LISTEN or c.laddr.ip != "127.0.0.1" or c.pid is None:
+            continue
+        try:
+            name = " ".join(psutil.Process(c.pid).cmdline())  # Ray's process title
+        except psutil.Error:
+            continue
+        if name.startswith(("ray::ProxyActor", "ray::ServeReplica")):
+            found.setdefault(name.split()[0].removeprefix("ray::"), set()).add(c.laddr.port)
+    return found
+
+
+def test_the_cluster_serves_on_ports_of_its_own(served):
+    """HAProxy routes by host:port, so cluster/start.sh keeps its Serve off the ports every other
+    Serve on the machine takes: its fallback proxy on the Serve port + 1, not Ray's 8500 (which
+    every cluster's proxy binds, with SO_REUSEPORT: a second cluster would answer some of this
+    one's requests with its own models), its replicas in 20000-20499, not 30000 and up."""
+    listening = serving_listeners()
+    assert listening["ProxyActor"] == {8001}, listening
+    replicas = {p for name, ports in listening.items() if name != "ProxyActor" for p in ports}
+    assert replicas and all(20000 <= p < 20500 for p in replicas), listening
+
+
 def test_api_key_is_required_when_set(served):
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # the deploy job checks the model with the key
     run_job(
@@ -755,13 +785,35 @@ def test_index_replica_killed_under_load_is_replaced_and_answers_resume(served):
     replica is gone; Serve starts another and they resume. Failures stay inside that window and
     fail fast; none is a wrong answer. (Two index replicas, `serve.ingress_replicas: 2`, avoid
     the window.)"""
+    killed = kill_the_index_under_load(served)
+    print(
+        f"index replica killed: answers resumed after {killed.recovered_in:.1f} s; "
+        f"{len(killed.failed)} failures"
+    )
+    assert killed.wrong == [], killed.wrong[:2]  # a 200 is never another model's answer
+    assert killed.recovered_in < 30
+    within = [f for f in killed.failed if -1 < f[0] < killed.recovered_in + 1 and f[2] < 31]
+    assert within == killed.failed, killed.failed[:5]
+
+
+@dataclass
+class Killed:
+    recovered_in: float
+    failed: list[tuple[float, int | str, float]]  # (sent after the kill, status or error, s)
+    wrong: list[dict]  # 200s whose predictions are not the model's (sent after the kill, body)
+
+
+def kill_the_index_under_load(served) -> Killed:
+    """Three clients on /v1/models/digits:predict; the index replica SIGKILLed a second in and
+    the load kept on until a replacement answers, and a second more."""
     x, _ = val_rows(served["data"], 4)
     url = f"{SERVE}/v1/models/digits:predict"
     body = {"instances": x.tolist()}
     expected = requests.post(url, json=body, headers=AUTHORIZED, timeout=30).json()["predictions"]
     [victim] = alive_actor_pids("ServeReplica:models:Index")
     outcomes: list[tuple[float, int | str, float]] = []  # (sent, status or error, seconds)
-    wrong, stop = [0], threading.Event()
+    wrong: list[dict] = []
+    stop = threading.Event()
 
     def run() -> None:
         while not stop.is_set():
@@ -769,7 +821,8 @@ def test_index_replica_killed_under_load_is_replaced_and_answers_resume(served):
             try:
                 r = requests.post(url, json=body, headers=AUTHORIZED, timeout=30)
                 outcomes.append((start, r.status_code, time.monotonic() - start))
-                wrong[0] += r.status_code == 200 and r.json()["predictions"] != expected
+                if r.status_code == 200 and r.json()["predictions"] != expected:
+                    wrong.append({"sent": start, "body": r.json()})
             except requests.RequestException as e:
                 outcomes.append((start, type(e).__name__, time.monotonic() - start))
             time.sleep(0.02)
@@ -793,10 +846,29 @@ def test_index_replica_killed_under_load_is_replaced_and_answers_resume(served):
         for t in threads:
             t.join(timeout=60)
     failed = [(s - killed_at, code, secs) for s, code, secs in outcomes if code != 200]
-    print(
-        f"index replica killed: answers resumed after {recovered_in:.1f} s; {len(failed)} failures"
-    )
-    assert wrong[0] == 0
-    assert recovered_in < 30
-    assert all(-1 < at < recovered_in + 1 and secs < 31 for at, _, secs in failed), failed[:5]
     assert alive_actor_pids("ServeReplica:models:Index") not in ([], [victim])
+    return Killed(recovered_in, failed, wrong)
+
+
+@pytest.mark.slow
+def test_another_serve_on_the_machine_never_answers_for_this_one(served, tmp_path):
+    """A second Serve cluster on the machine (Ray's defaults, HAProxy mode: its fallback proxy
+    on 8500, its replicas from 30000) serving a model of the same name that answers otherwise
+    (the fp32 variant); this cluster's index replica is killed under load, so HAProxy sends its
+    requests to its fallback proxy while the replacement starts: every 200 is this cluster's
+    own model's answer."""
+    from bench.b5_serve import start_ht_child, wait_child_ready
+    from bench.common import free_port
+
+    log = tmp_path / "other-serve.log"
+    other = start_ht_child(
+        served["v1"], {"variant": "fp32", "replica_cpus": 0.25}, free_port(), str(tmp_path), log
+    )
+    try:
+        wait_child_ready(other, 180, log)
+        killed = kill_the_index_under_load(served)
+    finally:
+        assert other.stdin is not None
+        other.stdin.close()
+        other.wait(timeout=120)
+    assert killed.wrong == [], killed.wrong[:2]
