@@ -31,13 +31,13 @@ test-all: install browser wrk
 	bash tests/run.sh --all
 
 lint: install
-	$(VENV)/bin/ruff check app jobs tests bench cluster
-	$(VENV)/bin/ruff format --check app jobs tests bench cluster
+	$(VENV)/bin/ruff check app jobs tests bench cluster tools
+	$(VENV)/bin/ruff format --check app jobs tests bench cluster tools
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format app jobs tests bench
-	$(VENV)/bin/ruff check --fix app jobs tests bench
+	$(VENV)/bin/ruff format app jobs tests bench tools
+	$(VENV)/bin/ruff check --fix app jobs tests bench tools
 
 bench: install wrk
 	$(PY) -m bench.run_all

@@ -90,42 +90,40 @@ def training_curves(
     return _png(fig)
 
 
-def quantization(report: dict[str, Any], title: str = "") -> bytes:
-    """fp32 vs int8 from export's report: accuracy, model size, latency at batch 1 and 32."""
+def quantization(quality: Any, sizes: dict[str, int], title: str = "") -> bytes:
+    """fp32 vs int8 from export's report, whatever the task: its quality metric for each
+    variant (`quality`, an app/export/exporter.py `Quality`), model size, latency by setting."""
     fig = _figure(11, 3.8)
-    acc_ax, size_ax, lat_ax = fig.subplots(1, 3)
-    accuracy = report["accuracy"]
-    names = ["torch_fp32", "onnx_fp32", "onnx_int8"]
-    bars = acc_ax.bar(
-        names,
-        [100 * accuracy[n] for n in names],
-        color=[COLORS["fp32"], COLORS["fp32"], COLORS["int8"]],
+    quality_ax, size_ax, lat_ax = fig.subplots(1, 3)
+    names = list(quality.values)
+    shown = [quality.shown * quality.values[n] for n in names]
+    bars = quality_ax.bar(
+        names, shown, color=[COLORS["int8" if n.endswith("int8") else "fp32"] for n in names]
     )
-    acc_ax.bar_label(bars, fmt="%.2f")
-    low = min(100 * accuracy[n] for n in names)
-    acc_ax.set_ylim(max(0.0, low - 5), 100.5)
-    acc_ax.set_title(f"accuracy (%), {report.get('accuracy_rows', '?')} val rows")
-    sizes = report["size_bytes"]
+    quality_ax.bar_label(bars, fmt="%.2f" if max(shown, default=0) >= 10 else "%.4g")
+    if quality.higher_is_better and quality.shown == 100.0:  # a percentage: its top is 100
+        quality_ax.set_ylim(max(0.0, min(shown, default=0) - 5), 100.5)
+    better = "higher" if quality.higher_is_better else "lower"
+    quality_ax.set_title(f"{quality.metric} ({better} is better)", fontsize=9)
     bars = size_ax.bar(
         ["fp32", "int8"],
         [sizes["fp32"] / 1024, sizes["int8"] / 1024],
         color=[COLORS["fp32"], COLORS["int8"]],
     )
     size_ax.bar_label(bars, fmt="%.0f")
-    size_ax.set_title(f"size (KiB), int8 = {report['size_ratio_int8']:.2f}x fp32")
-    latency = report["latency_ms"]
-    batches = sorted(latency["fp32"], key=lambda b: int(b.rsplit("_", 1)[-1]))
+    size_ax.set_title(f"size (KiB), int8 = {sizes['int8'] / sizes['fp32']:.2f}x fp32")
+    latency = quality.latency_ms
+    settings = list(latency.get("fp32", {}))
     width = 0.38
     for k, variant in enumerate(("fp32", "int8")):
-        xs = [i + (k - 0.5) * width for i in range(len(batches))]
-        bars = lat_ax.bar(
-            xs, [latency[variant][b] for b in batches], width, label=variant, color=COLORS[variant]
-        )
+        xs = [i + (k - 0.5) * width for i in range(len(settings))]
+        values = [latency.get(variant, {}).get(s, 0.0) for s in settings]
+        bars = lat_ax.bar(xs, values, width, label=variant, color=COLORS[variant])
         lat_ax.bar_label(bars, fmt="%.3f", fontsize=8)
-    lat_ax.set_xticks(range(len(batches)), [b.replace("_", " ") for b in batches])
+    lat_ax.set_xticks(range(len(settings)), [s.replace("_", " ") for s in settings], fontsize=8)
     lat_ax.set_title("ONNX Runtime latency (ms, median)")
     lat_ax.legend()
-    for ax in (acc_ax, size_ax, lat_ax):
+    for ax in (quality_ax, size_ax, lat_ax):
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title or "fp32 vs int8")
     return _png(fig)

@@ -35,6 +35,7 @@ CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.
 TOKENIZER, VOCAB = "tokenizer.json", "vocab.txt"
 TOKENIZER_CONFIG, IMAGE_PROCESSOR = "tokenizer_config.json", "preprocessor_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
 PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 CACHE_ENV = "RAYTORCH_PRETRAINED_CACHE"  # where remote folders are downloaded (default ~/.cache)
 
@@ -101,11 +102,15 @@ class Pretrained:
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the checkpoint's position table holds (None: images)."""
+        """The longest sequence the checkpoint computes exactly (None: images): its position
+        table, or a shorter sliding attention window (which no family here implements)."""
         text = self.config.get("text_config") or {}  # CLIP's text tower
         value = self.config.get("max_position_embeddings", self.config.get("n_positions"))
         value = value or (text.get("max_position_embeddings") if isinstance(text, dict) else None)
-        return int(value) if value else None
+        if not value:
+            return None
+        window = attention_window(self.config)
+        return min(int(value), window) if window else int(value)
 
     def tokenizer_json(self) -> str:
         """The tokenizer as `tokenizers` serialises it: tokenizer.json as written, or a BERT
@@ -179,6 +184,51 @@ class Pretrained:
                 out[name] = token
         return out
 
+    def generation_config(self) -> dict[str, Any]:
+        """generation_config.json ({} without one)."""
+        if not self.has(GENERATION_CONFIG):
+            return {}
+        try:
+            config = json.loads(self._read(GENERATION_CONFIG))
+        except (OSError, ValueError) as e:
+            raise self.fail(f"{GENERATION_CONFIG} unreadable ({e})") from None
+        if not isinstance(config, dict):
+            raise self.fail(f"{GENERATION_CONFIG} is not a JSON object")
+        return config
+
+    def end_ids(self) -> list[int]:
+        """Every id that ends a generation: generation_config.json's `eos_token_id` (one or a
+        list), config.json's, and the tokenizer's `eos_token`, in that order, each once."""
+        ids: list[int] = []
+        for value in (
+            self.generation_config().get("eos_token_id"),
+            self.config.get("eos_token_id"),
+        ):
+            values = value if isinstance(value, list) else [value]
+            ids += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        eos = self.special_tokens().get("eos_token")
+        token = self.token_id(eos) if eos else None
+        if token is not None:
+            ids.append(token)
+        return list(dict.fromkeys(ids))
+
+    def end_of_text(self) -> int | None:
+        """The token that separates documents of a corpus: the tokenizer's `eos_token`, else the
+        first end id (None: the folder names none)."""
+        eos = self.special_tokens().get("eos_token")
+        token = self.token_id(eos) if eos else None
+        if token is not None:
+            return token
+        ends = self.end_ids()
+        return ends[0] if ends else None
+
+    def token_id(self, token: str) -> int | None:
+        from tokenizers import Tokenizer
+
+        if not self.has(TOKENIZER):
+            return None
+        return Tokenizer.from_str(self.tokenizer_json()).token_to_id(token)
+
     def pad_token(self) -> str:
         token = self.tokenizer_config().get("pad_token") or "[PAD]"
         return token["content"] if isinstance(token, dict) else str(token)
@@ -245,6 +295,26 @@ class Pretrained:
         }
 
 
+def attention_window(config: dict[str, Any]) -> int | None:
+    """The sliding attention window a config.json turns on for some layers (None: every layer
+    attends to every earlier token): Mistral's `sliding_window`; Qwen's, when
+    `use_sliding_window` is set and a layer is of the sliding type (`layer_types`, or those from
+    `max_window_layers` on)."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if "use_sliding_window" not in config:  # Mistral's spelling: the window is on when set
+        return window if config.get("model_type") == "mistral" else None
+    if not config.get("use_sliding_window"):
+        return None
+    layers = int(config.get("num_hidden_layers") or 0)
+    types = config.get("layer_types") or [
+        "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)
+    ]
+    return window if "sliding_attention" in types else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """A tensor of a safetensors file, not read: the file, its name there, and whether the
@@ -298,7 +368,8 @@ def read_by_project(name: str) -> bool:
 
 
 READ = {
-    CONFIG, INDEX, TOKENIZER, VOCAB, TOKENIZER_CONFIG, IMAGE_PROCESSOR, CHAT_TEMPLATE, "README.md"
+    CONFIG, INDEX, TOKENIZER, VOCAB, TOKENIZER_CONFIG, IMAGE_PROCESSOR, CHAT_TEMPLATE,
+    GENERATION_CONFIG, "README.md",
 }  # fmt: skip
 
 

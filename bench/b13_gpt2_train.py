@@ -1,7 +1,7 @@
 """B13 fine-tuning speed at GPT-2 small's size: `python -m jobs.train` on Ray vs plain PyTorch DDP.
 
 The model is GPT-2 small as a Hugging Face folder (124M parameters, random weights from the
-default GPT2Config, written by tests/make_tiny_pretrained.py with a byte-level BPE tokenizer
+default GPT2Config, written by tools/make_tiny_pretrained.py with a byte-level BPE tokenizer
 trained on the standard library), fine-tuned with configs/gpt2-finetune.yaml on the stdlib corpus
 at sequence length 128. Both sides run as a user runs them, side by side in one run (ABAB):
 - Ray: `python -m jobs.train` joining the benchmarks' private Ray (`model.pretrained` loads the
@@ -42,7 +42,7 @@ SMOKE_SIZES = {"n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 2}
 
 
 def gpt2_folder(work: Path, smoke: bool) -> str:
-    from tests.make_tiny_pretrained import make_gpt2
+    from tools.make_tiny_pretrained import make_gpt2
 
     folder = work / ("gpt2-smoke" if smoke else "gpt2-small")
     if not (folder / "model.safetensors").exists():

@@ -35,7 +35,7 @@ def sessions(artifact: Any, checkpoint: str, threads: int) -> dict[str, Any]:
     import torch
 
     from app.evaluate.held_out import torch_predict
-    from app.export.compile_programs import open_program
+    from app.tasks.classify.compiled import open_program
     from app.train.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)

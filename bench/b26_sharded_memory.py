@@ -43,7 +43,7 @@ STRATEGIES = ("ddp", "fsdp", "pipeline", "fsdp-whole")
 
 
 def make_folder(folder: str, sizes: dict[str, int]) -> str:
-    from tests.make_tiny_pretrained import make_gpt2
+    from tools.make_tiny_pretrained import make_gpt2
 
     return make_gpt2(folder, sizes=sizes)
 
@@ -88,9 +88,9 @@ def _worker(rank: int, port: int, strategy: str, folder: str, out: str) -> None:
 def _model(strategy: str, folder: str):
     import torch
 
-    from app.config import TrainConfig
+    from app.config import ModelConfig, TrainConfig
     from app.models import load_pretrained
-    from app.models.gpt import from_gpt2
+    from app.models.families import family_of
     from app.models.init import initialise
     from app.pretrained import open_pretrained
     from app.tasks.lm.train import shifted, token_loss
@@ -100,10 +100,11 @@ def _model(strategy: str, folder: str):
 
     base = open_pretrained(folder)
     pre = types.SimpleNamespace(state={"pretrained": base.record()})
+    family = family_of(base)  # GPT-2 here; any family's folder is measured the same way
 
     def build(meta: bool = False, base_weights: bool = False) -> torch.nn.Module:
         with torch.device("meta") if meta else torch.device("cpu"):
-            model = from_gpt2(base.config, pre, types.SimpleNamespace(dropout=0.0))
+            model = family.build(base.config, pre, ModelConfig(dropout=0.0))
         if not meta:
             initialise(model, SEED)
             if base_weights:

@@ -5,7 +5,7 @@ by wrk (C) so that the client costs little of the 2 shared cores.
   whose replica parses the request and owns the ONNX Runtime session, plus the index) in a
   private Ray started with Serve's high-throughput mode (HAProxy in front, direct ingress to the
   replica: bench.serve_child), one model replica;
-- plain: bench.plain_server, the same FastAPI app and ModelServer in one uvicorn process.
+- plain: bench.plain_server, the same FastAPI app and ClassifierServer in one uvicorn process.
 
 Same serving process count both sides (one), same config (configs/digits.yaml's serve section).
 Every request is one digits row as an Open Inference Protocol v2 JSON infer call. Per connection
@@ -287,7 +287,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
             "and 3 windows of 5 s, alternating; requests/s counts 2xx answers (median of 3), p50 "
             "and p99 are wrk's (median of 3). The Serve side is HAProxy -> the model's replica "
             "(direct ingress; no Serve proxy actor, no second deployment); the plain side is one "
-            "uvicorn process. Both run the same create_api + ModelServer code."
+            "uvicorn process. Both run the same create_api + ClassifierServer code."
         ),
     }
     summary = "; ".join(

@@ -258,6 +258,18 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def source_commit() -> dict[str, Any]:
+    """The checkout a result was measured on: its commit, and whether files differed from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    sha = git("rev-parse", "HEAD")
+    return {"sha": sha or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def write_result(
     id: str,
     metric: str,
@@ -285,6 +297,7 @@ def write_result(
             "mode": mode,
             "elapsed_s": elapsed_s,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "commit": source_commit(),
             "machine": machine(),
             "details": details,
         }

@@ -1,11 +1,11 @@
 """The no-Ray baseline of B5: plain uvicorn + the project's own FastAPI app (app.serve.http.api
-.create_api) with the model server (app.serve.replicas.model_server.ModelServer: artifact -> ONNX Runtime,
+.create_api) with the model server (app.tasks.classify.replica.ClassifierServer: artifact -> ONNX Runtime,
 the same @serve.batch dynamic batching) in the same process.
 
     python -m bench.plain_server --artifact URI --port P [--serve-json '{...ServeConfig...}'] [--one-call]
 
 Only the transport differs from Ray Serve, where each model's replica runs this same app and
-model server (app.serve.replicas.apps.ModelApp) behind Serve's proxy or HAProxy. Outside a Serve replica,
+model server (app.tasks.classify.replica.ClassifierApp) behind Serve's proxy or HAProxy. Outside a Serve replica,
 `@serve.batch` works as a plain asyncio batcher except for one start-up check that asks for the
 replica context; that check (a warning about max_ongoing_requests) is skipped here.
 
@@ -30,7 +30,7 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
     from app.serve.http.gate import IngressMetrics
-    from app.serve.replicas.model_server import ModelServer
+    from app.tasks.classify.replica import ClassifierServer
 
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None  # type: ignore[method-assign]
     cfg = ServeConfig.model_validate(
@@ -42,7 +42,7 @@ def build(artifact_uri: str, serve_config: dict[str, Any], one_call: bool = Fals
             },
         }
     )
-    server = ModelServer(resolve(resolve_uri(artifact_uri)), cfg)
+    server = ClassifierServer(resolve(resolve_uri(artifact_uri)), cfg)
     models = Models.configured({server.artifact.name: LocalModel(server)}, cfg)
     return create_api(cfg, models, IngressMetrics())
 

@@ -1,6 +1,6 @@
-"""Render bench/results/*.json as a Markdown table in README.md, and as PNG charts.
+"""Render bench/results/*.json as a Markdown table in bench/README.md, and as PNG charts.
 
-    python -m bench.render [--results bench/results] [--readme README.md]
+    python -m bench.render [--results bench/results] [--readme bench/README.md]
 
 Replaces what lies between `<!-- bench:start -->` and `<!-- bench:end -->` in the README and
 nothing else; without those markers it prints the table and says so. Each result with a chart
@@ -64,13 +64,27 @@ def describe_machine(results: list[dict[str, Any]]) -> str:
     return text
 
 
+def measured_on(result: dict[str, Any]) -> str:
+    """The commit (`+` when the tree differed from it) and day a result was measured; results
+    from before commits were recorded say so."""
+    commit = result.get("commit") or {}
+    day = str(result.get("created", ""))[:10] or "?"
+    if not commit.get("sha"):
+        return f"not recorded, {day}"
+    return f"`{commit['sha'][:7]}{'+' if commit.get('dirty') else ''}`, {day}"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     met = {True: "yes", False: "**no**", None: "n/a"}
-    lines = ["| id | what | goal | measured | met |", "|---|---|---|---|---|"]
+    lines = [
+        "| id | what | goal | measured | met | commit, date |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         lines.append(
             f"| {_cell(r['id'])} | {_cell(r.get('what'))} | {_cell(r['goal'])} | "
-            f"{_cell(r.get('summary') or r['value'])} | {met.get(r['met'], _cell(r['met']))} |"
+            f"{_cell(r.get('summary') or r['value'])} | {met.get(r['met'], _cell(r['met']))} | "
+            f"{measured_on(r)} |"
         )
     dates = sorted(r.get("created", "") for r in results if r.get("created"))
     modes = sorted({r.get("mode", "?") for r in results})
@@ -107,7 +121,9 @@ def replace_block(text: str, block: str) -> str | None:
     return pattern.sub(lambda _: f"{START}\n{block}{END}", text, count=1)
 
 
-def render(results_dir: str | Path = RESULTS_DIR, readme: str | Path = REPO / "README.md") -> str:
+def render(
+    results_dir: str | Path = RESULTS_DIR, readme: str | Path = REPO / "bench" / "README.md"
+) -> str:
     results = load_results(results_dir)
     if not results:
         print(f"render: no results in {results_dir}", file=sys.stderr)
@@ -131,7 +147,7 @@ def render(results_dir: str | Path = RESULTS_DIR, readme: str | Path = REPO / "R
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default=str(RESULTS_DIR))
-    p.add_argument("--readme", default=str(REPO / "README.md"))
+    p.add_argument("--readme", default=str(REPO / "bench" / "README.md"))
     args = p.parse_args(argv)
     render(args.results, args.readme)
 

@@ -1,4 +1,5 @@
-"""Run the benchmarks and print their ratios; `make bench` runs this, then renders the README table.
+"""Run the benchmarks and print their ratios; `make bench` runs this, then renders the table in
+bench/README.md.
 
     python -m bench.run_all [--smoke] [--out DIR] [--only B1,B3] [--work DIR] [--no-render]
 
@@ -7,7 +8,7 @@ writes `<out>/<id>.json`. They share one scratch folder (prepared data, the B1 t
 reuses, exported artifacts) and one private Ray cluster started here (`address="local"`: never the
 machine's default cluster), whose address they get in $BENCH_RAY_ADDRESS. A benchmark that fails
 or runs out of time still gets a result file (met false, the error in details) and makes the exit
-code 1. Full mode writes bench/results/*.json and then updates the README table (bench.render);
+code 1. Full mode writes bench/results/*.json and then updates the table in bench/README.md (bench.render);
 smoke mode writes to bench/results/smoke/ (or --out) and renders nothing.
 """
 
@@ -65,7 +66,9 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--only", help="comma-separated ids, e.g. B1,B3")
     p.add_argument("--work", help="scratch folder to keep (default: a temporary one)")
-    p.add_argument("--no-render", action="store_true", help="do not update the README table")
+    p.add_argument(
+        "--no-render", action="store_true", help="do not update the table in bench/README.md"
+    )
     args = p.parse_args(argv)
     args.out = args.out or str(SMOKE_DIR if args.smoke else RESULTS_DIR)
     known = {b.upper(): b for b in BENCHMARKS}  # any case: b5a, B5A and B5a are B5a

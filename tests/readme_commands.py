@@ -5,7 +5,7 @@ line of its code blocks, and which test runs each.
   (tests/e2e/conftest.py:readme_chain), on the suite's cluster.
 - `PRETRAINED`: the pipelines on downloaded folders, run in `make test-all` by
   tests/e2e/test_pretrained.py (marked slow) with `model.pretrained=` a tiny folder
-  (tests/make_tiny_pretrained.py) and small data.
+  (tools/make_tiny_pretrained.py) and small data.
 - `LATER`: run by `make test-all` (tests/e2e/test_readme_commands.py, marked slow), each with
   the overrides it maps to.
 - `SEEDED`: run by `make test-all` once per seed (`train.seed=S`), its summary checked.
@@ -46,6 +46,8 @@ BUDGETS = {
     "tune": ["tune.num_trials=2", "tune.grace_period=1", "train.epochs=1", "train.num_workers=1"],
 }
 PRETRAINED = {
+    "qwen2": "python -m jobs.pipeline --config configs/gpt2-finetune.yaml"
+    " model.pretrained=models/qwen2.5-0.5b-instruct",
     "gpt2": "python -m jobs.pipeline --config configs/gpt2-finetune.yaml",
     "bert": "python -m jobs.pipeline --config configs/bert-text.yaml"
     " model.pretrained=models/bert-base-uncased",

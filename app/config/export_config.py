@@ -13,6 +13,9 @@ class ExportConfig(Section):
     registry: str = "outputs/registry"  # where artifacts are published (a path or URI)
     name: str | None = Field(None, pattern=NAME_PATTERN)  # default: the workload name
     opset: int = Field(17, ge=13)  # ONNX opset of the exported graphs
+    # A graph whose weights pass this many bytes keeps them in one external-data file beside it
+    # (`model.onnx.data`, hashed in the manifest): protobuf holds no message over 2 GB.
+    external_data_bytes: int = Field(1_800_000_000, ge=0)
     # auto: static everywhere, else static on the Linear layers alone, else weight-only (each
     # batch-independent: app/export/quantize.py); dynamic scales activations per call.
     quantization: Literal["auto", "dynamic", "static", "static_linear"] = "auto"

@@ -63,11 +63,13 @@ class TrainConfig(Section):
     # embeddings, or the whole backbone (only the new classifier head trains).
     freeze: Literal["none", "embeddings", "backbone", "image", "text", "towers"] = "none"
     # LoRA adapters of this rank on the Linear layers named (by dotted suffix) in
-    # `lora_targets`; the rest of the backbone is frozen. 0: off. Adapters are merged into
-    # the weights at export, so the artifact and serving are unchanged.
+    # `lora_targets` (null: the model's own defaults: a Llama-style decoder's every attention
+    # and MLP projection, else query, value and attn.qkv); the rest of the backbone is frozen.
+    # 0: off. Adapters are merged into the weights at export: the artifact and serving are
+    # unchanged.
     lora_rank: int = Field(0, ge=0)
     lora_alpha: float = Field(16.0, gt=0)
-    lora_targets: list[str] = Field(default_factory=lambda: ["query", "value", "attn.qkv"])
+    lora_targets: list[str] | None = None
     # At most this many optimizer steps per epoch (null: the whole train split). Bounds an
     # epoch on a large corpus: each epoch then trains on a fresh seeded sample of the split.
     max_steps_per_epoch: int | None = Field(None, ge=1)

@@ -9,9 +9,10 @@ train and val and adding files moves none that were there.
 Two passes at most. Unless the pretrained model brings its own tokenizer, one task streams the
 train documents into a byte-level BPE trainer (it holds the trainer's word counts, not the
 text) and returns the tokenizer. Then a task a piece (a run of documents of about
-DOCUMENT_BYTES_PER_PIECE) encodes each document followed by an end-of-text token and packs each
-split's tokens into rows of `model.max_length + 1`: a row holds a sequence and, shifted by one,
-its next-token targets. Consecutive rows overlap by one token, so every token but the first of
+DOCUMENT_BYTES_PER_PIECE) encodes each document followed by the end-of-text token (the trained
+tokenizer's `<|endoftext|>`, or the pretrained folder's own `eos_token`) and packs each split's
+tokens into rows of `model.max_length + 1`: a row holds a sequence and, shifted by one, its
+next-token targets. Consecutive rows overlap by one token, so every token but the first of
 a piece's split is a target exactly once; the tail shorter than a row is dropped.
 
 The tokenizer travels with the dataset (`tokenizer.json`, hashed in the manifest like a shard),
@@ -33,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from app.config import Config
-from app.data.kinds.tokens import Tokens
+from app.data.kinds.tokens import EOS, Tokens
 from app.data.pieces import (
     SPLITS,
     PieceResult,
@@ -46,9 +47,9 @@ from app.data.pieces import (
 )
 from app.data.preprocess import PretrainedLookup
 from app.errors import UserError
+from app.pretrained import Pretrained
 
 log = logging.getLogger(__name__)
-EOS = "<|endoftext|>"  # separates documents; the only special token
 TOKENIZER_FILE = "tokenizer.json"
 TOKENS_COLUMN = "input_ids"
 STDLIB = "{stdlib}"  # in data.path: this Python's standard library folder
@@ -79,6 +80,7 @@ class Encoding:
     tokenizer: str  # the tokenizer as `tokenizers` serialises it
     block: int
     skip_bad_rows: bool
+    separator: int  # the end-of-text token's id, after every document
     max_examples: int = 5
 
 
@@ -102,7 +104,7 @@ def planned(config: Config, tasks: Tasks, folder: str, bases: PretrainedLookup) 
     else:  # the pretrained model's own tokenizer: none is trained
         tokenizer = base.tokenizer_json()
     block = config.model.sequence_length(base.max_positions if base else None)
-    encoding = Encoding(tokenizer, block, cfg.skip_bad_rows)
+    encoding = Encoding(tokenizer, block, cfg.skip_bad_rows, end_of_text(tokenizer, base))
     return SourcePlan(
         kind="tokens",
         features=(TOKENS_COLUMN,),
@@ -129,6 +131,20 @@ def planned(config: Config, tasks: Tasks, folder: str, bases: PretrainedLookup) 
             "documents, raise data.val_fraction or lower model.max_length"
         ),
     )
+
+
+def end_of_text(tokenizer: str, base: Pretrained | None) -> int:
+    """The token after every document: the folder's own end of text, or the trained one's."""
+    from tokenizers import Tokenizer
+
+    token = base.end_of_text() if base else Tokenizer.from_str(tokenizer).token_to_id(EOS)
+    if token is None:
+        assert base is not None
+        raise base.fail(
+            "no end-of-text token to separate documents with (tokenizer_config.json eos_token, "
+            "generation_config.json or config.json eos_token_id)"
+        )
+    return token
 
 
 def listed(path: str, exclude_dirs: list[str]) -> tuple[Documents, list[int]]:
@@ -284,7 +300,7 @@ def prepare_piece(piece: CorpusPiece, target: Target, encoding: Encoding) -> Pie
     tokenizer = Tokenizer.from_str(encoding.tokenizer)
     writer = ShardWriter(target, piece.index, schema(encoding.block))
     for code, documents in texts.items():
-        ids = encode_documents(tokenizer, documents)
+        ids = encode_documents(tokenizer, documents, encoding.separator)
         rows = pack(ids, encoding.block)
         log.debug(
             "piece %d, %s: %d tokens, %d rows", piece.index, SPLITS[code], len(ids), len(rows)
@@ -296,13 +312,10 @@ def prepare_piece(piece: CorpusPiece, target: Target, encoding: Encoding) -> Pie
     return out
 
 
-def encode_documents(tokenizer, texts: list[str]) -> np.ndarray:
-    """All documents' token ids in order, each followed by the end-of-text token."""
-    eos = tokenizer.token_to_id(EOS)
-    if eos is None:
-        raise UserError(f"the tokenizer has no {EOS} token to separate documents with")
+def encode_documents(tokenizer, texts: list[str], separator: int) -> np.ndarray:
+    """All documents' token ids in order, each followed by the end-of-text token `separator`."""
     encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    pieces = [np.asarray([*e.ids, eos], dtype=np.int32) for e in encoded]
+    pieces = [np.asarray([*e.ids, separator], dtype=np.int32) for e in encoded]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
 
 

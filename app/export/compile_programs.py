@@ -1,9 +1,9 @@
 """Programs beside the ONNX graphs (`export.formats`): the model torch.export'ed, then compiled
 by AOTInductor (`model.pt2`) or lowered to ExecuTorch's XNNPACK delegate (`model.pte`, and
 `model.int8.pte` quantized by the PT2E XNNPACK quantizer with static scales calibrated on train
-rows). Each goes through the gate the ONNX variants do: fp32 programs agree with torch within
-`export.parity_tolerance`, int8 ones lose at most `export.max_accuracy_drop` against fp32, and
-every one gives a row the same answer alone as in a batch. A program that cannot be built or
+rows). Each goes through its task's check, the gate its ONNX variants pass (a classifier's in
+app/tasks/classify/compiled.py, a retrieval model's in app/tasks/retrieval/export.py), and
+every one must give a row the same answer alone as in a batch. A program that cannot be built or
 fails a check is left out of the artifact and the report says why; the ONNX variants publish
 either way.
 """
@@ -23,13 +23,7 @@ import torch
 from torch import nn
 
 from app.config import Config
-from app.data.preprocess import Preprocessor
-from app.evaluate.held_out import labeled_batches, predictions, torch_predict
-from app.export import quantize as q
-from app.export.measure import allowed_drop_points, batch_drift, latency_ms
-from app.runtime import artifact as art
 from app.runtime import programs as prg
-from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
 MAX_PTE_BATCH = 1024  # ExecuTorch plans its memory for the largest batch a program takes
@@ -97,14 +91,6 @@ def open_session(
     if variant == "aoti":
         return prg.aoti_session(data, inputs, threads)
     return prg.executorch_session(data, inputs)
-
-
-def open_program(
-    variant: str, data: bytes, pre: Preprocessor, threads: int = 1
-) -> prg.ProgramSession:
-    """A classifier's program as a session (export's speed check, B21)."""
-    names = pre.input_names()
-    return open_session(variant, data, names, names if pre.variable_length else [], threads)
 
 
 def build_aoti(subject: Subject) -> bytes:
@@ -201,74 +187,6 @@ def build_variant(
     if why:
         return {"published": False, "reason": why, **measured}, {}
     return {"published": True, **measured}, data
-
-
-def build_programs(
-    config: Config,
-    loaded: LoadedCheckpoint,
-    sample: dict[str, np.ndarray],
-    work: str,
-    report: dict[str, Any],
-) -> dict[str, prg.ProgramInfo]:
-    """A classifier's programs (one graph, `model`), checked as its ONNX variants are."""
-    report["programs"] = {}
-    if not wanted(config):
-        return {}
-    pre = loaded.preprocessor
-    names = pre.input_names()
-    subject = Subject(
-        Positional(loaded.model, names).eval(),
-        names,
-        names if pre.variable_length else [],
-        sample,
-        lambda: q.calibration_inputs(config, pre),
-    )
-    with torch.no_grad():
-        torch_logits = torch_predict(loaded.model)(sample)
-    check = ClassifierCheck(config, pre, sample, torch_logits, report)
-    return build_all(config, {"model": subject}, check, work, report)
-
-
-class ClassifierCheck:
-    """A classifier program against torch (parity), ONNX fp32 (val accuracy) and itself
-    (batch drift), by the export gate's rules."""
-
-    def __init__(self, config: Config, pre: Preprocessor, sample, torch_logits, report):
-        self.config, self.pre, self.sample, self.torch_logits = config, pre, sample, torch_logits
-        self.fp32_accuracy = report["accuracy"]["onnx_fp32"]
-        self.accuracy_rows = report["accuracy_rows"]
-
-    def __call__(self, variant: str, sessions: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-        session, e = sessions["model"], self.config.export
-        logits = art.run_logits(session, self.sample)
-        y_true, y_pred = predictions(
-            lambda x: art.run_logits(session, x), labeled_batches(self.config, self.pre, "val")
-        )
-        m = {
-            "max_abs_diff": float(np.abs(logits - self.torch_logits).max()),
-            "accuracy": float((y_true == y_pred).mean()),
-            "batch_drift": batch_drift(session, self.sample),
-            "latency_ms": latency_ms(session, self.sample, e.latency_repeats),
-        }
-        return m, self.refusal(PRECISION[variant], m)
-
-    def refusal(self, precision: str, m: dict[str, Any]) -> str | None:
-        e = self.config.export
-        if precision == "fp32" and m["max_abs_diff"] > e.parity_tolerance:
-            return (
-                f"differs from torch by {m['max_abs_diff']:.3g} (max abs logit diff), above "
-                f"export.parity_tolerance={e.parity_tolerance}"
-            )
-        if why := drift_refusal(m["batch_drift"], e.parity_tolerance):
-            return why
-        drop = 100 * (self.fp32_accuracy - m["accuracy"])
-        rows = {"accuracy_rows": self.accuracy_rows}
-        if drop > allowed_drop_points(rows, e.max_accuracy_drop) + 1e-9:
-            return (
-                f"accuracy {100 * m['accuracy']:.2f}% is {drop:.2f} points below ONNX fp32, more "
-                f"than export.max_accuracy_drop={e.max_accuracy_drop}"
-            )
-        return None
 
 
 def drift_refusal(drift: float, tolerance: float) -> str | None:

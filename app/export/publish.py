@@ -1,6 +1,5 @@
-"""Publishing an export: the gate checks every task shares, the artifact's metadata and
-manifest, and the registry's versioned, all-or-nothing publish. Imported by each task's export
-path; it imports neither of them.
+"""Publishing an export: the artifact's metadata and manifest, and the registry's versioned,
+all-or-nothing publish (app/export/exporter.py calls it once the gate has passed).
 """
 
 from __future__ import annotations
@@ -15,30 +14,10 @@ import torch
 
 from app import storage
 from app.config import Config
-from app.errors import GateError, UserError
+from app.errors import UserError
 from app.runtime import artifact as art
 from app.runtime import programs as prg
 from app.train.checkpoint import LoadedCheckpoint
-
-
-def gate_parity_and_size(report: dict[str, Any], config: Config, compared: str) -> None:
-    """The gate's checks every task shares: ONNX fp32 against torch (`compared` says on what),
-    and int8's size against fp32's."""
-    e = config.export
-    parity = report["parity"]["max_abs_diff"]
-    if parity > e.parity_tolerance:
-        raise GateError(
-            f"export refused: ONNX fp32 differs from torch by {parity:.3g} (max abs logit diff"
-            f"{compared}), above export.parity_tolerance={e.parity_tolerance}",
-            report,
-        )
-    ratio = report["size_ratio_int8"]
-    if e.max_size_ratio is not None and ratio > e.max_size_ratio:
-        raise GateError(
-            f"export refused: int8 model is {ratio:.2f}x the fp32 size, above "
-            f"export.max_size_ratio={e.max_size_ratio}",
-            report,
-        )
 
 
 def write_metadata(
@@ -88,21 +67,6 @@ def write_metadata(
         programs=programs or {},
     )
     manifest.write(os.path.join(work, art.MANIFEST))
-
-
-# protobuf's limit on one message: an ONNX file holding its weights inline cannot pass it.
-ONNX_LIMIT_BYTES = 2 * 10**9
-
-
-def check_onnx_fits(model: Any, checkpoint_uri: str) -> None:
-    """Refuse, before exporting, a model whose fp32 weights alone pass 2 GB: the artifact is one
-    self-contained ONNX file per variant (the runtime refuses external data)."""
-    size = sum(p.numel() * 4 for p in model.parameters())  # tied weights counted once
-    if size > ONNX_LIMIT_BYTES:
-        raise UserError(
-            f"{checkpoint_uri}: the fp32 ONNX file would hold {size / 1e9:.2f} GB of weights, "
-            "over ONNX's 2 GB single-file limit; the artifact has no external-data form"
-        )
 
 
 def base_model(pre) -> dict[str, Any] | None:

@@ -126,7 +126,12 @@ def activation_matmuls(path: str) -> list[str]:
 
 
 def quantize_weight_only(
-    fp32: str, int8: str, exclude: list[str] | None = None, int8_compute: bool = True
+    fp32: str,
+    int8: str,
+    exclude: list[str] | None = None,
+    int8_compute: bool = True,
+    gemm_weights: bool = False,
+    external_bytes: int | None = None,
 ) -> None:
     """int8 weights (onnxruntime's weight-only `MatMulNBits`, 8 bits, symmetric blocks of
     WEIGHT_BLOCK along each weight's input dimension), embedding tables too
@@ -134,10 +139,17 @@ def quantize_weight_only(
     quantized in the kernel (MLAS's int8 path); `int8_compute=False` keeps fp32 arithmetic on
     dequantized blocks, a path that dequantizes whole weights per call and runs slower than fp32
     ONNX (GPT-2 small decoded 7x slower, a BERT-base row 2.4x). Either way no scale spans rows,
-    so a row's result depends on that row alone."""
+    so a row's result depends on that row alone. `gemm_weights`: a Gemm's constant weight
+    (a language model's head, which reads its matrix untransposed) is quantized too, as a
+    MatMul. A graph over `external_bytes` is saved with external data."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
+    from app.export.onnx_graph import save_graph
+
+    source = onnx.load(fp32)
+    if gemm_weights:
+        gemm_as_matmul(source)
     ops = ("MatMul",)
     axes = (("MatMul", 0),)
     level = 4 if int8_compute else 1  # onnxruntime's accuracy_level: 4 = int8, 1 = fp32
@@ -150,7 +162,7 @@ def quantize_weight_only(
         quant_axes=axes,
     )
     quantizer = nbits.MatMulNBitsQuantizer(
-        onnx.load(fp32),
+        source,
         bits=8,
         block_size=WEIGHT_BLOCK,
         is_symmetric=True,
@@ -163,7 +175,55 @@ def quantize_weight_only(
     quantizer.process()
     model = quantizer.model.model
     quantize_embeddings(model)
-    onnx.save_model(model, int8)
+    save_graph(model, int8, external_bytes)
+
+
+def is_zero(graph: Any, name: str) -> bool:
+    from onnx import numpy_helper
+
+    found = [i for i in graph.initializer if i.name == name]
+    return bool(found) and not numpy_helper.to_array(found[0]).any()
+
+
+def gemm_as_matmul(model: Any) -> None:
+    """Each Gemm (alpha and beta 1, A untransposed) whose B is a constant matrix becomes a
+    MatMul on its own [in, out] copy of B, plus an Add of C unless C is zero: the form
+    MatMulNBits quantizes. A B that a Gather reads too (a tied embedding) keeps its table for
+    the Gather."""
+    from onnx import helper
+
+    graph = model.graph
+    tables = {i.name: i for i in graph.initializer if len(i.dims) == 2}
+    nodes = []
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        plain = attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if node.op_type == "Gemm" and node.input[1] in tables and not attrs.get("transA") and plain:
+            nodes += as_matmul(graph, node, tables[node.input[1]], bool(attrs.get("transB")))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input}
+    for initializer in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(initializer)
+
+
+def as_matmul(graph: Any, gemm: Any, table: Any, transposed: bool) -> list[Any]:
+    """One Gemm's MatMul (and Add) nodes, its weight added as an [in, out] initializer."""
+    from onnx import helper, numpy_helper
+
+    weight = numpy_helper.to_array(table)
+    name = f"{table.name}_matmul"
+    graph.initializer.append(
+        numpy_helper.from_array(np.ascontiguousarray(weight.T if transposed else weight), name)
+    )
+    bias = gemm.input[2] if len(gemm.input) > 2 and not is_zero(graph, gemm.input[2]) else None
+    product = f"{gemm.output[0]}_product" if bias else gemm.output[0]
+    nodes = [helper.make_node("MatMul", [gemm.input[0], name], [product], name=gemm.name)]
+    if bias:
+        nodes.append(helper.make_node("Add", [product, bias], [gemm.output[0]]))
+    return nodes
 
 
 def quantize_embeddings(model: Any, min_elements: int = 1024) -> None:

@@ -164,7 +164,8 @@ def stored_weights(pre: Preprocessor) -> dict[str, Stored]:
     stored: dict[str, Stored] = {}
     for prefix, record in pretrained_records(pre):
         base = _unchanged(record)
-        stored |= {prefix + k: v for k, v in family_of(base).rename(base.stored()).items()}
+        renamed = family_of(base).rename(base.stored(), base.config)
+        stored |= {prefix + k: v for k, v in renamed.items()}
     return stored
 
 
@@ -192,7 +193,8 @@ def load_folder(model: nn.Module, record: dict[str, Any], prefix: str) -> None:
     from app.models.families import family_of
 
     base = _unchanged(record)
-    state = {prefix + k: v for k, v in family_of(base).rename(base.weights()).items()}
+    renamed = family_of(base).rename(base.weights(), base.config)
+    state = {prefix + k: v for k, v in renamed.items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch: torch lists them, the first says enough

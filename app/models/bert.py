@@ -122,5 +122,7 @@ RULES = [
 IGNORE = r"(cls|classifier|qa_outputs)\..*|embeddings\.position_ids"
 
 
-def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rename(
+    state: dict[str, torch.Tensor], arch: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     return renamed(state, ("bert.",), RULES, IGNORE)

@@ -141,5 +141,7 @@ RULES = [
 IGNORE = r".*position_ids"
 
 
-def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rename(
+    state: dict[str, torch.Tensor], arch: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     return renamed(state, (), RULES, IGNORE)

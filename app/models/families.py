@@ -24,12 +24,15 @@ from app.data.kinds.image_text import ImageText
 from app.data.kinds.text import Text
 from app.data.kinds.tokens import Tokens
 from app.data.preprocess import Preprocessor
-from app.models import bert, clip, gpt, vit
+from app.models import bert, clip, gpt, llama, vit
 from app.models.dual_encoder import DualEncoder, Pooled, from_scratch
 from app.pretrained import IMAGE_PROCESSOR, TOKENIZER, VOCAB, Pretrained, open_pretrained
 
 Build = Callable[[dict[str, Any], Any, ModelConfig], nn.Module]
-Rename = Callable[[dict[str, Any]], dict[str, Any]]
+# (the folder's tensors, its config.json as settled) -> the module's state dict
+Rename = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+# an opened folder -> what its weights settle that config.json does not say (a tied head)
+Settle = Callable[[Pretrained], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Family:
     divides: tuple[tuple[str, str], ...] = ()  # (width, heads): the heads split the width
     vocab: str | None = None  # the size its tokenizer's ids index (embedding rows)
     also: tuple[str, ...] = ()  # files it needs besides its preprocessing's
+    settle: Settle | None = None
 
 
 LAYERS, WIDTH, VOCAB_ROWS, POSITIONS = 1024, 2**16, 2**22, 2**20
@@ -54,9 +58,35 @@ ENCODER = {
     "num_attention_heads": 1024,
     "intermediate_size": 2**18,
 }
+# The Llama-style decoders: one module (app/models/llama.py), each model_type's differences as config.
+DECODER_SIZES = {
+    "num_hidden_layers": LAYERS,
+    "hidden_size": WIDTH,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "intermediate_size": 2**18,
+    "vocab_size": VOCAB_ROWS,
+    "max_position_embeddings": POSITIONS,
+}
+DECODERS = tuple(
+    Family(
+        model_type,
+        Tokens,
+        llama.from_config,
+        llama.rename,
+        (TOKENIZER,),
+        sizes=DECODER_SIZES,
+        optional=("num_key_value_heads", "head_dim"),
+        vocab="vocab_size",
+        settle=llama.settled,
+    )
+    for model_type in ("llama", "mistral", "qwen2", "qwen3")
+)
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
+        *DECODERS,
         Family(
             "gpt2",
             Tokens,
@@ -145,6 +175,8 @@ def family_of(base: Pretrained) -> Family:
         if not base.has(name):
             raise base.fail(f"missing {name}")
     check_sizes(base, found)
+    if found.settle is not None:  # the architecture as the module reads it (base.record())
+        base.config.update(found.settle(base))
     check_weights(base, found)
     if found.vocab:
         check_tokenizer(base, found.vocab)
@@ -180,7 +212,9 @@ def check_weights(base: Pretrained, found: Family) -> None:
     import torch
 
     shapes = base.tensor_shapes()
-    folder = found.rename({n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    folder = found.rename(
+        {n: torch.empty(s, device="meta") for n, s in shapes.items()}, base.config
+    )
     stand_in = SimpleNamespace(labels=["a", "b"], state={"pretrained": {"has_pooler": False}})
     with torch.device("meta"):
         model = found.build(base.config, stand_in, ModelConfig())

@@ -7,14 +7,16 @@ training (FSDP) wraps one by one.
 
 `forward(input_ids)` returns next-token logits for every position. `decode(input_ids, past)`
 is the same computation that also takes and returns each block's keys and values, so generation
-can feed one new token at a time instead of recomputing the prefix (a KV cache).
+can feed one new token at a time instead of recomputing the prefix (a KV cache); `step` is it
+written for tracing, the contract every causal LM family keeps (app/models/llama.py too).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +153,57 @@ class GPT(nn.Module):
             presents.append(present)
         return self.head(self.norm(x)), presents
 
+    # --- the KV-cache contract every causal LM family keeps (app/tasks/lm/export.py) -------
+
+    @property
+    def kv_heads(self) -> int:
+        return cast(Block, self.blocks[0]).attn.heads
+
+    @property
+    def head_dim(self) -> int:
+        return cast(Block, self.blocks[0]).attn.head_dim
+
+    def head_weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.head_weight())
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`decode` written for tracing: the same weights and arithmetic, every shape taken from
+        tensors and the mask always explicit (`decode` picks its mask with Python branches on
+        the lengths, which a trace would freeze). Each row says where its tokens sit
+        (`position_ids` [batch, tokens]) and which cache slots hold its keys (`attention_mask`
+        [batch, past + tokens], 1 or 0): streams of different lengths share a step, each cache
+        left-padded and its padding masked out. Returns the hidden states (before the final
+        norm) and the cache extended by the tokens."""
+        batch, tokens = input_ids.shape
+        start = past[0].shape[2]
+        query_slots = torch.arange(tokens, device=input_ids.device) + start
+        key_slots = torch.arange(attention_mask.shape[1], device=input_ids.device)
+        causal = key_slots.unsqueeze(0) <= query_slots.unsqueeze(1)  # [tokens, slots]
+        visible = causal[None, None] & (attention_mask[:, None, None, :] > 0)
+        x = self.tokens(input_ids) + self.positions(position_ids)
+        presents: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            block = cast(Block, block)
+            attn = block.attn
+            qkv = attn.qkv(block.norm1(x)).reshape(batch, tokens, 3, attn.heads, attn.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            k = torch.cat([past[2 * i], k], dim=2)
+            v = torch.cat([past[2 * i + 1], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+            x = x + attn.proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+            x = x + block.mlp(block.norm2(x))
+            presents += [k, v]
+        return x, presents
+
 
 # --- GPT-2 checkpoints (model.pretrained with model_type gpt2, app/pretrained.py) ---------------
 
@@ -188,7 +241,9 @@ GPT2_IGNORE = r"lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias)"
 CONV1D = r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight"
 
 
-def rename_gpt2(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rename_gpt2(
+    state: dict[str, torch.Tensor], arch: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     import re
 
     from app.models.encoder import block_rules, renamed

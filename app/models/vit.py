@@ -111,5 +111,7 @@ RULES = [
 IGNORE = r"classifier\..*|embeddings\.mask_token"
 
 
-def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rename(
+    state: dict[str, torch.Tensor], arch: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     return renamed(state, ("vit.",), RULES, IGNORE)

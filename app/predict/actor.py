@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -14,10 +15,9 @@ import pyarrow.compute as pc
 from app.config import Config
 from app.data.checks import MISSING, values_of
 from app.data.preprocess import Column
-from app.predict.row_checks import CheckedBatch, InputSpec, check_batch, json_line_columns
+from app.predict.row_checks import CheckedBatch, Format, InputSpec, json_line_columns
 from app.registry import Part
-from app.runtime.artifact import open_artifact, run_logits
-from app.runtime.rows import softmax
+from app.runtime.artifact import open_artifact
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +30,29 @@ REASON, ROW, ID_TEXT = "_reason", "_row", "_id_text"
 MODEL_NAME, MODEL_VERSION = "model_name", "model_version"
 
 
+@dataclass(frozen=True)
+class PredictInput:
+    """What a task's scorer reads an input by: the artifact's schema, the id column, the
+    input's format and the columns its header holds, the job's config and the input's URI."""
+
+    schema: dict[str, Any]
+    id_column: str
+    format: Format
+    present: list[str]
+    config: Config
+    source: str
+
+
 class Scorer(Protocol):
     """A task's batch inference (jobs.predict): a Ray Data callable class built once per actor,
-    each batch in, one table of its outputs and its rejected rows out (`predictions_table`),
-    and the input columns it reads."""
+    each batch in, one table of its outputs and its rejected rows out (`outputs_table`), and
+    the input columns it reads (`input_spec`)."""
 
     def __call__(
         self, artifact_uri: str, variant: str, threads: int, spec: InputSpec, /
     ) -> Any: ...
 
-    def input_spec(
-        self,
-        schema: dict[str, Any],
-        id_column: str,
-        fmt: str,
-        present: list[str],
-        config: Config,
-        source: str,
-        /,
-    ) -> InputSpec: ...
+    def input_spec(self, request: PredictInput, /) -> InputSpec: ...
 
 
 PREDICTOR = Part[Scorer]("predictor")
@@ -86,50 +90,6 @@ class ArtifactBatches:
             for c in self.spec.columns
         }
         return columns, batch.num_rows, [None] * batch.num_rows, None
-
-
-class Predictor(ArtifactBatches):
-    """A classifier's batches: labels and probabilities."""
-
-    @staticmethod
-    def input_spec(
-        schema: dict[str, Any],
-        id_column: str,
-        fmt: str,
-        present: list[str],
-        config: Config,
-        source: str,
-    ) -> InputSpec:
-        return InputSpec.of(schema, id_column, fmt)
-
-    def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
-        super().__init__(artifact_uri, spec)
-        self.session = self.artifact.session(variant, threads)
-        self.labels = np.asarray(self.artifact.preprocessor.labels, dtype=object)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        columns, n, known, where = self.columns(batch)
-        checked = check_batch(columns, n, self.spec, known)
-        outputs = classifier_outputs(self._probabilities(checked), self.labels)
-        return outputs_table(columns, self.spec.id_column, checked, outputs, where, self.meta)
-
-    def _probabilities(self, checked: CheckedBatch) -> np.ndarray:
-        if not len(checked.good):
-            return np.zeros((0, len(self.labels)), np.float32)
-        inputs = self.artifact.preprocessor.features(checked.raw)
-        return softmax(run_logits(self.session, inputs)).astype(np.float32)
-
-
-def classifier_outputs(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, pa.Array]:
-    """Each good row's label (the likeliest) and its probabilities."""
-    flat = pa.array(probabilities.reshape(-1), pa.float32())
-    chosen = labels[probabilities.argmax(1)].tolist() if len(probabilities) else []
-    return {
-        "label": pa.array(chosen, pa.string()),
-        "probabilities": pa.FixedSizeListArray.from_arrays(flat, probabilities.shape[1]).cast(
-            pa.list_(pa.float32())
-        ),
-    }
 
 
 def outputs_table(

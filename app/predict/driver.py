@@ -15,9 +15,9 @@ from app import storage
 from app.config import Config, PredictConfig
 from app.data.prepare import Shard
 from app.errors import UserError
-from app.predict.actor import PREDICTOR, Scorer
+from app.predict.actor import PREDICTOR, PredictInput, Scorer
 from app.predict.read import check_columns, header, input_files, pieces_of
-from app.predict.row_checks import InputSpec
+from app.predict.row_checks import Format, InputSpec
 from app.predict.worker import PieceWorker
 from app.predict.write import (
     REJECTS,
@@ -141,7 +141,7 @@ def input_spec_of(
     config: Config,
     input_uri: str,
     id_column: str,
-    found: tuple[str, list[str]],
+    found: tuple[Format, list[str]],
 ) -> InputSpec:
     """What the task reads of this input; a folder of pictures only by a retrieval model."""
     fmt, files = found
@@ -150,8 +150,8 @@ def input_spec_of(
             f"{input_uri}: a folder of pictures is embedded by a retrieval model; "
             f"{artifact.name} reads {artifact.schema['kind']} rows"
         )
-    present = header(files, fmt)
-    return scorer.input_spec(artifact.schema, id_column, fmt, present, config, input_uri)
+    request = PredictInput(artifact.schema, id_column, fmt, header(files, fmt), config, input_uri)
+    return scorer.input_spec(request)
 
 
 def discard_run(output: str, run: str, existed: bool) -> None:

@@ -9,7 +9,7 @@ import io
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 from app import storage
 from app.data.pictures import PICTURE_EXTENSIONS
 from app.errors import UserError
-from app.predict.row_checks import InputSpec, missing_columns
+from app.predict.row_checks import Format, InputSpec, missing_columns
 
 log = logging.getLogger(__name__)
 
 
-FORMATS: dict[str, Literal["parquet", "csv", "jsonl", "pictures"]] = {
+FORMATS: dict[str, Format] = {
     ".parquet": "parquet",
     ".csv": "csv",
     ".jsonl": "jsonl",
@@ -30,7 +30,7 @@ FORMATS: dict[str, Literal["parquet", "csv", "jsonl", "pictures"]] = {
 }
 
 
-def input_files(uri: str) -> tuple[Literal["parquet", "csv", "jsonl", "pictures"], list[str]]:
+def input_files(uri: str) -> tuple[Format, list[str]]:
     """A file, a folder of files of one format (by extension; hidden and `_` files skipped),
     or a folder of pictures (PNG/JPEG, in its subfolders too): ("pictures", [the folder])."""
     uri = uri.rstrip("/")
@@ -66,7 +66,7 @@ def picture_names(folder: str) -> list[str]:
     ]
 
 
-def _format_of(name: str) -> Literal["parquet", "csv", "jsonl", "pictures"] | None:
+def _format_of(name: str) -> Format | None:
     return FORMATS.get(os.path.splitext(name)[1].lower())
 
 

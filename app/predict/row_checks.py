@@ -21,6 +21,9 @@ from app.runtime.rows import num_features, takes_text
 log = logging.getLogger(__name__)
 
 
+Format = Literal["parquet", "csv", "jsonl", "pictures"]  # how an input's rows are stored
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """The columns an artifact reads, by name, and how to check each row."""
@@ -29,7 +32,7 @@ class InputSpec:
     feature_columns: tuple[str, ...]
     num_features: int
     id_column: str
-    format: Literal["parquet", "csv", "jsonl", "pictures"] = "parquet"
+    format: Format = "parquet"
     passthrough: tuple[str, ...] = ()  # input columns copied to the output as they are
     options: tuple[str, ...] = ()  # columns a row may set its own options with (may be absent)
     settings: str = ""  # the task's own settings for its actors, as JSON
@@ -42,12 +45,18 @@ class InputSpec:
         return [self.id_column, *self.feature_columns, *self.passthrough, *self.options]
 
     @classmethod
-    def of(cls, schema: dict[str, Any], id_column: str, fmt: str = "parquet") -> InputSpec:
+    def of(cls, schema: dict[str, Any], id_column: str, fmt: Format = "parquet") -> InputSpec:
+        """A classifier's: the artifact's feature columns, each row checked as serving does."""
         features = tuple(schema["feature_columns"])
         if id_column in features:
             raise UserError(f"--id-column {id_column!r} is one of the model's feature columns")
-        width = 1 if takes_text(schema) else num_features(schema)
-        return cls(schema["kind"], features, width, id_column, fmt)  # type: ignore[arg-type]
+        return cls(
+            kind=schema["kind"],
+            feature_columns=features,
+            num_features=1 if takes_text(schema) else num_features(schema),
+            id_column=id_column,
+            format=fmt,
+        )
 
 
 def missing_columns(present: Sequence[str], spec: InputSpec) -> list[str]:

@@ -1,7 +1,8 @@
 """The artifact: what export writes and the only thing serving loads.
 
     <artifact>/manifest.json      name, version, sha256 of every other file, versions, lineage
-    <artifact>/model.onnx         fp32, self-contained (no external data)
+    <artifact>/model.onnx         fp32 (a graph over export.external_data_bytes: its weights in
+                                  model.onnx.data beside it)
     <artifact>/model.int8.onnx    int8 (onnxruntime quantization)
     <artifact>/model.pt2 ...      programs compiled ahead of time, when `export.formats` asks
                                   (app/runtime/programs.py)
@@ -11,7 +12,9 @@
     <artifact>/quantization.png   the same comparison as a picture (for people; serving ignores it)
 
 Opening an artifact verifies every sha256 before anything is parsed, refuses missing, altered or
-truncated files by name, never unpickles, and refuses ONNX external-data references.
+truncated files by name, never unpickles, and refuses an ONNX external-data reference to any file
+but a verified one of the artifact: a graph's external weights come from memory, never from a
+path ONNX Runtime would open.
 """
 
 from __future__ import annotations
@@ -134,19 +137,65 @@ def verify_files(folder: str, manifest: ArtifactManifest) -> dict[str, bytes]:
     return verified
 
 
-def check_no_external_data(name: str, model_bytes: bytes) -> None:
-    """Refuse a model any of whose tensors points at external data (a file path ONNX Runtime
-    would open): initializers, sparse initializers and tensor attributes (Constant), in the main
-    graph, in every subgraph (If/Loop/Scan bodies, nested to any depth) and in model functions."""
+@dataclass(frozen=True)
+class Graph:
+    """A verified ONNX graph: its bytes, and the tensors it keeps in external data, each as
+    (verified file, offset, length)."""
+
+    model: bytes
+    external: dict[str, tuple[bytes, int, int]]
+
+    def external_values(self) -> tuple[list[str], list[np.ndarray]]:
+        """The external tensors as arrays over the verified bytes (no copy)."""
+        import onnx
+
+        names, values = [], []
+        proto = onnx.load_model_from_string(self.model)
+        for tensor in all_tensors(proto):
+            if tensor.name in self.external:
+                data, offset, length = self.external[tensor.name]
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                flat = np.frombuffer(data, dtype, length // dtype.itemsize, offset)
+                names.append(tensor.name)
+                values.append(flat.reshape(tuple(tensor.dims)))
+        return names, values
+
+
+def local_graph(path: str) -> Graph:
+    """A graph file on local disk (export's work folder) with its external data, if any."""
+    folder, name = os.path.split(path)
+    files = {}
+    for f in (name, name + ".data"):
+        if os.path.isfile(os.path.join(folder, f)):
+            with open(os.path.join(folder, f), "rb") as opened:
+                files[f] = opened.read()
+    return graph_of(name, files)
+
+
+def graph_of(name: str, files: dict[str, bytes]) -> Graph:
+    """A graph and its external tensors, each of which must lie in a verified file of the
+    artifact: initializers, sparse initializers and tensor attributes (Constant), in the main
+    graph, in every subgraph (If/Loop/Scan bodies, nested to any depth) and in model functions.
+    A tensor pointing anywhere else is refused."""
     import onnx
 
-    model = onnx.load_model_from_string(model_bytes)
+    model = onnx.load_model_from_string(files[name])
+    external: dict[str, tuple[bytes, int, int]] = {}
     for tensor in all_tensors(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+        if not (tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data)):
+            continue
+        where = {e.key: e.value for e in tensor.external_data}
+        location = os.path.normpath(where.get("location", ""))
+        if location not in files or location in REQUIRED_FILES or location == name:
             raise ArtifactError(
-                f"{name}: tensor {tensor.name!r} refers to external data; artifacts must be "
-                "self-contained"
+                f"{name}: tensor {tensor.name!r} refers to external data "
+                f"{where.get('location', '')!r}, which is not a verified file of the artifact"
             )
+        offset, length = int(where.get("offset", 0)), int(where.get("length", -1))
+        if length < 0 or offset + length > len(files[location]):
+            raise ArtifactError(f"{name}: tensor {tensor.name!r} lies outside {location}")
+        external[tensor.name] = (files[location], offset, length)
+    return Graph(files[name], external)
 
 
 def all_tensors(model) -> Iterator[Any]:
@@ -199,7 +248,7 @@ class Artifact:
     schema: dict[str, Any]
     report: dict[str, Any]
     preprocessor: Preprocessor
-    graphs: dict[str, dict[str, bytes]]  # graph -> variant -> verified ONNX bytes
+    graphs: dict[str, dict[str, Graph]]  # graph -> variant -> verified ONNX graph
     programs: dict[str, bytes]  # file -> verified bytes of each compiled program
 
     @property
@@ -211,7 +260,7 @@ class Artifact:
         return str(self.manifest.version)
 
     @property
-    def models(self) -> dict[str, bytes]:
+    def models(self) -> dict[str, Graph]:
         """The variants of a single-graph artifact (every graph has the same variants)."""
         return self.graphs.get(MODEL) or next(iter(self.graphs.values()))
 
@@ -281,14 +330,13 @@ def open_artifact(uri: str) -> Artifact:
         if name not in files:
             raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
     schema = json.loads(files["schema.json"])
-    graphs: dict[str, dict[str, bytes]] = {}
+    graphs: dict[str, dict[str, Graph]] = {}
     for graph in schema.get("graphs") or [MODEL]:
         for variant in VARIANTS:
             name = graph_file(graph, variant)
             if name not in files:
                 raise ArtifactError(f"{name}: not listed in the manifest of {uri}")
-            check_no_external_data(name, files[name])
-            graphs.setdefault(graph, {})[variant] = files[name]
+            graphs.setdefault(graph, {})[variant] = graph_of(name, files)
     for name in manifest.programs:
         if name not in files:
             raise ArtifactError(f"{name}: in the manifest's programs, not in its files ({uri})")
@@ -331,20 +379,32 @@ def _gpu_present() -> bool:
     return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
 
 
-def create_session(model_bytes: bytes, threads: int = 1):
+def create_session(model: bytes | Graph, threads: int = 1):
+    """An ONNX Runtime session of a graph (its bytes, or a verified Graph whose external
+    weights are handed over from memory)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = max(1, threads)
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
+    graph = model if isinstance(model, Graph) else Graph(model, {})
+
+    def options() -> Any:
+        o = ort.SessionOptions()
+        o.intra_op_num_threads = max(1, threads)
+        o.inter_op_num_threads = 1
+        o.log_severity_level = 3
+        if graph.external:
+            names, values = graph.external_values()
+            o.add_external_initializers(
+                names, [ort.OrtValue.ortvalue_from_numpy(v) for v in values]
+            )
+        return o
+
     try:
-        return ort.InferenceSession(model_bytes, options, providers=providers())
+        return ort.InferenceSession(graph.model, options(), providers=providers())
     except Exception as e:  # noqa: BLE001 - a broken CUDA setup must not stop a CPU replica
         if providers() == ["CPUExecutionProvider"]:
             raise
         log.warning("CUDA session failed (%s); falling back to CPU", e)
-        return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(graph.model, options(), providers=["CPUExecutionProvider"])
 
 
 LOGITS = ["logits"]  # a classifier graph's output, the one a replica or predictor fetches

@@ -404,6 +404,7 @@ class _Prefill:
         """The next chunk into the cache; the last position's logits once the prompt is in."""
         prompt = self.generation.prompt
         ids = np.asarray([prompt[self.done : self.done + chunk]])
-        logits, self.cache = self.decoder.step(ids, self.cache)
+        last = np.asarray([[ids.shape[1] - 1]])  # a chunk's last position alone
+        logits, self.cache = self.decoder.step(ids, self.cache, picked=last)
         self.done += ids.shape[1]
         return logits[0, -1] if self.done >= len(prompt) else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,6 @@ import numpy as np
 from app.runtime.kv import KVDecoder
 from app.runtime.types import TokenLogprob
 
-EOS = "<|endoftext|>"  # app/data/text_files.py's document separator: the model's end of text
 REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete UTF-8 sequence
 
 
@@ -219,8 +219,10 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 class TokenTexts:
-    """A token id's text and bytes. Byte-level BPE tokens map back to their bytes exactly (a
-    token that ends inside a multi-byte character has bytes but no whole text of its own)."""
+    """A token id's text and bytes, for byte-level BPE (GPT-2, Llama 3, Qwen: a token's
+    characters stand for its bytes) and byte-fallback tokenizers (Llama 2, Mistral: `<0x0A>`
+    is the byte 0x0A, `▁` a space) alike: a token that ends inside a multi-byte character has
+    bytes but no whole text of its own."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -229,8 +231,12 @@ class TokenTexts:
     def __call__(self, token: int) -> tuple[str, tuple[int, ...]]:
         text = self.tokenizer.decode([token])
         piece = self.tokenizer.id_to_token(token) or ""
+        if BYTE_TOKEN.fullmatch(piece):
+            return text, (int(piece[3:5], 16),)
         if piece and all(c in self.byte_of for c in piece):
             return text, tuple(self.byte_of[c] for c in piece)
+        if piece.startswith("▁"):  # sentencepiece's space, which decode drops at the start
+            return text, tuple(piece.replace("▁", " ").encode())
         return text, tuple(text.encode())
 
     def logprobs(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -259,6 +265,9 @@ def descending_prefix(values: np.ndarray, k: int) -> np.ndarray:
     kth = np.partition(values, len(values) - k)[len(values) - k]
     candidates = np.flatnonzero(values >= kth)
     return candidates[np.argsort(-values[candidates], kind="stable")]
+
+
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback tokenizer's byte
 
 
 def byte_level_alphabet() -> list[str]:
@@ -291,6 +300,7 @@ class Generator:
         session: Any,
         tokenizer: Any,
         block_size: int,
+        end_ids: Sequence[int],
         max_prompt_tokens: int | None = None,
     ):
         self.decoder = KVDecoder(session)
@@ -299,7 +309,7 @@ class Generator:
         # A prompt must leave room for at least one generated token in the position table.
         limit = block_size - 1
         self.max_prompt_tokens = min(limit, max_prompt_tokens) if max_prompt_tokens else limit
-        self.eos_id = tokenizer.token_to_id(EOS)
+        self.end_ids = frozenset(end_ids)  # any of them ends a generation
         self.token_texts = TokenTexts(tokenizer)
         # Byte-level BPE: a token covers at most this many bytes, so a prompt of more than
         # max_prompt_tokens times as many bytes is too long without tokenizing it.
@@ -311,16 +321,20 @@ class Generator:
         cls, artifact: Any, variant: str = "int8", threads: int = 1, **kwargs: Any
     ) -> Generator:
         pre = artifact.preprocessor
-        return cls(artifact.session(variant, threads), pre.tokenizer, pre.block_size, **kwargs)
+        session = artifact.session(variant, threads)
+        return cls(session, pre.tokenizer, pre.block_size, pre.end_ids, **kwargs)
 
-    def encode(self, prompt: str, field_name: str = "prompt") -> list[int]:
+    def encode(self, prompt: str, field_name: str = "prompt", special: bool = True) -> list[int]:
+        """A prompt's ids. `special`: the tokenizer's own special tokens around it (a BOS, as
+        the model saw in training); a chat template renders its own, so chat prompts pass
+        False."""
         if len(prompt) > self.max_prompt_bytes:  # chars <= bytes: a cheap bound, no tokenizing
             raise PromptError(
                 field_name,
                 f"{len(prompt)} characters, more than the {self.max_prompt_tokens}-token limit "
                 "can hold",
             )
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(prompt, add_special_tokens=special).ids
         if not ids:
             raise PromptError(field_name, "must not be empty")
         if len(ids) > self.max_prompt_tokens:
@@ -337,7 +351,7 @@ class Decoding:
     position table). The decode loop drives it."""
 
     def __init__(self, generator: Generator, prompt: Sequence[int], params: SamplingParams):
-        self.params, self.eos_id = params, generator.eos_id
+        self.params, self.end_ids = params, generator.end_ids
         self.token_texts = generator.token_texts
         self.logprobs: list[TokenLogprob] = []  # of tokens whose text has not gone out yet
         self.rng = np.random.default_rng(params.seed)
@@ -368,7 +382,7 @@ class Decoding:
         penalties), adds; its logprobs are the model's, before the penalties."""
         if self.budget <= 0:
             return self._finish("length")
-        if token == self.eos_id:
+        if token in self.end_ids:
             return self._finish("stop")
         if self.params.logprobs is not None:
             self.logprobs.append(self.token_texts.logprobs(logits, token, self.params.logprobs))

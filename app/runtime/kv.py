@@ -2,9 +2,10 @@
 Runtime, alone or for streams of different lengths together.
 
 The graph takes `input_ids` [batch, tokens] after a KV cache (`past_key_<i>` / `past_value_<i>`
-per block, [batch, heads, cached, head_dim], possibly 0 cached), with `position_ids` and
-`attention_mask`, and returns `logits` and the extended cache (`present_*`): the prefix is
-never recomputed.
+per block, [batch, kv_heads, cached, head_dim], possibly 0 cached), with `position_ids`,
+`attention_mask` and `logit_positions` (which positions' logits it returns: a prompt's last, a
+step's one, every one when scoring), and returns `logits` [batch, picked, vocab] and the
+extended cache (`present_*`): the prefix is never recomputed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def present_name(kind: str, layer: int) -> str:
     return f"present_{kind}_{layer}"
 
 
-POSITIONS, KEY_MASK = "position_ids", "attention_mask"
+POSITIONS, KEY_MASK, LOGIT_POSITIONS = "position_ids", "attention_mask", "logit_positions"
 
 
 class KVDecoder:
@@ -35,11 +36,12 @@ class KVDecoder:
         self.session = session
         inputs = {i.name: i for i in session.get_inputs()}
         self.layers = sum(1 for name in inputs if name.startswith("past_key_"))
-        needed = ("input_ids", POSITIONS, KEY_MASK)
+        needed = ("input_ids", POSITIONS, KEY_MASK, LOGIT_POSITIONS)
         if any(name not in inputs for name in needed) or self.layers == 0:
             raise ValueError(
                 "not a KV-cache language model graph of this version (input_ids, position_ids, "
-                "attention_mask, past_key_0, ...): export the checkpoint again with jobs.export"
+                "attention_mask, logit_positions, past_key_0, ...): export the checkpoint again "
+                "with jobs.export"
             )
         shape = inputs[past_name("key", 0)].shape  # [batch, heads, cached, head_dim]
         self.heads, self.head_dim = int(shape[1]), int(shape[3])
@@ -61,10 +63,12 @@ class KVDecoder:
         cache: list[np.ndarray],
         positions: np.ndarray | None = None,
         mask: np.ndarray | None = None,
+        picked: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list]:
-        """Logits [batch, tokens, vocab] for `ids` [batch, tokens] after `cache`; the new cache.
+        """Logits [batch, picked, vocab] for `ids` [batch, tokens] after `cache`; the new cache.
         `positions` and `mask`: by default every cache slot is the row's and the tokens
-        follow it."""
+        follow it; `picked` [batch, n]: the positions (0 .. tokens - 1) whose logits come back,
+        by default every one."""
         feed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64)}
         batch, tokens = feed["input_ids"].shape
         past = cache[0].shape[2]
@@ -72,8 +76,11 @@ class KVDecoder:
             positions = np.broadcast_to(np.arange(past, past + tokens), (batch, tokens))
         if mask is None:
             mask = np.ones((batch, past + tokens), dtype=np.int64)
+        if picked is None:
+            picked = np.broadcast_to(np.arange(tokens), (batch, tokens))
         feed[POSITIONS] = np.ascontiguousarray(positions, dtype=np.int64)
         feed[KEY_MASK] = np.ascontiguousarray(mask, dtype=np.int64)
+        feed[LOGIT_POSITIONS] = np.ascontiguousarray(picked, dtype=np.int64)
         feed.update(zip(self.cache_inputs, cache, strict=True))  # key_0, value_0, key_1, ...
         logits, *presents = self.session.run(self.outputs, feed)
         return logits, presents
@@ -138,7 +145,8 @@ class KVBatch:
         lengths = np.asarray(self.lengths)
         mask = np.arange(width + 1)[None, :] >= (width - lengths)[:, None]
         ids = np.asarray(tokens, dtype=np.int64)[:, None]
-        logits, self.cache = self.decoder.step(ids, self.cache, lengths[:, None], mask)
+        only = np.zeros((len(ids), 1), dtype=np.int64)
+        logits, self.cache = self.decoder.step(ids, self.cache, lengths[:, None], mask, only)
         self.lengths = [n + 1 for n in self.lengths]
         return logits[:, -1]
 
@@ -163,14 +171,20 @@ def prefill(
     for i, prompt in enumerate(prompts):
         ids[i, : lengths[i]], mask[i, : lengths[i]] = prompt, 1
     positions = np.broadcast_to(np.arange(width), (rows, width))
-    logits, cache = decoder.step(ids, decoder.empty_cache(rows), positions, mask)
-    last = logits[np.arange(rows), np.asarray(lengths) - 1]
-    return last, [[c[i : i + 1, :, :n] for c in cache] for i, n in enumerate(lengths)]
+    last = (np.asarray(lengths) - 1)[:, None]
+    logits, cache = decoder.step(ids, decoder.empty_cache(rows), positions, mask, last)
+    return logits[:, 0], [[c[i : i + 1, :, :n] for c in cache] for i, n in enumerate(lengths)]
+
+
+def prompt_step(decoder: KVDecoder, prompt: Sequence[int]) -> tuple[np.ndarray, list]:
+    """One prompt's cache and its last position's logits [1, 1, vocab]."""
+    last = np.asarray([[len(prompt) - 1]])
+    return decoder.step(np.asarray([prompt]), decoder.empty_cache(), picked=last)
 
 
 def greedy(decoder: KVDecoder, prompt: Sequence[int], tokens: int) -> list[int]:
     """`tokens` argmax continuations of `prompt` (the export gate compares fp32 and int8)."""
-    logits, cache = decoder.step(np.asarray([prompt]), decoder.empty_cache())
+    logits, cache = prompt_step(decoder, prompt)
     out: list[int] = []
     for _ in range(tokens):
         out.append(int(logits[0, -1].argmax()))

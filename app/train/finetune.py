@@ -19,6 +19,9 @@ from app.models.init import initialise
 from app.models.lora import apply_lora
 
 GIB = 2**30
+# LoRA's targets in a model that names none of its own (`LORA_TARGETS`): BERT's and ViT's
+# attention projections, GPT's fused one.
+DEFAULT_LORA_TARGETS = ("query", "value", "attn.qkv")
 TOWERS = {"image": ("image",), "text": ("text",), "towers": ("image", "text")}
 
 
@@ -48,7 +51,8 @@ def adapt(model: nn.Module, t: TrainConfig) -> nn.Module:
     """The structure training adds (LoRA adapters); applied before weights are loaded, so
     pretrained weights and checkpoints both load into it."""
     if t.lora_rank:
-        apply_lora(model, t.lora_rank, t.lora_alpha, t.lora_targets)
+        targets = t.lora_targets or list(getattr(model, "LORA_TARGETS", DEFAULT_LORA_TARGETS))
+        apply_lora(model, t.lora_rank, t.lora_alpha, targets)
     return model
 
 

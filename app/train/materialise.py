@@ -113,14 +113,27 @@ def _all_drawn(drawn: Drawn) -> Drawn:
     return drawn
 
 
+def in_state_dict(model: nn.Module, name: str) -> bool:
+    """Whether tensor `name` is saved and loaded (a non-persistent buffer is not)."""
+    path, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:  # a module this rank does not hold
+        return True
+    return attr not in module._non_persistent_buffers_set
+
+
 def load_parts(model: nn.Module, pre: Any, ties: list[list[str]]) -> int:
     """Copy into each tensor this rank holds its part of the pretrained folders' weights, read
     as a slice of the file; returns the bytes read. A tensor the folders lack and that is not
-    fresh (app/models: `is_fresh`) is a config error naming it."""
+    fresh (app/models: `is_fresh`) is a config error naming it; a buffer outside the state dict
+    (rotary frequencies, derived from the config) keeps what its module drew."""
     from app.models import is_fresh, stored_weights
 
     stored, read = stored_weights(pre), 0
     for group in ties:
+        if not in_state_dict(model, group[0]):
+            continue
         held = held_tensors(model, group)
         source = next((stored[n] for n in group if n in stored), None)
         if not held:

@@ -20,6 +20,7 @@ from torch import nn
 from app.models.bert import BertClassifier
 from app.models.encoder import padding_bias, pooled
 from app.models.gpt import GPT
+from app.models.llama import LlamaLM
 from app.models.transformer import TransformerClassifier, pad_bias
 from app.models.vit import ViTClassifier
 
@@ -40,6 +41,13 @@ def _gpt_embed(stage: Any, input_ids: torch.Tensor) -> State:
     return (stage.dropout(stage.tokens(input_ids) + stage.positions(positions)),)
 
 
+def _llama_embed(stage: Any, input_ids: torch.Tensor) -> State:
+    """Token embeddings and each position's rotation, which every stage's blocks read."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    cos, sin = stage.rotary(positions.expand(input_ids.shape[0], -1))
+    return (stage.tokens(input_ids), cos, sin)
+
+
 def _bert_finish(stage: Any, state: State) -> torch.Tensor:
     x, mask = state
     return stage.head(stage.dropout(pooled(stage.pooler, x, mask)))
@@ -57,6 +65,13 @@ SPLITS: dict[type[nn.Module], Split] = {
         embed=_gpt_embed,
         block=lambda block, s: (block(s[0])[0],),  # a GPT block also returns keys and values
         finish=lambda stage, s: stage.head(stage.norm(s[0])),
+    ),
+    LlamaLM: Split(
+        first=("tokens", "rotary"),
+        last=("norm", "lm_head"),  # a tied head's weight is the embedding's: on both stages
+        embed=_llama_embed,
+        block=lambda block, s: (block(s[0], s[1], s[2], None), s[1], s[2]),
+        finish=lambda stage, s: stage.lm_head(stage.norm(s[0])),
     ),
     BertClassifier: Split(
         first=("embeddings",),

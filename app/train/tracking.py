@@ -125,8 +125,12 @@ def finish_mlflow_run(run_id: str | None, summary: dict[str, Any] | None) -> Non
         log.warning("train: could not close MLflow run %s: %s", run_id, first_line(e))
 
 
-def tag_artifact(run_id: str | None, artifact_uri: str, report: dict[str, Any]) -> None:
-    """Export: the published artifact's URI and its int8 figures onto the train run."""
+def tag_artifact(
+    run_id: str | None, artifact_uri: str, quality: Any, report: dict[str, Any]
+) -> None:
+    """Export: the published artifact's URI and its int8 figures onto the train run: the
+    task's quality metric (`export_int8_<key>`: accuracy, perplexity, recall_at_1) and the
+    size ratio. `quality` is the task's `Quality` (app/export/exporter.py)."""
     uri = mlflow_uri()
     if run_id is None or uri is None:
         return
@@ -135,7 +139,7 @@ def tag_artifact(run_id: str | None, artifact_uri: str, report: dict[str, Any]) 
 
         client = MlflowClient(uri)
         client.set_tag(run_id, ARTIFACT_TAG, artifact_uri)
-        client.log_metric(run_id, "export_int8_accuracy", report["accuracy"]["onnx_int8"])
+        client.log_metric(run_id, f"export_int8_{quality.key}", quality.values["onnx_int8"])
         client.log_metric(run_id, "export_int8_size_ratio", report["size_ratio_int8"])
     except Exception as e:  # noqa: BLE001 - the artifact is already published
         log.warning("export: could not tag MLflow run %s: %s", run_id, first_line(e))

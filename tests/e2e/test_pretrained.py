@@ -17,15 +17,22 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.conftest import SERVE, collect_jobs, live_models, start_jobs, undeploy
-from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
+from tools.make_tiny_pretrained import MAKERS
 
 # The README's per-family pipelines run in `make test-all`; `make test` runs the digits chain
 # (tests/readme_commands.py), and each family's loading and parity with transformers (tests/unit).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-CONFIGS = {"gpt2": "gpt2-finetune", "bert": "bert-text", "vit": "vit-images"}
+CONFIGS = {
+    "gpt2": "gpt2-finetune",
+    "qwen2": "gpt2-finetune",
+    "bert": "bert-text",
+    "vit": "vit-images",
+}
+CORPUS = ["data.path={stdlib}/email/*.py", "data.val_fraction=0.2", "model.max_length=64"]
 DATA = {  # small data: each run is seconds of training
-    "gpt2": ["data.path={stdlib}/email/*.py", "data.val_fraction=0.2", "model.max_length=64"],
+    "gpt2": CORPUS,
+    "qwen2": [*CORPUS, "train.lora_rank=4"],  # LoRA on the decoder's projections, merged
     "bert": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
     "vit": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
 }
@@ -33,7 +40,7 @@ DATA = {  # small data: each run is seconds of training
 
 @pytest.fixture(scope="module")
 def pipelines(cluster, tmp_path_factory, request):
-    """The three pipelines run at once (as three users would submit them), while the README's
+    """The four pipelines run at once (as four users would submit them), while the README's
     digits chain runs too: each spends most of its time starting processes and waiting on Ray,
     so together they take little more than one. Small CPU shares let all of them train and
     serve beside the models already deployed; they are undeployed when the module ends."""
@@ -122,6 +129,31 @@ def test_gpt2_folder_is_fine_tuned_and_streams_completions(pipelines):
     lineage = models["pt-gpt2"]["manifest"]["base_model"]
     assert lineage["uri"] == run["folder"] and lineage["model_type"] == "gpt2"
     assert len(lineage["weights_sha256"]) == 64
+
+
+def test_a_qwen2_folder_is_fine_tuned_with_lora_and_chats_in_its_own_template(pipelines):
+    """The README's Llama-style command (a tiny random Qwen2 folder: grouped-query attention, a
+    tied head, ChatML, two end ids): LoRA adapters merged at export; chat messages rendered by
+    the folder's template as transformers renders them, a completion ends at an end id or its
+    length."""
+    from transformers import AutoTokenizer
+
+    run = pipelines["qwen2"]
+    report = run["summary"]["stages"]["export"]["report"]
+    assert report["task"] == "lm" and report["greedy"]["token_agreement"] >= 0.9
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = requests.post(
+        f"{SERVE}/v1/chat/completions",
+        json={"model": "pt-qwen2", "messages": messages, "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    tokenizer = AutoTokenizer.from_pretrained(run["folder"])
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    expected = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(expected)
 
 
 def test_bert_folder_with_a_trained_head_answers_as_transformers_computes(pipelines):

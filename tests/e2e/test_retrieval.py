@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from tests.e2e.conftest import SERVE, live_models, run_jobs, undeploy
-from tests.make_tiny_pretrained import MAKERS
 from tests.readme_commands import PRETRAINED, fill
+from tools.make_tiny_pretrained import MAKERS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RETRIEVAL = [

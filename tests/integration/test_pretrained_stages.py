@@ -22,7 +22,7 @@ from app.runtime.rows import softmax
 from app.train.driver import train
 from tests.fault_hooks import fail_at
 from tests.integration.conftest import ensure_local_ray, workload_config
-from tests.make_tiny_pretrained import make_bert, make_gpt2
+from tools.make_tiny_pretrained import make_bert, make_gpt2
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +137,7 @@ def test_tune_searches_a_pretrained_folders_learning_rate(folders, workspace):
 @pytest.mark.slow
 def test_a_vit_folder_exports_every_program_that_executorch_runs_as_onnx(workspace, tmp_path):
     from tests.integration.test_programs import check_executorch_labels, with_every_format
-    from tests.make_tiny_pretrained import make_vit
+    from tools.make_tiny_pretrained import make_vit
 
     config = workload_config(
         workspace,

@@ -110,10 +110,10 @@ def served(uri: str, variant: str, body: dict) -> tuple[str, dict]:
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
     from app.serve.http.gate import IngressMetrics
-    from app.serve.replicas.model_server import ModelServer
+    from app.tasks.classify.replica import ClassifierServer
 
     cfg = ServeConfig(variant=variant)
-    server = ModelServer(uri, cfg)
+    server = ClassifierServer(uri, cfg)
     name = server.artifact.name
     api = create_api(cfg, Models.configured({name: LocalModel(server)}, cfg), IngressMetrics())
 
@@ -274,10 +274,10 @@ def test_jobs_predict_runs_the_pt2_and_labels_rows_as_the_endpoint(
 
 
 def test_a_replica_switches_to_and_from_the_pt2_without_a_redeploy(every_format):
-    from app.serve.replicas.model_server import ModelServer
+    from app.tasks.classify.replica import ClassifierServer
 
     _, uri, _ = every_format
-    server = ModelServer(uri, ServeConfig(variant="int8"))
+    server = ClassifierServer(uri, ServeConfig(variant="int8"))
     for variant in ("aoti", "int8", "aoti"):
         server.reconfigure({"variant": variant})
         assert server.variant == variant

@@ -62,12 +62,12 @@ def test_a_v2_request_enters_few_project_functions_over_few_modules(exported):
     from app.serve.http.api import create_api
     from app.serve.http.clients import LocalModel, Models
     from app.serve.http.gate import IngressMetrics
-    from app.serve.replicas.model_server import ModelServer
+    from app.tasks.classify.replica import ClassifierServer
 
     config, result = exported("digits")
     with tracing() as (entered, recording):  # before the replica's pools start their threads
         cfg = ServeConfig()
-        server = ModelServer(result["artifact"], cfg)
+        server = ClassifierServer(result["artifact"], cfg)
         api = create_api(
             cfg, Models.configured({"digits": LocalModel(server)}, cfg), IngressMetrics()
         )

@@ -260,7 +260,7 @@ def test_one_pretrained_tower_trains_beside_one_from_scratch(workspace, side):
     from app.pipeline.stages import prepare
     from app.train.checkpoint import load_checkpoint
     from app.train.driver import train
-    from tests.make_tiny_pretrained import make_bert, make_vit
+    from tools.make_tiny_pretrained import make_bert, make_vit
 
     make = make_vit if side == "image" else make_bert
     folder = make(str(workspace / f"tower-{side}"))

@@ -181,7 +181,7 @@ def test_pipeline_on_s3(s3_root, ray_with_s3_env):
     logits = artifact.session("int8").run(["logits"], inputs)[0]
     assert logits.shape == (8, 2) and np.isfinite(logits).all()
 
-    # A Ray worker process opens it the way a Serve replica does (ModelServer -> open_artifact),
+    # A Ray worker process opens it the way a Serve replica does (ClassifierServer -> open_artifact),
     # with the endpoint and credentials it inherited, and gets the same answer.
     import ray
 

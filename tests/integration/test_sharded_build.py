@@ -3,9 +3,10 @@ Ray Train worker runs): under FSDP and pipeline stages the model is built on the
 each rank allocates only its part (the bytes its tensors hold are counted against its rows of
 each tensor, or its stages), no allocation during the build is larger than the largest single
 module, and the weights gathered tensor by tensor equal a single-process build of the same
-seed, the tied embedding included. From a GPT-2 folder each rank reads only its part of each
-tensor (the bytes read are counted), from one file or a sharded folder's several, and ends
-with the folder's weights. A sharded rank gives the buffers it frees back to the OS."""
+seed, the tied embedding included. From a GPT-2 folder and a Llama-style one (Qwen2: grouped
+keys and values, rotary buffers, a tied head) each rank reads only its part of each tensor (the
+bytes read are counted), from one file or a sharded folder's several, and ends with the
+folder's weights. A sharded rank gives the buffers it frees back to the OS."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file, save_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from app.config import TrainConfig
+from app.config import ModelConfig, TrainConfig
 from app.models import load_folder
-from app.models.gpt import GPT, from_gpt2
+from app.models.families import family_of
+from app.models.gpt import GPT
 from app.models.init import initialise, tied_names
+from app.models.llama import DecoderArgs, LlamaLM
 from app.models.vit import ViTClassifier
 from app.pretrained import open_pretrained
 from app.tasks.lm.train import token_loss
@@ -36,12 +39,17 @@ from app.train.consolidate import write_consolidated
 from app.train.materialise import held_bytes, load_parts
 from app.train.pipelining import Scoring
 from tests.gloo_ranks import leave_together
-from tests.make_tiny_pretrained import make_gpt2
+from tools.make_tiny_pretrained import make_decoder, make_gpt2
 
 pytestmark = pytest.mark.integration
 SEED, WORLD = 7, 2
+LLAMA = DecoderArgs(
+    vocab_size=61, dim=32, layers=4, heads=4, kv_heads=2, head_dim=8, ff_dim=48,
+    max_positions=16, qk_norm=True, tied=True,
+)  # fmt: skip
 FAMILIES = {
     "gpt": lambda: GPT(vocab_size=61, block_size=16, dim=32, layers=4, heads=2),
+    "llama": lambda: LlamaLM(LLAMA),
     "vit": lambda: ViTClassifier(
         3, image_size=8, patch_size=4, channels=3, dim=32, layers=4, heads=2, ff_dim=64
     ),  # fmt: skip
@@ -74,7 +82,17 @@ class Allocations(TorchDispatchMode):
 
 
 def whole_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied one once
+    """Parameters (a tied one once) and buffers (rotary frequencies: FSDP keeps them whole)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def buffer_bytes(model: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def held_buffer_bytes(model: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_meta)
 
 
 def largest_module_bytes(model: torch.nn.Module) -> int:
@@ -108,8 +126,8 @@ def check_build(family: str, strategy: str, rank: int, folder: str) -> None:
     with Allocations() as allocations:
         model = sharded(FAMILIES[family], strategy)
     held = held_bytes(model)
-    if strategy == "fsdp":
-        assert held == shard_bytes(whole, rank), case
+    if strategy == "fsdp":  # its rows of each parameter, every (small, derived) buffer whole
+        assert held == shard_bytes(whole, rank) + buffer_bytes(whole), case
     else:  # each rank its stages; a tied tensor on both ends of the pipeline
         tied = sum(t.numel() * t.element_size() for t in _tied(whole))
         total = torch.tensor([held])
@@ -131,24 +149,32 @@ def _tied(model: torch.nn.Module) -> list[torch.Tensor]:
     return [named[group[0]] for group in tied_names(model) if len(group) > 1]
 
 
+def folder_model(base) -> torch.nn.Module:
+    """The module of a folder's family, built as a run builds it (its weights not loaded)."""
+    pre = types.SimpleNamespace(state={"pretrained": base.record()})
+    return family_of(base).build(base.config, pre, ModelConfig())
+
+
 def check_pretrained(strategy: str, name: str, rank: int, folder: str) -> None:
     case = f"{name} folder {strategy} rank {rank}"
     base = open_pretrained(os.path.join(folder, name))
     pre = types.SimpleNamespace(state={"pretrained": base.record()})
 
-    def build() -> GPT:
-        return from_gpt2(base.config, pre, types.SimpleNamespace(dropout=0.0))
+    def build() -> torch.nn.Module:
+        return folder_model(base)
 
     with torch.device("meta"):
         ties = tied_names(build())
     model = sharded(build, strategy)
     read = load_parts(model, pre, ties)
-    # Every tensor comes from the folder: a rank reads exactly what it holds, a part of it.
-    assert read == held_bytes(model) < whole_bytes(build()), (case, read)
+    # Every tensor comes from the folder (but the rotary frequencies, which its module draws): a
+    # rank reads exactly what it holds, a part of it.
+    held = held_bytes(model)
+    assert read + held_buffer_bytes(model) == held < whole_bytes(build()), (case, read)
     path = os.path.join(folder, f"{name}-{strategy}.safetensors")
     write_consolidated(path if rank == 0 else None, model)
     if rank == 0:
-        expected = load_file(os.path.join(folder, "gpt2-whole.safetensors"))
+        expected = load_file(os.path.join(folder, f"{name.split('-')[0]}-whole.safetensors"))
         got = load_file(path)
         assert got.keys() == expected.keys(), case
         for name, value in expected.items():
@@ -180,9 +206,12 @@ def rank_main(rank: int, init: str, folder: str) -> None:
         for strategy in STRATEGIES:
             check_build(family, strategy, rank, folder)
             dist.barrier()
-    for strategy, name in [("fsdp", "gpt2"), ("pipeline", "gpt2"), ("fsdp", "gpt2-sharded")]:
-        check_pretrained(strategy, name, rank, folder)
-        dist.barrier()
+    for strategy in STRATEGIES:
+        for name in ("gpt2", "qwen2"):
+            check_pretrained(strategy, name, rank, folder)
+            dist.barrier()
+    check_pretrained("fsdp", "gpt2-sharded", rank, folder)
+    dist.barrier()
     leave_together()
 
 
@@ -193,10 +222,13 @@ def test_sharded_ranks_materialise_and_read_only_their_part(tmp_path):
         model = build()
         initialise(model, SEED)
         save_model(model, str(tmp_path / f"{family}.safetensors"))
-    base = open_pretrained(make_gpt2(str(tmp_path / "gpt2")))
-    whole = from_gpt2(base.config, None, types.SimpleNamespace(dropout=0.0))
-    load_folder(whole, base.record(), "")
-    save_model(whole, str(tmp_path / "gpt2-whole.safetensors"))
+    made = {"gpt2": make_gpt2(str(tmp_path / "gpt2"))}
+    made["qwen2"] = make_decoder(str(tmp_path / "qwen2"), "qwen2")
+    for name, made_folder in made.items():
+        base = open_pretrained(made_folder)
+        whole = folder_model(base)
+        load_folder(whole, base.record(), "")
+        save_model(whole, str(tmp_path / f"{name}-whole.safetensors"))
     split_weights(tmp_path / "gpt2", tmp_path / "gpt2-sharded")
     os.environ.pop("MASTER_ADDR", None)
     init = f"file://{tmp_path / 'rendezvous'}"

@@ -15,19 +15,19 @@ from PIL import Image
 from app.config import dump
 from app.errors import ArtifactError, GateError
 from app.evaluate.held_out import labeled_batches, torch_predict
-from app.export.exporter import export
+from app.export.exporter import export, gate
 from app.export.publish import next_version, publish
 from app.models import build_model
 from app.pipeline.stages import prepare
 from app.runtime.artifact import (
     LATEST,
     MANIFEST,
-    check_no_external_data,
+    graph_of,
     open_artifact,
     resolve,
     verify,
 )
-from app.tasks.classify.export import gate
+from app.tasks.classify.export import refusal
 from app.train import checkpoint
 from app.train.preprocessing import fit_preprocessor
 from jobs import export as export_job
@@ -345,7 +345,7 @@ def gate_with(rep: dict, max_drop: float = 1.0, max_size_ratio: float | None = N
     config.export.parity_tolerance = 1e-3
     config.export.max_accuracy_drop = max_drop
     config.export.max_size_ratio = max_size_ratio
-    gate(rep, config)
+    gate(rep, config, refusal)
 
 
 def test_gate_rules():
@@ -389,7 +389,7 @@ def test_export_cli_gate_exits_3_with_one_line(built, capsys):
 
 
 def external(name: str):
-    """A float tensor whose data lives in a file next to the model (what artifacts refuse)."""
+    """A float tensor whose data lives in a file outside the artifact (what artifacts refuse)."""
     from onnx import TensorProto, helper
 
     tensor = helper.make_tensor(name, TensorProto.FLOAT, [1], [1.0])
@@ -443,18 +443,44 @@ def model_with(where: str) -> bytes:
 
 
 def test_self_contained_model_with_subgraphs_passes():
-    check_no_external_data("model.onnx", model_with("nowhere"))
+    assert graph_of("model.onnx", {"model.onnx": model_with("nowhere")}).external == {}
 
 
 @pytest.mark.parametrize(
     "where", ["top_initializer", "then_initializer", "else_initializer", "nested_constant"]
 )
-def test_external_data_is_refused_in_every_graph(where):
+def test_external_data_outside_the_artifact_is_refused_in_every_graph(where):
     with pytest.raises(ArtifactError) as info:
-        check_no_external_data("model.onnx", model_with(where))
+        graph_of("model.onnx", {"model.onnx": model_with(where)})
     message = str(info.value)
     assert message.startswith("model.onnx:") and "external data" in message
-    assert "\n" not in message
+    assert "'../../etc/passwd'" in message and "\n" not in message
+
+
+def test_a_graph_beyond_the_size_threshold_keeps_its_weights_beside_it_and_runs_from_memory(
+    tmp_path,
+):
+    """export.external_data_bytes: the weights go to one `.data` file; the runtime hands them
+    to ONNX Runtime from the verified bytes (a copy of the artifact elsewhere still runs), and
+    a tensor pointing past the data file's end is refused."""
+    import numpy as np
+
+    from app.export.onnx_graph import graph_files, write_onnx
+    from app.runtime.artifact import create_session
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(5, 16)
+    path = str(tmp_path / "model.onnx")
+    write_onnx(model, [x], path, ["x"], ["logits"], {"x": {0: "b"}}, 17, external_bytes=1000)
+    assert graph_files(str(tmp_path), "model.onnx") == ["model.onnx", "model.onnx.data"]
+    files = {n: (tmp_path / n).read_bytes() for n in ("model.onnx", "model.onnx.data")}
+    graph = graph_of("model.onnx", files)
+    assert set(graph.external) == {"0.weight", "2.weight"}  # tensors of 1 KiB and more
+    (tmp_path / "model.onnx.data").unlink()  # nothing is read from disk
+    out = create_session(graph).run(["logits"], {"x": x.numpy()})[0]
+    assert np.abs(out - model(x).detach().numpy()).max() < 1e-5
+    with pytest.raises(ArtifactError, match="lies outside model.onnx.data"):
+        graph_of("model.onnx", {**files, "model.onnx.data": files["model.onnx.data"][:100]})
 
 
 def test_serve_variant_auto_takes_the_fastest_measured_and_aoti_needs_a_program(built):

@@ -36,7 +36,7 @@ JSONISH = (
 def hf_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from tests.make_tiny_pretrained import gpt2_tokenizer
+    from tools.make_tiny_pretrained import gpt2_tokenizer
 
     tokenizer = gpt2_tokenizer(300)
     assert isinstance(tokenizer, PreTrainedTokenizerFast)
@@ -54,7 +54,7 @@ def test_a_model_template_renders_as_transformers_renders_it(hf_tokenizer, templ
 
 def test_the_tiny_folders_template_is_read_from_the_folder(tmp_path):
     from app.pretrained import Pretrained
-    from tests.make_tiny_pretrained import CHAT_TEMPLATE, make_gpt2
+    from tools.make_tiny_pretrained import CHAT_TEMPLATE, make_gpt2
 
     folder = Pretrained(make_gpt2(str(tmp_path / "gpt2")))
     assert folder.chat_template() == CHAT_TEMPLATE
@@ -133,7 +133,7 @@ def test_a_runaway_template_stops_itself_within_a_second_as_a_400(template):
 def test_a_folder_whose_template_fails_is_refused_when_it_is_read(tmp_path, template, reason):
     from app.errors import ConfigError
     from app.pretrained import Pretrained
-    from tests.make_tiny_pretrained import make_gpt2
+    from tools.make_tiny_pretrained import make_gpt2
 
     folder = make_gpt2(str(tmp_path / "gpt2"))
     (tmp_path / "gpt2" / "chat_template.jinja").write_text(template)

@@ -242,12 +242,12 @@ def test_grouped_keys_take_overrides(config_factory):
 
 
 def test_the_config_reference_lists_every_key_as_the_code_declares_it():
-    """docs/config.md is written from app/config/ (`python -m tests.config_reference`): a key
+    """docs/config.md is written from app/config/ (`python -m tools.config_reference`): a key
     added, removed or re-commented without regenerating it fails here."""
-    from tests.config_reference import all_keys, render
+    from tools.config_reference import all_keys, render
 
     reference = (REPO / "docs" / "config.md").read_text()
-    assert reference == render(), "regenerate: python -m tests.config_reference > docs/config.md"
+    assert reference == render(), "regenerate: python -m tools.config_reference > docs/config.md"
     assert all(f"| `{key}` |" in reference for key in all_keys())
     assert "docs/config.md" in (REPO / "README.md").read_text()
 
@@ -260,7 +260,7 @@ def test_a_clip_folder_and_a_tower_folder_together_are_refused_naming_the_tower(
 def test_a_tower_folder_on_a_dataset_of_another_kind_is_refused(tmp_path):
     from app.data.kinds.image import Image
     from app.models.families import tower_bases
-    from tests.make_tiny_pretrained import make_vit
+    from tools.make_tiny_pretrained import make_vit
 
     config = load_config(None, [f"model.pretrained_image={make_vit(str(tmp_path / 'vit'))}"])
     with pytest.raises(ConfigError, match=r"model\.pretrained_image: a dual encoder's tower"):

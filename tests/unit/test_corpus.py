@@ -113,8 +113,35 @@ def test_byte_level_bpe_round_trips_text_it_never_saw():
 def test_documents_end_with_the_end_of_text_token():
     tokenizer = train_tokenizer(["ab ab ab", "cd"], vocab_size=280)
     eos = tokenizer.token_to_id(EOS)
-    ids = encode_documents(tokenizer, ["ab", "cd"])
+    ids = encode_documents(tokenizer, ["ab", "cd"], eos)
     assert ids[-1] == eos and (ids == eos).sum() == 2
+
+
+def test_a_pretrained_folders_corpus_ends_documents_with_its_own_end_of_text(
+    config_factory, tmp_path
+):
+    """A Qwen folder's tokenizer has `<|endoftext|>` too, but its `eos_token` is `<|im_end|>`:
+    that token separates the documents, and the dataset's preprocessor keeps every end id."""
+    from tokenizers import Tokenizer
+
+    from tools.make_tiny_pretrained import make_decoder
+
+    folder = make_decoder(str(tmp_path / "qwen2"), "qwen2")
+    root = many_documents(tmp_path / "docs", 6)
+    config = config_factory(
+        f"data.path={root}/**/*.py",
+        f"model.pretrained={folder}",
+        "data.val_fraction=0.3",
+        "model.max_length=16",
+        path=REPO / "configs" / "gpt2-finetune.yaml",
+    )
+    prepare(config, InProcess())
+    manifest = read_manifest(config.data_output)
+    tokenizer = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
+    ids = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "train"))))
+    assert (ids == im_end).any() and not (ids == endoftext).any()
+    assert fit_preprocessor(config, manifest).end_ids == [im_end, endoftext]
 
 
 def test_packing_makes_every_token_but_the_first_a_target_once():

@@ -63,7 +63,8 @@ class ScriptedSession:
             for i in range(self.layers)
             for k in ("key", "value")
         ]
-        names = ("input_ids", "position_ids", "attention_mask")  # the last two are ignored
+        # position_ids and attention_mask are ignored
+        names = ("input_ids", "position_ids", "attention_mask", "logit_positions")
         return [*(SimpleNamespace(name=n, shape=["batch", "tokens"]) for n in names), *cache]
 
     def get_outputs(self):
@@ -77,13 +78,18 @@ class ScriptedSession:
         self.runs += 1
         grow = np.zeros((1, 2, ids.shape[1], 4), dtype=np.float32)
         presents = [np.concatenate([feed[n], grow], axis=2) for n in sorted(feed) if "past" in n]
-        return [logits, *presents]
+        picked = feed["logit_positions"]  # the positions whose logits the graph returns
+        return [np.take_along_axis(logits, picked[..., None], axis=1), *presents]
 
 
 def scripted(tokenizer, text: str, block_size: int = 64, **kwargs):
     script = tokenizer.encode(text, add_special_tokens=False).ids
     session = ScriptedSession(script, tokenizer.get_vocab_size())
-    return Generator(session, tokenizer, block_size, **kwargs), session, script
+    return Generator(session, tokenizer, block_size, end_ids(tokenizer), **kwargs), session, script
+
+
+def end_ids(tokenizer) -> list[int]:
+    return [tokenizer.token_to_id("<|endoftext|>")]
 
 
 class Stepped:
@@ -204,7 +210,7 @@ def test_end_of_text_token_stops_with_reason_stop(tokenizer):
     eos = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode("a + b", add_special_tokens=False).ids
     session = ScriptedSession([*ids, eos, *ids], tokenizer.get_vocab_size())
-    generation = Stepped(Generator(session, tokenizer, 64), [1], GREEDY)
+    generation = Stepped(Generator(session, tokenizer, 64, end_ids(tokenizer)), [1], GREEDY)
     assert generation.text() == "a + b"
     assert (generation.finish_reason, generation.completion_tokens) == ("stop", len(ids))
 
@@ -384,7 +390,7 @@ def test_int8_graph_scores_like_fp32_and_fp32_like_torch(exported):
 
 def test_seeded_sampling_of_the_exported_model_is_deterministic(exported, tokenizer):
     _, sessions = exported
-    generator = Generator(sessions["int8"], tokenizer, block_size=32)
+    generator = Generator(sessions["int8"], tokenizer, 32, end_ids(tokenizer))
     prompt = generator.encode("def ")
     run = lambda seed: alone(  # noqa: E731
         generator, prompt, SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=seed)
@@ -410,7 +416,7 @@ def test_a_prompt_too_long_for_the_limit_is_refused_before_it_is_tokenized(expor
             return getattr(self.inner, name)
 
     counted = Counting(tokenizer)
-    generator = Generator(sessions["int8"], counted, block_size=32, max_prompt_tokens=16)
+    generator = Generator(sessions["int8"], counted, 32, end_ids(tokenizer), max_prompt_tokens=16)
     with pytest.raises(PromptError, match="characters, more than the 16-token limit"):
         generator.encode("x" * (4 << 20))
     assert counted.calls == 0
@@ -452,7 +458,7 @@ def test_the_decode_loop_gives_each_concurrent_stream_its_own_answer(exported, t
     from app.runtime.decode_loop import DecodeLoop
 
     _, sessions = exported
-    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    generator = Generator(sessions["fp32"], tokenizer, 32, end_ids(tokenizer))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, tokenizer.get_vocab_size(), n).tolist() for n in (2, 4, 6)]
     params = [
@@ -561,7 +567,7 @@ def test_a_stream_whose_client_leaves_is_dropped_from_the_batch_at_the_next_step
 
     _, sessions = exported
     gated = GatedSession(sessions["fp32"])
-    generator = Generator(gated, tokenizer, block_size=32)
+    generator = Generator(gated, tokenizer, 32, end_ids(tokenizer))
     greedy_long = SamplingParams(max_tokens=25, temperature=0)
 
     async def scenario():
@@ -605,7 +611,7 @@ def test_a_long_prompt_fills_its_cache_in_chunks_between_the_running_streams_ste
 
     _, sessions = exported
     recording = RecordingSession(sessions["fp32"])
-    generator = Generator(recording, tokenizer, block_size=32)
+    generator = Generator(recording, tokenizer, 32, end_ids(tokenizer))
     long_prompt = np.random.default_rng(3).integers(0, tokenizer.get_vocab_size(), 13).tolist()
     running_params = SamplingParams(max_tokens=18, temperature=0)
     params = SamplingParams(max_tokens=6, temperature=0)
@@ -662,7 +668,7 @@ def test_the_kv_budget_counts_the_padded_batch_and_a_steps_outputs(exported, tok
 
     _, sessions = exported
     measuring = MeasuringSession(sessions["fp32"])
-    generator = Generator(measuring, tokenizer, block_size=32)
+    generator = Generator(measuring, tokenizer, 32, end_ids(tokenizer))
     limit = 60 * 1024  # bytes: 120 tokens of this model, 512 bytes each
     budget = KVBudget(limit / 2**20, generator.decoder, wait_s=0.05)
     assert budget.bytes_per_token == 512
@@ -725,7 +731,7 @@ def test_prompts_that_arrive_together_fill_their_caches_in_one_call(exported, to
 
     _, sessions = exported
     recording = RecordingSession(sessions["fp32"])
-    generator = Generator(recording, tokenizer, block_size=32)
+    generator = Generator(recording, tokenizer, 32, end_ids(tokenizer))
     prompts = [[5], [6, 7, 8], [9, 10, 11, 12, 13]]
     params = SamplingParams(max_tokens=8, temperature=0)
 
@@ -787,7 +793,7 @@ def test_a_failed_step_ends_the_stream_it_belongs_to_and_the_others_go_on(
     from app.runtime.types import RequestError
 
     _, sessions = exported
-    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    generator = Generator(sessions["fp32"], tokenizer, 32, end_ids(tokenizer))
     prompts = [[5, 6], [7], [8, 9, 10]]
     params = [
         SamplingParams(max_tokens=20, temperature=0),
@@ -822,7 +828,7 @@ def test_a_prompt_whose_fill_fails_ends_alone_and_a_join_without_memory_is_a_503
     from app.runtime.types import RequestError
 
     _, sessions = exported
-    generator = Generator(sessions["fp32"], tokenizer, block_size=32)
+    generator = Generator(sessions["fp32"], tokenizer, 32, end_ids(tokenizer))
     greedy_ = SamplingParams(max_tokens=12, temperature=0)
     bad_fill = SamplingParams(max_tokens=12, temperature=0, seed=faults.FAIL_AT_ONCE_SEED)
     no_memory = SamplingParams(max_tokens=12, temperature=0, seed=faults.MEMORY_SEED)

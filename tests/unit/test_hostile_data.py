@@ -155,7 +155,8 @@ def test_a_collapsed_encoder_scores_chance_and_a_nan_one_is_refused():
 
 
 def test_a_nan_cosine_fails_the_export_gate():
-    from app.tasks.retrieval.export import gate, min_cosine
+    from app.export.exporter import gate
+    from app.tasks.retrieval.export import min_cosine, refusal
 
     torch_side = np.ones((4, 3), np.float32)
     onnx_side = torch_side.copy()
@@ -163,11 +164,12 @@ def test_a_nan_cosine_fails_the_export_gate():
     assert min_cosine(torch_side, onnx_side) == -1.0
     report = {
         "parity": {"min_cosine": {"image": float("nan"), "text": 1.0}},
+        "size_ratio_int8": 0.3,
         "recall_drop": {"i2t": 0.0, "t2i": 0.0},
         "recall_changes": {"i2t": {"lost": 0, "gained": 0}, "t2i": {"lost": 0, "gained": 0}},
     }
     with pytest.raises(GateError, match="image encoder's embeddings reach cosine nan"):
-        gate(report, load_config(None, ["data.source=synthetic_image_text"]))
+        gate(report, load_config(None, ["data.source=synthetic_image_text"]), refusal)
 
 
 # --- item 5: an index that deploys ----------------------------------------------------------------
@@ -344,7 +346,7 @@ def test_an_unknown_karpathy_split_is_refused_naming_it_and_its_entry(table_fold
 
 def test_a_chat_template_with_a_syntax_error_fails_prepare_with_exit_2(tmp_path):
     from app.pipeline.stages import prepare
-    from tests.make_tiny_pretrained import MAKERS
+    from tools.make_tiny_pretrained import MAKERS
 
     folder = MAKERS["gpt2"](str(tmp_path / "gpt2"))
     with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
@@ -377,11 +379,14 @@ def test_whole_floats_in_integer_sampling_columns_are_read_as_integers():
 
 
 def test_a_json_line_with_an_unknown_sampling_field_is_refused():
+    from app.predict.actor import PredictInput
     from app.predict.row_checks import json_line_columns
     from app.tasks.lm.predict import CompletionPredictor
 
     config = load_config(None, ["data.source=synthetic_text"])
-    spec = CompletionPredictor.input_spec({"kind": "tokens"}, "id", "jsonl", [], config, "in")
+    spec = CompletionPredictor.input_spec(
+        PredictInput({"kind": "tokens"}, "id", "jsonl", [], config, "in")
+    )
     lines = [b'{"id": 1, "prompt": "a", "temprature": 0.5}', b'{"id": 2, "prompt": "b"}']
     _, problems, _ = json_line_columns(lines, [1, 2], ["in.jsonl"] * 2, spec)
     assert problems[0] is not None and problems[0].startswith('line: unknown field "temprature"')

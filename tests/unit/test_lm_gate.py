@@ -14,8 +14,8 @@ VOCAB = 10
 class CountingDecoder:
     """Next token = last token + 1 (mod VOCAB), except after `flip_after`, where it picks 0.
 
-    Fed as KVDecoder is: `step(ids, cache)` -> logits for every fed position and the cache
-    (here just the tokens so far).
+    Fed as KVDecoder is: `step(ids, cache, picked=...)` -> logits for the picked positions
+    (every fed one by default) and the cache (here just the tokens so far).
     """
 
     def __init__(self, flip_after: int | None = None):
@@ -24,12 +24,14 @@ class CountingDecoder:
     def empty_cache(self):
         return []
 
-    def step(self, ids, cache):
+    def step(self, ids, cache, picked=None):
         tokens = list(cache) + [int(t) for t in ids[0]]
         logits = np.zeros((1, len(ids[0]), VOCAB), dtype=np.float32)
         for i, token in enumerate(tokens[len(cache) :]):
             pick = 0 if token == self.flip_after else (token + 1) % VOCAB
             logits[0, i, pick] = 1.0
+        if picked is not None:
+            logits = np.take_along_axis(logits, np.asarray(picked)[..., None], axis=1)
         return logits, tokens
 
 

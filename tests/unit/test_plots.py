@@ -46,6 +46,12 @@ def epochs(n: int) -> list[dict]:
     ]
 
 
+def quality(report: dict):
+    from app.tasks.classify.export import quality
+
+    return quality(report)
+
+
 def test_each_picture_is_a_png_of_a_sensible_size():
     report = {
         "accuracy": {"torch_fp32": 0.97, "onnx_fp32": 0.97, "onnx_int8": 0.96},
@@ -61,7 +67,7 @@ def test_each_picture_is_a_png_of_a_sensible_size():
     pictures = {
         "confusion": plots.confusion_matrix([[5, 1], [0, 7]], ["cat", "dog"]),
         "curves": plots.training_curves(epochs(4), marked_epoch=3),
-        "quantization": plots.quantization(report),
+        "quantization": plots.quantization(quality(report), report["size_bytes"]),
         "bars": plots.grouped_bars({"a": {"x": 1.0, "y": 2.0}, "b": {"x": 3.0}}, "t", "s"),
     }
     for name, data in pictures.items():

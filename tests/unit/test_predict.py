@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.errors import UserError
-from app.predict.actor import classifier_outputs, outputs_table, split_predictions
+from app.predict.actor import outputs_table, split_predictions
 from app.predict.read import check_columns, input_files
 from app.predict.row_checks import MISSING, InputSpec, check_batch, json_line_columns
 from app.predict.write import (
@@ -21,6 +21,7 @@ from app.predict.write import (
     commit,
     verify_output,
 )
+from app.tasks.classify.predict import classifier_outputs
 
 pytestmark = pytest.mark.unit
 

@@ -7,6 +7,7 @@ import pytest
 
 from app.config import ServeConfig, load_config
 from app.errors import UserError
+from app.predict.actor import PredictInput
 from app.runtime.types import RequestError
 from app.tasks.lm.predict import CompletionPredictor, Settings, sampling_params
 
@@ -36,29 +37,26 @@ def test_a_rows_own_sampling_columns_override_the_configs_and_null_keeps_it():
         assert refused.value.message.startswith(f"{field}:"), refused.value.message
 
 
+def spec_of(id_column: str, fmt, present: list[str], cfg=None):
+    request = PredictInput(SCHEMA, id_column, fmt, present, cfg or config(), "in")
+    return CompletionPredictor.input_spec(request)
+
+
 def test_the_columns_read_follow_the_input_and_bad_defaults_fail_up_front():
-    spec = CompletionPredictor.input_spec(
-        SCHEMA, "id", "parquet", ["id", "prompt", "seed"], config(), "in"
-    )
+    spec = spec_of("id", "parquet", ["id", "prompt", "seed"])
     assert (spec.feature_columns, spec.options) == (("prompt",), ("seed",))
-    chat = CompletionPredictor.input_spec(
-        SCHEMA, "id", "parquet", ["id", "messages"], config(), "in"
-    )
+    chat = spec_of("id", "parquet", ["id", "messages"])
     assert chat.feature_columns == ("messages",)
-    lines = CompletionPredictor.input_spec(SCHEMA, "id", "jsonl", [], config(), "in")
+    lines = spec_of("id", "jsonl", [])
     assert lines.feature_columns == ("prompt", "messages") and "temperature" in lines.options
-    csv = CompletionPredictor.input_spec(
-        SCHEMA, "id", "csv", ["id", "prompt", "seed"], config(), "in"
-    )
+    csv = spec_of("id", "csv", ["id", "prompt", "seed"])
     assert csv.options == ()  # CSV values are text: sampling comes from the config alone
     with pytest.raises(UserError, match=r"^predict\.generation\.sampling\.temperature: "):
-        CompletionPredictor.input_spec(
-            SCHEMA,
+        spec_of(
             "id",
             "parquet",
             ["id", "prompt"],
             config("predict.generation.sampling={temperature: 9}"),
-            "in",
         )
     with pytest.raises(UserError, match="--id-column 'prompt'"):
-        CompletionPredictor.input_spec(SCHEMA, "prompt", "parquet", ["prompt"], config(), "in")
+        spec_of("prompt", "parquet", ["prompt"])

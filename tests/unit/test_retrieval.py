@@ -156,7 +156,7 @@ def test_karpathy_json_keeps_its_own_split(tmp_path):
 
 @pytest.fixture(scope="module")
 def clip_folder(tmp_path_factory):
-    from tests.make_tiny_pretrained import make_clip
+    from tools.make_tiny_pretrained import make_clip
 
     return make_clip(str(tmp_path_factory.mktemp("clip") / "clip"))
 
@@ -285,14 +285,19 @@ def test_the_int8_recall_gate_refuses_a_loss_beyond_the_bound_that_is_more_than_
     30 queries is refused, and a loss within export.max_recall_drop never is."""
     from app.config import validate
     from app.errors import GateError
-    from app.tasks.retrieval.export import gate
+    from app.export.exporter import gate as export_gate
+    from app.tasks.retrieval.export import refusal
 
     config = validate({"export": {"max_recall_drop": 2.0}})
+
+    def gate(report: dict, config) -> None:
+        export_gate(report, config, refusal)
 
     def report(lost: int, gained: int, queries: int) -> dict:
         drop = 100.0 * (lost - gained) / queries
         return {
             "parity": {"min_cosine": {"image": 1.0, "text": 1.0}},
+            "size_ratio_int8": 0.3,
             "recall_drop": {"i2t": drop, "t2i": 0.0},
             "recall_changes": {
                 "i2t": {"lost": lost, "gained": gained},

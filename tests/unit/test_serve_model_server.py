@@ -23,7 +23,7 @@ from app.serve.replicas.batching import (
     spread,
     takes_any_length,
 )
-from app.serve.replicas.model_server import ModelServer
+from app.tasks.classify.replica import ClassifierServer
 
 pytestmark = pytest.mark.unit
 
@@ -71,12 +71,12 @@ def text_server(
     max_padding_waste: float = 10.0,
     workers: int = 1,
     share_calls: bool = True,
-) -> ModelServer:
-    """A ModelServer on a fake text artifact; its batch method runs every concurrent call as one
+) -> ClassifierServer:
+    """A ClassifierServer on a fake text artifact; its batch method runs every concurrent call as one
     batch, as @serve.batch would, and ONNX Runtime on a worker thread, as the replica does."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = ModelServer.__new__(ModelServer)
+    server = ClassifierServer.__new__(ClassifierServer)
     server.artifact = SimpleNamespace(  # type: ignore[assignment]
         name="topics",
         version="3",
@@ -100,7 +100,7 @@ def text_server(
 class Batcher:
     """Collects the calls made in one event-loop turn into a single batch."""
 
-    def __init__(self, server: ModelServer):
+    def __init__(self, server: ClassifierServer):
         self.server, self.pending, self.sizes = server, [], []
 
     async def __call__(self, inputs):
@@ -124,7 +124,7 @@ def v2(data, shape=None) -> InferRequest:
 
 
 def run(
-    server: ModelServer, *requests: InferRequest, busy: bool = True
+    server: ClassifierServer, *requests: InferRequest, busy: bool = True
 ) -> list[InferResult | dict]:
     """Each request's result, or its error as {"status", "error"}. With `busy`, another client's
     request is in flight meanwhile, so these go through the batcher (a request alone in the

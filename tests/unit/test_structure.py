@@ -238,9 +238,27 @@ def test_the_dispatch_check_sees_each_form(source):
     assert len(dispatches_on_task_names(source)) == 1
 
 
+def long_prose_lines(text: str, limit: int = 100) -> list[str]:
+    """Lines of prose over `limit` characters (tables and fenced code are exempt)."""
+    long, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("|") and len(line) > limit:
+            long.append(line[:60])
+    return long
+
+
+def test_the_prose_check_sees_a_long_line_and_exempts_tables_and_code():
+    text = "x" * 101 + "\n|" + "y" * 200 + "|\n```\n" + "z" * 200 + "\n```\n"
+    assert long_prose_lines(text) == ["x" * 60]
+
+
 def test_the_readme_stays_short_and_nothing_reads_as_a_lab_notebook():
     repo = APP.parent
-    assert len((repo / "README.md").read_text().splitlines()) <= 300
+    readme = (repo / "README.md").read_text()
+    assert len(readme) <= 20_000  # the benchmark table lives in bench/README.md
+    assert long_prose_lines(readme) == []
     assert len((repo / "docs/architecture.md").read_text().splitlines()) <= 300
     texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), repo / "bench/README.md"]
     texts += sorted(APP.rglob("*.py"))
@@ -365,3 +383,58 @@ def test_the_driver_hands_each_rank_a_typed_plan():
 
     assert dataclasses.is_dataclass(WorkerPlan)
     assert "WorkerPlan" in str(inspect.signature(train_loop).parameters["loop_config"].annotation)
+
+
+# The parts a task binds that are classes or objects of its own: each lives in its task's folder.
+OWN_PARTS = ("server", "predictor", "export")
+
+
+def part_modules(part: object) -> set[str]:
+    """The modules that define a bound part: a class's, or an ExportParts' functions'."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(part) and not isinstance(part, type):
+        return {str(v.__module__) for v in vars(part).values() if callable(v)}
+    return {str(getattr(part, "__module__", ""))}
+
+
+def test_every_class_bound_as_a_task_part_lives_in_its_own_task_folder():
+    from app.registry import task_named
+    from app.tasks.builtin import TASKS as BUILT_IN
+
+    misplaced = []
+    for name in BUILT_IN:
+        for part_name, part in task_named(name).parts.items():
+            for module in part_modules(part) if part_name in OWN_PARTS else ():
+                if not module.startswith(f"app.tasks.{name}."):
+                    misplaced.append(f"{name}.{part_name}: {module}")
+    assert misplaced == []
+
+
+def test_each_task_binds_export_parts_of_the_same_names():
+    import dataclasses
+
+    from app.export.exporter import EXPORT, ExportParts
+    from app.registry import task_named
+    from app.tasks.builtin import TASKS as BUILT_IN
+
+    names = [f.name for f in dataclasses.fields(ExportParts)]
+    for task in [task_named(n) for n in BUILT_IN if task_named(n).has(EXPORT)]:
+        parts = task.part(EXPORT)
+        assert isinstance(parts, ExportParts), task.name
+        for field in names[1:]:  # `splits` is data; every other part is the same-named function
+            assert getattr(parts, field).__name__ == field, (task.name, field)
+
+
+def test_every_model_replica_is_built_on_the_one_base():
+    from app.registry import task_named
+    from app.serve.control.builders import SERVER
+    from app.serve.replicas.apps import SelfServing
+    from app.serve.replicas.base import Replica
+    from app.tasks.builtin import TASKS as BUILT_IN
+
+    for name in BUILT_IN:
+        server = task_named(name).part(SERVER)
+        assert issubclass(server, Replica) and issubclass(server, SelfServing), name
+        own = set(vars(server.__mro__[2]))  # the task's replica state, under its Serve class
+        assert not own & {"reconfigure", "infer"}, (name, own & {"reconfigure", "infer"})

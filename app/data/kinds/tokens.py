@@ -15,6 +15,10 @@ from app.data.preprocess import Preprocessor
 if TYPE_CHECKING:
     from app.pretrained import Pretrained
 
+# A tokenizer trained at prepare (app/data/text_files.py) has one special token, which ends
+# every document.
+EOS = "<|endoftext|>"
+
 
 class Tokens(Preprocessor):
     kind = "tokens"
@@ -39,6 +43,7 @@ class Tokens(Preprocessor):
             "tokenizer": tokenizer,
             "block_size": manifest["block_size"],
         }
+        state["end_ids"] = base.end_ids() if base else trained_end_ids(state["tokenizer"])
         if base is not None:
             state["pretrained"] = base.record()
             # Serving renders chat messages with it (app/tasks/lm/chat.py).
@@ -46,6 +51,14 @@ class Tokens(Preprocessor):
                 state["chat_template"] = template
                 state["chat_special_tokens"] = base.special_tokens()
         return cls(state)
+
+    @property
+    def end_ids(self) -> list[int]:
+        """The ids that end a generation (the folder's own, or the trained tokenizer's end of
+        text)."""
+        return [
+            int(i) for i in self.state.get("end_ids") or trained_end_ids(self.state["tokenizer"])
+        ]
 
     @property
     def vocab_size(self) -> int:
@@ -69,6 +82,15 @@ class Tokens(Preprocessor):
     def arrow_column(cls, name: str, values: pd.Series) -> pa.Array:
         flat = np.stack(values.to_list()).astype(np.int32)
         return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+
+
+def trained_end_ids(tokenizer_json: str) -> list[int]:
+    """A tokenizer trained at prepare (app/data/text_files.py) ends text with its only special
+    token."""
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_str(tokenizer_json).token_to_id(EOS)
+    return [] if token is None else [token]
 
 
 def tokens_of(pre: Preprocessor) -> Tokens:

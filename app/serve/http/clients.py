@@ -51,7 +51,7 @@ class ModelClient(Protocol):
 
 
 class LocalModel:
-    """A ModelServer or LMServer in this process: its own methods, bound (no call in between)."""
+    """A ClassifierServer or LMServer in this process: its own methods, bound (no call in between)."""
 
     def __init__(self, server: Any):
         self.info = server.info

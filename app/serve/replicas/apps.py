@@ -1,8 +1,8 @@
 """The Serve deployment classes: a model's replica answering its own routes (`SelfServing` mixed
-into a replica class: its HTTP stack and its model in one process; `ModelApp` for a classifier,
-the other tasks' in their folders, app/tasks/<task>/replica.py), and the `Index` answering the
-routes that span models through the model applications' handles. Which class a model gets is
-its task's `server` part; app/serve/control/builders.py deploys them."""
+into a task's replica class, app/tasks/<task>/replica.py: its HTTP stack and its model in one
+process), and the `Index` answering the routes that span models through the model
+applications' handles. Which class a model gets is its task's `server` part;
+app/serve/control/builders.py deploys them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from app.registry import task_of_schema
 from app.serve.http.api import create_api
 from app.serve.http.clients import LocalModel, ModelClient, Models, RayModel
 from app.serve.http.gate import IngressMetrics
-from app.serve.replicas.model_server import ModelServer
 
 
 def model_app_name(cfg: ServeConfig, model: str) -> str:
@@ -48,11 +47,6 @@ def own_task_routes(schema: dict[str, Any]) -> None:
     task = str(schema.get("task", ""))
     if ":" in task:
         task_of_schema(schema)
-
-
-@serve.ingress()
-class ModelApp(SelfServing, ModelServer):
-    """One model's replica: its HTTP routes and its ONNX Runtime session in one process."""
 
 
 @serve.ingress()

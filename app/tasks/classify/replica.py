@@ -1,4 +1,4 @@
-"""One classifier replica: a verified artifact in ONNX Runtime behind dynamic batching.
+"""Task `classify`'s replica: a verified artifact in ONNX Runtime behind dynamic batching.
 
 The request lifecycle, one short method each:
     infer(request)    -> decode: rows checked against the artifact's schema (app/runtime/rows.py)
@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from ray import serve
 
 from app.config import ServeConfig
-from app.registry import DEFAULT as DEFAULT_TASK
-from app.runtime.artifact import LOGITS, Artifact, open_artifact, run_logits
+from app.runtime.artifact import LOGITS, run_logits
 from app.runtime.rows import request_rows, softmax
-from app.runtime.types import InferRequest, InferResult, ModelInfo, RequestError
+from app.runtime.types import InferRequest, InferResult, RequestError
 from app.serve.metrics import Deferred, model_histogram
+from app.serve.replicas.apps import SelfServing
+from app.serve.replicas.base import Replica
 from app.serve.replicas.batching import (
     MASK,
     measure_batch_calls,
@@ -40,15 +41,11 @@ log = logging.getLogger("ray.serve")
 Answer = tuple[list[str], np.ndarray]  # one request's labels and probabilities
 
 
-class ModelServer:
+class ClassifierServer(Replica):
     def __init__(self, artifact_uri: str, cfg: ServeConfig):
-        self.artifact: Artifact = open_artifact(artifact_uri)
-        self.threads = max(1, math.floor(cfg.replica_cpus))
+        super().__init__(artifact_uri, cfg)  # the artifact, its variant's session (`load`)
         self.max_request_rows = cfg.max_request_rows
         self.max_padding_waste = cfg.batching.max_padding_waste
-        self.variant = self.artifact.choose_variant(cfg.variant)
-        self.session = self.artifact.session(self.variant, self.threads)
-        self.trim = takes_any_length(self.session)
         # ONNX Runtime releases the GIL: its calls run on these threads, side by side.
         self.workers = cfg.batching.max_concurrent_batches
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="onnx")
@@ -67,13 +64,15 @@ class ModelServer:
         tags = {"model": self.artifact.name}
         self.batch_rows = Deferred(lambda buffer, rows: buffer.observe(histogram, rows, tags))
         log.info(
-            "model %s version %s loaded from %s; batched requests %s (%s)",
+            "model %s: batched requests %s (%s)",
             self.artifact.name,
-            self.artifact.version,
-            self.artifact.uri,
             "share ONNX Runtime calls" if self.share_calls else "get a call each",
             self.batch_calls,
         )
+
+    def load(self, variant: str) -> None:
+        self.session = self.artifact.session(variant, self.threads)
+        self.trim = takes_any_length(self.session)
 
     def _choose_batch_calls(self) -> None:
         """Sets batch_calls (what was chosen, and measured) and share_calls (whether batched
@@ -108,15 +107,6 @@ class ModelServer:
         ids = np.where(mask > 0, row["input_ids"][0, 0], 0).astype(row["input_ids"].dtype)
         return {k: (mask if k == MASK else ids) for k in row}
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """`user_config: {variant: auto|fp32|int8|aoti}` switches the model without a redeploy."""
-        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
-        if variant != self.variant or self.session is None:
-            self.session = self.artifact.session(variant, self.threads)
-            self.trim = takes_any_length(self.session)
-            self.variant = variant
-            log.info("model %s now serves the %s variant", self.artifact.name, variant)
-
     async def check_health(self) -> None:
         # Fails when the session can no longer run: Serve then replaces this replica.
         inputs = self.artifact.preprocessor.features(self.artifact.preprocessor.sample_rows())
@@ -124,8 +114,8 @@ class ModelServer:
             self.pool, run_logits, self.session, inputs
         )
 
-    async def info(self) -> ModelInfo:
-        return model_info(self.artifact, self.variant, batching=self.batch_calls)
+    def details(self) -> dict[str, Any]:
+        return {"batching": self.batch_calls}
 
     async def infer(self, request: InferRequest) -> InferResult:
         """Rows checked against the schema and turned into model inputs for this request alone
@@ -243,20 +233,6 @@ def model_error(status: int, e: Exception) -> RequestError:
     )
 
 
-def model_info(a: Artifact, variant: str, generates: bool = False, **extra: Any) -> ModelInfo:
-    """What a replica says about the artifact it serves (a replica never loads the task
-    registry: it would import every stage)."""
-    return ModelInfo(
-        name=a.name,
-        version=a.version,
-        variant=variant,
-        artifact=a.uri,
-        task=str(a.schema.get("task", DEFAULT_TASK)),
-        generates=generates,
-        inputs=a.schema["inputs"],
-        outputs=a.schema["outputs"],
-        labels=a.schema.get("labels", []),
-        manifest=a.manifest.model_dump(mode="json", exclude={"files"}),
-        replica_pid=os.getpid(),
-        **extra,
-    )
+@serve.ingress()
+class ClassifierApp(SelfServing, ClassifierServer):
+    """A classifier's replica: its HTTP routes and its ONNX Runtime session in one process."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 from app.evaluate.held_out import EVALUATE
 from app.export.exporter import EXPORT
 from app.pipeline.stages import SMOKE
-from app.predict.actor import PREDICTOR, Predictor
+from app.predict.actor import PREDICTOR
 from app.registry import Task
 from app.serve.control.builders import SERVER
-from app.serve.replicas.apps import ModelApp
 from app.tasks.classify.evaluate import evaluate_classifier
-from app.tasks.classify.export import export_classifier
+from app.tasks.classify.export import EXPORT_PARTS
+from app.tasks.classify.predict import ClassifierPredictor
+from app.tasks.classify.replica import ClassifierApp
 from app.tasks.classify.smoke import sample_infer
 from app.tasks.classify.train import (
     classification_loss,
@@ -35,9 +36,9 @@ def spec() -> Task:
                 VALIDATE.of(validate_classifier),
                 HEADLINE.of(headline),
                 EVALUATE.of(evaluate_classifier),
-                EXPORT.of(export_classifier),
-                SERVER.of(ModelApp),
-                PREDICTOR.of(Predictor),
+                EXPORT.of(EXPORT_PARTS),
+                SERVER.of(ClassifierApp),
+                PREDICTOR.of(ClassifierPredictor),
                 SMOKE.of(sample_infer),
             ]
         ),

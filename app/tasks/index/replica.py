@@ -26,7 +26,6 @@ from ray import serve
 from app.config import ServeConfig
 from app.runtime.artifact import open_artifact
 from app.runtime.types import (
-    InferRequest,
     ModelInfo,
     RequestError,
     SearchQuery,
@@ -36,20 +35,17 @@ from app.runtime.types import (
 from app.runtime.vector_index import VectorIndex, open_index, set_search_params
 from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.apps import SelfServing
+from app.serve.replicas.base import Replica
 from app.tasks.retrieval.replica import Encoders, picture_limits
 
 log = logging.getLogger("ray.serve")
 
 
-class SearchServer:
+class SearchServer(Replica):
+    ROUTE = "is an index: POST /v1/models/{name}:search"
+
     def __init__(self, artifact_uri: str, cfg: ServeConfig):
-        self.vectors: VectorIndex = open_index(artifact_uri)
-        self.artifact = self.vectors  # what the routes name it by
-        self.cfg = cfg
-        self.encoder = open_artifact(self.vectors.encoder["uri"])  # the version it names
-        self.variant = self.encoder.choose_variant(cfg.variant)
-        self.threads = max(1, math.floor(cfg.replica_cpus))
-        self.encoders = Encoders(self.encoder, self.variant, self.threads)
+        super().__init__(artifact_uri, cfg)  # the index, its encoder's variant (`load`)
         self.limits = picture_limits(cfg)
         self.ids = {str(v): i for i, v in enumerate(self.vectors.items["id"].to_pylist())}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="faiss")
@@ -59,19 +55,24 @@ class SearchServer:
             self.vectors.index, self.vectors.schema["ef_search"], self.vectors.schema["nprobe"]
         )
         self.metrics = RetrievalMetrics(self.vectors.name, str(self.vectors.version))
-        log.info(
-            "index %s version %s loaded (%d vectors, encoder %s version %s)",
-            self.vectors.name,
-            self.vectors.version,
-            self.vectors.index.ntotal,
-            self.encoder.name,
-            self.encoder.version,
-        )
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = self.encoder.choose_variant(user_config.get("variant", "int8"))
-        if variant != self.variant:
-            self.encoders, self.variant = Encoders(self.encoder, variant, self.threads), variant
+    def open(self, uri: str) -> VectorIndex:
+        self.vectors: VectorIndex = open_index(uri)
+        self.encoder = open_artifact(self.vectors.encoder["uri"])  # the version it names
+        return self.vectors  # what the routes name it by
+
+    def choose(self, variant: str) -> str:
+        return self.encoder.choose_variant(variant)  # the encoder's variants
+
+    def load(self, variant: str) -> None:
+        self.encoders = Encoders(self.encoder, variant, self.threads)
+
+    def describe(self) -> str:
+        v = self.vectors
+        return (
+            f"index {v.name} ({v.index.ntotal} vectors, encoder {self.encoder.name} version "
+            f"{self.encoder.version})"
+        )
 
     async def check_health(self) -> None:
         await self._answer(SearchRequest((SearchQuery(text="health check"),), 1))
@@ -92,11 +93,6 @@ class SearchServer:
             manifest=manifest | {"encoder": v.encoder, "vectors": int(v.index.ntotal)},
             replica_pid=os.getpid(),
             searches=True,
-        )
-
-    async def infer(self, request: InferRequest) -> Any:
-        raise RequestError(
-            400, f"{self.vectors.name!r} is an index: POST /v1/models/{{name}}:search"
         )
 
     async def search(self, request: SearchRequest) -> SearchResult:

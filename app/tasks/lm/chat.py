@@ -33,6 +33,12 @@ class ChatTemplate:
     def name(self) -> str:
         return "model" if self._template is not None else "plain"
 
+    @property
+    def writes_specials(self) -> bool:
+        """Whether a rendering holds the model's special tokens itself (its own template
+        writes its BOS), so the tokenizer must not add its own around it."""
+        return self._template is not None
+
     def render(self, messages: Messages) -> str:
         if self._template is None:
             return plain_template(messages)

@@ -1,28 +1,29 @@
-"""Export of a causal language model (task `lm`): ONNX with a KV cache, int8 weights, the gate.
+"""Task `lm`'s export parts (app/export/exporter.py runs the flow): a causal LM of any family
+that keeps app/models/causal.py's contract, as ONNX with a KV cache, int8 weights, the gate.
 
 One graph serves both phases of generation: `input_ids` [batch, tokens] after a cache of
-`past_key_<i>` / `past_value_<i>` per block ([batch, heads, cached, head_dim]; 0 cached for a
-prompt) -> `logits` [batch, tokens, vocab] and `present_key_<i>` / `present_value_<i>`, the cache
-extended by those tokens. The prompt is fed once and every later token alone (app/runtime/kv.py).
+`past_key_<i>` / `past_value_<i>` per block ([batch, kv_heads, cached, head_dim]; 0 cached for
+a prompt) -> `logits` of the positions `logit_positions` names and `present_key_<i>` /
+`present_value_<i>`, the cache extended by those tokens. The prompt is fed once and every later
+token alone (app/runtime/kv.py). A grouped-query model's cache holds its key/value heads only;
+the graph repeats them for the product. A graph beyond `export.external_data_bytes` keeps its
+weights in one external-data file beside it (hashed in the manifest like every file).
 
-int8 is onnxruntime's dynamic quantization of the weight matrices only (MatMul/Gemm with a
-constant weight; attention's activation x activation products stay fp32). The gate compares the
-two ONNX variants on held-out data: perplexity on validation sequences (allowed relative
-increase `export.max_perplexity_increase`) and greedy-decoding agreement on validation prompts
-(`export.min_greedy_agreement`), plus the fp32 graph's parity with torch's `GPT.decode`.
+int8 is weight-only (MatMulNBits blocks of the weight matrices, the LM head's too, and int8
+rows of the embedding; attention's activation x activation products stay fp32). The gate
+compares the two ONNX variants on held-out data: perplexity on validation sequences (allowed
+relative increase `export.max_perplexity_increase`) and greedy-decoding agreement on validation
+prompts (`export.min_greedy_agreement`), plus the fp32 graph's parity with torch's `step`.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
 import platform
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -32,13 +33,23 @@ from torch import nn
 
 from app.config import Config
 from app.data.kinds.tokens import tokens_of
-from app.errors import GateError, UserError
+from app.errors import UserError
 from app.export.compile_programs import not_for_task
-from app.export.publish import check_onnx_fits, gate_parity_and_size, publish, write_metadata
+from app.export.exporter import ExportParts, Quality, Report, parity_refusal, sizes
+from app.export.onnx_graph import write_onnx
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
-from app.models.gpt import GPT, Block, CausalSelfAttention
+from app.models.causal import CausalLM, causal_lm, empty_cache
 from app.runtime import artifact as art
-from app.runtime.kv import KEY_MASK, POSITIONS, KVDecoder, greedy, past_name, present_name
+from app.runtime.kv import (
+    KEY_MASK,
+    LOGIT_POSITIONS,
+    POSITIONS,
+    KVDecoder,
+    greedy,
+    past_name,
+    present_name,
+    prompt_step,
+)
 from app.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -49,62 +60,83 @@ TOKENIZER_FILE = "tokenizer.json"  # the artifact's copy, usable by any `tokeniz
 LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexity
 
 
-def export_lm(config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str) -> dict[str, Any]:
-    """Build, verify and gate the artifact of a language-model checkpoint; publish it."""
-    from app.evaluate.held_out import verify_dataset
-    from app.registry import run_task
-
-    model = loaded.model
-    if not isinstance(model, GPT):
+def held_out(config: Config, loaded: LoadedCheckpoint) -> np.ndarray:
+    """The validation rows the gate scores (`validation_rows`), once the model is known to keep
+    the causal LM contract the graph is written for (app/models/causal.py)."""
+    if causal_lm(loaded.model) is None:
         raise UserError(
-            f"{checkpoint_uri}: export of task lm supports model.name gpt (or a gpt2 model.pretrained) only"
+            f"export of task lm: {type(loaded.model).__name__} does not keep the causal LM "
+            "contract of app/models/causal.py (step, logits, kv_heads, head_dim)"
         )
-    check_onnx_fits(model, checkpoint_uri)
-    verify_dataset(config, ("val",))
-    rows = validation_rows(config, loaded, config.export.perplexity_rows)
-    with tempfile.TemporaryDirectory() as work:
-        fp32 = os.path.join(work, art.MODEL_FILES["fp32"])
-        int8 = os.path.join(work, art.MODEL_FILES["int8"])
-        export_kv_onnx(model, fp32, config.export.opset)
-        quantize_weight_only(fp32, int8)
-        task = run_task(loaded.config.train.task, loaded.preprocessor.kind).name
-        report = {"task": task, **verify_lm(config, model, fp32, int8, rows)}
-        gate_lm(report, config)
-        Path(work, TOKENIZER_FILE).write_text(tokens_of(loaded.preprocessor).tokenizer.to_str())
-        schema = schema_for_lm(model, loaded.preprocessor, task)
-        report["programs"] = not_for_task(config, "lm", WHY_ONNX_ONLY)
-        write_metadata(work, config, loaded, report, checkpoint_uri, schema)
-        uri = publish(work, config.registry, config.artifact_name)
-    log.info("export: published %s", uri)
-    return {"stage": "export", "artifact": uri, "report": report}
+    return validation_rows(config, loaded, config.export.perplexity_rows)
 
 
-def schema_for_lm(model: GPT, pre: Any, task: str) -> dict[str, Any]:
-    """schema.json of a language model: text in, text out, and the graph's cache layout."""
-    first = first_attention(model)
+def model_of(loaded: LoadedCheckpoint) -> CausalLM:
+    return cast(CausalLM, loaded.model)
+
+
+def write_graphs(config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str) -> None:
+    path = os.path.join(work, art.MODEL_FILES["fp32"])
+    export_kv_onnx(model_of(loaded), path, config.export.opset, config.export.external_data_bytes)
+
+
+def quantize(config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str) -> Report:
+    """int8 weights (weight-only; the LM head's too), then both variants measured on the
+    validation rows."""
+    fp32, int8 = (os.path.join(work, art.MODEL_FILES[v]) for v in ("fp32", "int8"))
+    quantize_weight_only(fp32, int8, gemm_weights=True)
+    return measure(config, model_of(loaded), fp32, int8, rows)
+
+
+def programs(
+    config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str, report: Report
+) -> dict[str, Any]:
+    report["programs"] = not_for_task(config, "lm", WHY_ONNX_ONLY)
+    return {}
+
+
+def files(loaded: LoadedCheckpoint) -> dict[str, bytes]:
+    """The tokenizer, usable by any `tokenizers` client."""
+    return {TOKENIZER_FILE: tokens_of(loaded.preprocessor).tokenizer.to_str().encode()}
+
+
+def quality(report: Report) -> Quality:
+    ppl = report["perplexity"]
+    latency = report["latency_ms_per_token"]
+    return Quality(
+        metric=f"val perplexity, {report['perplexity_tokens']} tokens",
+        key="perplexity",
+        values={
+            "torch_fp32": ppl["torch_fp32"],
+            "onnx_fp32": ppl["fp32"],
+            "onnx_int8": ppl["int8"],
+        },
+        higher_is_better=False,
+        latency_ms={v: {"a token": ms} for v, ms in latency.items()},
+    )
+
+
+def schema(loaded: LoadedCheckpoint, task: str) -> dict[str, Any]:
+    """schema.json of a language model: text in, text out, the graph's cache layout and the
+    generation settings (its end ids)."""
+    model, pre = model_of(loaded), tokens_of(loaded.preprocessor)
+    layers = len(model.blocks)
     return {
         "kind": pre.kind,
         "task": task,
         "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
         "labels": [],
-        "model_inputs": ["input_ids", *cache_names(len(model.blocks), past_name)],
-        "model_outputs": ["logits", *cache_names(len(model.blocks), present_name)],
+        "model_inputs": [*GRAPH_INPUTS, *cache_names(layers, past_name)],
+        "model_outputs": ["logits", *cache_names(layers, present_name)],
         "block_size": model.block_size,
-        "vocab_size": model.tokens.num_embeddings,
-        "layers": len(model.blocks),
-        "heads": first.heads,
-        "head_dim": first.head_dim,
+        "vocab_size": int(model.head_weight().shape[0]),
+        "layers": layers,
+        "kv_heads": model.kv_heads,
+        "head_dim": model.head_dim,
         "tokenizer": TOKENIZER_FILE,
+        "end_ids": pre.end_ids,
     }
-
-
-def first_attention(model: GPT) -> CausalSelfAttention:
-    return blocks(model)[0].attn
-
-
-def blocks(model: GPT) -> list[Block]:
-    return [cast(Block, b) for b in model.blocks]
 
 
 def cache_names(layers: int, name) -> list[str]:
@@ -113,82 +145,60 @@ def cache_names(layers: int, name) -> list[str]:
 
 # --- the graph -----------------------------------------------------------------------------------
 
+GRAPH_INPUTS = ["input_ids", POSITIONS, KEY_MASK, LOGIT_POSITIONS]
 
-class KVCacheGraph(nn.Module):
-    """`GPT.decode` written for tracing: the same weights and arithmetic, with every shape taken
-    from tensors and the causal mask always explicit. `decode` picks its mask with Python
-    branches on the lengths (SDPA's `is_causal` without a cache), which a trace would freeze at
-    the example's lengths; parity with `decode` is checked on every export.
 
-    Each row says where its tokens sit (`position_ids` [batch, tokens]) and which cache slots
-    hold its keys (`attention_mask` [batch, past + tokens], 1 or 0), so that streams of
-    different lengths can share a step: a row's cache is left-padded to the batch's length and
-    its padding masked out. The new tokens fill the last slots; a query sees the valid slots up
-    to its own."""
+class KVGraph(nn.Module):
+    """A causal LM's `step` (app/models/causal.py) as one graph for both phases of generation,
+    returning the logits of the positions `logit_positions` [batch, n] names only: a prompt's
+    last (or each row's last real one), a step's one, or every position when scoring. The LM
+    head reads its matrix untransposed (a Gemm on the selected rows, which a bias makes of
+    torch's linear), so a head tied to the token embedding stays one initializer."""
 
-    def __init__(self, gpt: GPT):
+    no_bias: torch.Tensor
+
+    def __init__(self, model: CausalLM):
         super().__init__()
-        self.gpt = gpt
+        self.model = cast(nn.Module, model)
+        self.vocab = int(model.head_weight().shape[0])  # a constant: the logits' last axis
+        self.register_buffer("no_bias", torch.zeros(self.vocab), persistent=False)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
+        logit_positions: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        g = self.gpt
-        batch, tokens = input_ids.shape
-        start = past[0].shape[2]
-        query_slots = torch.arange(tokens, device=input_ids.device) + start
-        key_slots = torch.arange(start + tokens, device=input_ids.device)
-        causal = key_slots.unsqueeze(0) <= query_slots.unsqueeze(1)  # [tokens, slots]
-        visible = causal.unsqueeze(0).unsqueeze(0) & (attention_mask[:, None, None, :] > 0)
-        x = g.tokens(input_ids) + g.positions(position_ids)
-        presents: list[torch.Tensor] = []
-        for i, block in enumerate(blocks(g)):
-            attn = block.attn
-            qkv = attn.qkv(block.norm1(x)).reshape(batch, tokens, 3, attn.heads, attn.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            k = torch.cat([past[2 * i], k], dim=2)
-            v = torch.cat([past[2 * i + 1], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-            x = x + attn.proj(out.transpose(1, 2).reshape(batch, tokens, -1))
-            x = x + block.mlp(block.norm2(x))
-            presents += [k, v]
-        return (g.head(g.norm(x)), *presents)
+        model = cast(CausalLM, self.model)
+        hidden, presents = model.step(input_ids, position_ids, attention_mask, past)
+        batch, picked = logit_positions.shape
+        width = hidden.shape[-1]
+        rows = hidden.gather(1, logit_positions[..., None].expand(batch, picked, width))
+        normed = model.norm(rows.reshape(batch * picked, width))
+        logits = F.linear(normed, model.head_weight(), self.no_bias)  # 2-D, a bias: a Gemm
+        return (logits.reshape(batch, picked, self.vocab), *presents)
 
 
-def export_kv_onnx(model: GPT, path: str, opset: int) -> None:
+def export_kv_onnx(
+    model: CausalLM, path: str, opset: int, external_bytes: int | None = None
+) -> None:
     layers = len(model.blocks)
-    attn = first_attention(model)
-    inputs = ["input_ids", POSITIONS, KEY_MASK, *cache_names(layers, past_name)]
+    inputs = [*GRAPH_INPUTS, *cache_names(layers, past_name)]
     outputs = ["logits", *cache_names(layers, present_name)]
     # Traced with a cache and a multi-token chunk so that no length is a special case.
     ids = torch.zeros(1, 2, dtype=torch.long)
     positions, mask = torch.tensor([[1, 2]]), torch.ones(1, 3, dtype=torch.long)
-    past = [torch.zeros(1, attn.heads, 1, attn.head_dim) for _ in range(2 * layers)]
-    dynamic = {"input_ids": {0: "batch", 1: "tokens"}, "logits": {0: "batch", 1: "tokens"}}
+    picked = torch.tensor([[0, 1]])
+    past = [torch.zeros(1, model.kv_heads, 1, model.head_dim) for _ in range(2 * layers)]
+    dynamic = {"input_ids": {0: "batch", 1: "tokens"}, "logits": {0: "batch", 1: "picked"}}
     dynamic |= {POSITIONS: {0: "batch", 1: "tokens"}, KEY_MASK: {0: "batch", 1: "total"}}
-    dynamic |= {n: {0: "batch", 2: "past"} for n in inputs[3:]}
+    dynamic |= {LOGIT_POSITIONS: {0: "batch", 1: "picked"}}
+    dynamic |= {n: {0: "batch", 2: "past"} for n in inputs[len(GRAPH_INPUTS) :]}
     dynamic |= {n: {0: "batch", 2: "total"} for n in outputs[1:]}
-    buffer = io.BytesIO()
-    # The TorchScript exporter writes one self-contained file (the artifact loader refuses
-    # external data); GPT-2 small stays far below protobuf's 2 GB. The wrapper is put in eval
-    # mode explicitly because the exporter restores its mode afterwards.
-    with torch.no_grad():
-        torch.onnx.export(
-            KVCacheGraph(model).eval(),
-            (ids, positions, mask, *past),
-            buffer,  # type: ignore[arg-type]  # file-like objects are accepted
-            input_names=inputs,
-            output_names=outputs,
-            dynamic_axes=dynamic,
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=True,
-        )
-    Path(path).write_bytes(buffer.getvalue())
+    args = (ids, positions, mask, picked, *past)
+    write_onnx(KVGraph(model), args, path, inputs, outputs, dynamic, opset, external_bytes)
 
 
 # --- held-out data ------------------------------------------------------------------------------
@@ -210,10 +220,10 @@ def validation_rows(config: Config, loaded: LoadedCheckpoint, limit: int) -> np.
 # --- verification -------------------------------------------------------------------------------
 
 
-def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray) -> dict[str, Any]:
+def measure(config: Config, model: CausalLM, fp32: str, int8: str, rows: np.ndarray) -> Report:
     e = config.export
     decoders = {
-        v: KVDecoder(art.create_session(Path(p).read_bytes()))
+        v: KVDecoder(art.create_session(art.local_graph(p)))
         for v, p in (("fp32", fp32), ("int8", int8))
     }
     parity = decode_parity(model, decoders["fp32"], rows)
@@ -223,12 +233,15 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
     prompt_len = max(1, min(e.greedy_prompt_tokens, model.block_size - e.greedy_tokens))
     prompts = [row[:prompt_len].tolist() for row in rows[: e.greedy_prompts]]
     agreement = greedy_agreement(decoders, prompts, e.greedy_tokens)
-    sizes = {"fp32": os.path.getsize(fp32), "int8": os.path.getsize(int8)}
+    size = sizes(
+        os.path.dirname(fp32),
+        {"fp32": [art.MODEL_FILES["fp32"]], "int8": [art.MODEL_FILES["int8"]]},
+    )
     log.info(
         "export: perplexity %s greedy agreement %.3f sizes %s parity %.2e",
         ppl,
         agreement["token_agreement"],
-        sizes,
+        size["size_bytes"],
         parity["max_abs_diff"],
     )
     return {
@@ -238,8 +251,7 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
         "perplexity_tokens": int(len(rows) * (rows.shape[1] - 1)),
         "perplexity_increase": ppl["int8"] / ppl["fp32"] - 1,
         "greedy": agreement,
-        "size_bytes": sizes,
-        "size_ratio_int8": sizes["int8"] / sizes["fp32"],
+        **size,
         "latency_ms_per_token": {
             v: token_latency_ms(d, prompts[0], model.block_size) for v, d in decoders.items()
         },
@@ -263,20 +275,25 @@ def verify_lm(config: Config, model: GPT, fp32: str, int8: str, rows: np.ndarray
 
 
 @torch.no_grad()
-def decode_parity(model: GPT, decoder: KVDecoder, rows: np.ndarray, steps: int = 4) -> dict:
-    """ONNX fp32 against torch's `decode`: a prompt (half a row) fed at once, then `steps`
-    tokens one at a time on the cache, for up to 4 rows (max abs logit difference)."""
+def decode_parity(model: CausalLM, decoder: KVDecoder, rows: np.ndarray, steps: int = 4) -> dict:
+    """ONNX fp32 against torch's `step`: a prompt (half a row) fed at once, then `steps` tokens
+    one at a time on the cache, for up to 4 rows (max abs logit difference)."""
     diffs = []
     half = max(1, min(rows.shape[1] - 1, model.block_size) - steps)
     for row in rows[:4]:
         ids = torch.from_numpy(row[: half + steps]).unsqueeze(0)
-        ref, past = model.decode(ids[:, :half])
+        past = empty_cache(model)
         got, cache = decoder.step(ids[:, :half].numpy(), decoder.empty_cache())
-        diffs.append(np.abs(got - ref.numpy()).max())
-        for t in range(half, half + steps):
-            ref, past = model.decode(ids[:, t : t + 1], past)
-            got, cache = decoder.step(ids[:, t : t + 1].numpy(), cache)
-            diffs.append(np.abs(got - ref.numpy()).max())
+        for start, end in [(0, half), *((t, t + 1) for t in range(half, half + steps))]:
+            if start:
+                got, cache = decoder.step(ids[:, start:end].numpy(), cache)
+            hidden, past = model.step(
+                ids[:, start:end],
+                torch.arange(start, end)[None],
+                torch.ones(1, end, dtype=torch.long),
+                past,
+            )
+            diffs.append(np.abs(got - model.logits(hidden).numpy()).max())
     return {
         "rows": min(4, len(rows)),
         "prompt_tokens": half,
@@ -307,7 +324,7 @@ def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> float:
     return float((log_norm - picked).sum())
 
 
-def torch_loss(model: GPT, rows: np.ndarray) -> float:
+def torch_loss(model: CausalLM, rows: np.ndarray) -> float:
     ids = torch.from_numpy(rows)
     logits = model(ids[:, :-1])
     return float(F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()))
@@ -348,7 +365,7 @@ def forced_picks(decoder: KVDecoder, prompt: list[int], path: list[int]) -> list
     Fed as serving feeds it (the prompt in one call, then one cached token per call): with
     dynamically quantized activations a token's logits depend on what shares its call.
     """
-    logits, cache = decoder.step(np.asarray([prompt]), decoder.empty_cache())
+    logits, cache = prompt_step(decoder, prompt)
     picks = [int(logits[0, -1].argmax())]
     for token in path[:-1]:
         logits, cache = decoder.step(np.asarray([[token]]), cache)
@@ -362,7 +379,7 @@ def token_latency_ms(
     """Median time of one cached decoding step (one new token), batch 1; never past the
     model's position table."""
     steps = max(1, min(steps, block_size - len(prompt)))
-    logits, cache = decoder.step(np.asarray([prompt]), decoder.empty_cache())
+    logits, cache = prompt_step(decoder, prompt)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -371,22 +388,37 @@ def token_latency_ms(
     return statistics.median(times)
 
 
-def gate_lm(report: dict[str, Any], config: Config) -> None:
+def refusal(report: Report, config: Config) -> str | None:
+    """fp32 ONNX against torch (the prompt and cached steps), then int8's perplexity and its
+    greedy agreement with fp32."""
     e = config.export
-    gate_parity_and_size(report, config, ", prompt and cached steps")
+    if why := parity_refusal(report, config, ", prompt and cached steps"):
+        return why
     ppl, increase = report["perplexity"], report["perplexity_increase"]
     if increase > e.max_perplexity_increase:
-        raise GateError(
-            f"export refused: int8 perplexity {ppl['int8']:.3f} is {100 * increase:.2f}% above "
-            f"fp32 {ppl['fp32']:.3f}, more than export.max_perplexity_increase="
-            f"{e.max_perplexity_increase}",
-            report,
+        return (
+            f"int8 perplexity {ppl['int8']:.3f} is {100 * increase:.2f}% above fp32 "
+            f"{ppl['fp32']:.3f}, more than export.max_perplexity_increase="
+            f"{e.max_perplexity_increase}"
         )
     agreement = report["greedy"]["token_agreement"]
     if agreement < e.min_greedy_agreement:
-        raise GateError(
-            f"export refused: int8 picks fp32's greedy token at {agreement:.3f} of positions "
+        return (
+            f"int8 picks fp32's greedy token at {agreement:.3f} of positions "
             f"({report['greedy']['prompts']} val prompts), below export.min_greedy_agreement="
-            f"{e.min_greedy_agreement}",
-            report,
+            f"{e.min_greedy_agreement}"
         )
+    return None
+
+
+EXPORT_PARTS = ExportParts(
+    splits=("val",),
+    held_out=held_out,
+    write_graphs=write_graphs,
+    quantize=quantize,
+    refusal=refusal,
+    programs=programs,
+    schema=schema,
+    files=files,
+    quality=quality,
+)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from app.config import Config, ServeConfig
 from app.data.checks import MISSING, values_of
 from app.errors import UserError
-from app.predict.actor import ArtifactBatches, outputs_table
+from app.predict.actor import ArtifactBatches, PredictInput, outputs_table
 from app.predict.row_checks import CheckedBatch, InputSpec, id_problems, note
 from app.runtime.decode_loop import DecodeLoop
 from app.runtime.decoding import Generator, PromptError, SamplingParams
@@ -67,17 +67,16 @@ class Settings:
 
 class CompletionPredictor(ArtifactBatches):
     @staticmethod
-    def input_spec(
-        schema: dict[str, Any],
-        id_column: str,
-        fmt: str,
-        present: list[str],
-        config: Config,
-        source: str,
-    ) -> InputSpec:
+    def input_spec(request: PredictInput) -> InputSpec:
         """The prompt column, or the messages column when the input has that and no prompts
         (JSON Lines, without a header: either, row by row). Sampling columns are read from
         Parquet and JSON Lines (CSV values are text)."""
+        config, fmt, present, id_column = (
+            request.config,
+            request.format,
+            request.present,
+            request.id_column,
+        )
         g, settings = config.predict.generation, Settings.of(config)
         serve = ServeConfig.model_validate(settings.serve)
         try:
@@ -93,9 +92,16 @@ class CompletionPredictor(ArtifactBatches):
             raise UserError(f"--id-column {id_column!r} is the column of the prompts")
         options = tuple(f for f in SAMPLING_FIELDS if fmt == "jsonl" or f in present)
         options = () if fmt == "csv" else options
-        text = json.dumps(dataclasses.asdict(settings))
-        closed = fmt == "jsonl"
-        return InputSpec(schema["kind"], columns, 1, id_column, fmt, (), options, text, closed)  # type: ignore[arg-type]
+        return InputSpec(
+            kind=request.schema["kind"],
+            feature_columns=columns,
+            num_features=1,
+            id_column=id_column,
+            format=fmt,
+            options=options,
+            settings=json.dumps(dataclasses.asdict(settings)),
+            closed=fmt == "jsonl",
+        )
 
     def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
         super().__init__(artifact_uri, spec)
@@ -135,7 +141,8 @@ class CompletionPredictor(ArtifactBatches):
         try:
             params = sampling_params(own, self.settings, self.serve)
             prompt, field = self._prompt(values, row)
-            return self.generator.encode(prompt, field), params
+            chat = field == self.settings.messages_column and self.chat.writes_specials
+            return self.generator.encode(prompt, field, special=not chat), params
         except (RequestError, PromptError) as e:  # "<field>: <problem>"
             field, _, problem = (e.message if isinstance(e, RequestError) else str(e)).partition(
                 ": "

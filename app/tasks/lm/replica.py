@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -23,7 +22,6 @@ from typing import Any, cast
 from ray import serve
 
 from app.config import ServeConfig
-from app.runtime.artifact import Artifact, open_artifact
 from app.runtime.decode_loop import DecodeLoop, LoopGeneration
 from app.runtime.decoding import Generator, PromptError, SamplingParams
 from app.runtime.types import (
@@ -32,8 +30,6 @@ from app.runtime.types import (
     FinishReason,
     GenerationEvent,
     GenerationRequest,
-    InferRequest,
-    ModelInfo,
     RequestError,
     Started,
 )
@@ -45,21 +41,18 @@ from app.serve.metrics import (
     process_buffer,
 )
 from app.serve.replicas.apps import SelfServing
-from app.serve.replicas.model_server import model_info
+from app.serve.replicas.base import Replica
 from app.tasks.lm.chat import from_preprocessor as chat_template
 
 log = logging.getLogger("ray.serve")
 HEALTH_PROBE = SamplingParams(max_tokens=1, temperature=0)
 
 
-class LMServer:
+class LMServer(Replica):
+    ROUTE = "generates text: POST /v1/completions"
+
     def __init__(self, artifact_uri: str, cfg: ServeConfig):
-        self.artifact: Artifact = open_artifact(artifact_uri)
-        self.cfg = cfg
-        self.threads = max(1, math.floor(cfg.replica_cpus))
-        self.variant = self.artifact.choose_variant(cfg.variant)
-        self.generator = self._generator(self.variant)
-        self.loop = self._loop()
+        super().__init__(artifact_uri, cfg)  # the artifact, its variant's decode loop (`load`)
         # What this replica did, for metadata (and the disconnect test): generations running now,
         # finished by reason, and tokens generated in all.
         self.stats: dict[str, int] = {
@@ -74,7 +67,18 @@ class LMServer:
             cfg.generation.max_kv_cache_mib, self.generator.decoder, cfg.request_timeout_s / 2
         )
         self.chat = chat_template(self.artifact.preprocessor.state)
-        log.info("language model %s version %s loaded", self.artifact.name, self.artifact.version)
+
+    def describe(self) -> str:
+        return f"language model {self.artifact.name}"
+
+    def load(self, variant: str) -> None:
+        """The generator of `variant` and a decode loop on it; a loop already running is
+        closed (its streams finish on the old session)."""
+        self.generator = self._generator(variant)
+        running: DecodeLoop | None = getattr(self, "loop", None)
+        if running is not None:
+            running.close()
+        self.loop = self._loop()
 
     def _generator(self, variant: str) -> Generator:
         try:
@@ -91,13 +95,6 @@ class LMServer:
         interval_s = self.cfg.generation.stream_interval_ms / 1000
         return DecodeLoop(self.generator, model=self.artifact.name, stream_interval_s=interval_s)
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
-        if variant != self.variant:
-            self.generator, self.variant = self._generator(variant), variant
-            self.loop.close()  # its streams finish on the old session
-            self.loop = self._loop()
-
     async def check_health(self) -> None:
         """One greedy token through the decode loop: a loop thread that died or hangs fails
         the check (Serve's health_check_timeout_s), and Serve replaces the replica."""
@@ -110,18 +107,12 @@ class LMServer:
         finally:
             probe.close()
 
-    async def info(self) -> ModelInfo:
+    def details(self) -> dict[str, Any]:
         kv = {
             "kv_cache_tokens": self.loop.cache_tokens(),
             "kv_reserved_tokens": self.kv_budget.padded_tokens(),
         }
-        stats = self.stats | self.loop.stats | kv
-        return model_info(self.artifact, self.variant, generates=True, generation=stats)
-
-    async def infer(self, request: InferRequest) -> Any:
-        raise RequestError(
-            400, f"model {self.artifact.name!r} generates text: POST /v1/completions"
-        )
+        return {"generates": True, "generation": self.stats | self.loop.stats | kv}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """A generation's events; the request was validated by app.tasks.lm.http.serving."""
@@ -133,8 +124,9 @@ class LMServer:
                 retry_after_s=1,
             )
         prompt = self.chat.render(request.messages) if request.messages else request.prompt
+        special = not (request.messages and self.chat.writes_specials)
         try:
-            ids = self.generator.encode(prompt, request.field)
+            ids = self.generator.encode(prompt, request.field, special)
         except PromptError as e:
             raise RequestError(400, str(e)) from None
         params = SamplingParams(**request.params)

@@ -11,7 +11,7 @@ from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.http.api import ROUTES
 from app.tasks.lm.evaluate import evaluate_language_model
-from app.tasks.lm.export import export_lm
+from app.tasks.lm.export import EXPORT_PARTS
 from app.tasks.lm.http.router import router
 from app.tasks.lm.predict import CompletionPredictor
 from app.tasks.lm.replica import LMApp
@@ -53,7 +53,7 @@ def spec() -> Task:
                 HEADLINE.of(headline),
                 REFERENCE.of(reference_metrics),
                 EVALUATE.of(evaluate_language_model),
-                EXPORT.of(export_lm),
+                EXPORT.of(EXPORT_PARTS),
                 SERVER.of(LMApp),
                 ROUTES.of(router),
                 PREDICTOR.of(CompletionPredictor),

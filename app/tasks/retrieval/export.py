@@ -12,14 +12,9 @@ row's embedding never depends on its batch mates.
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import math
 import os
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +26,9 @@ from app.data.kinds.image_text import ImageText, require
 from app.errors import GateError
 from app.export import quantize as q
 from app.export.compile_programs import Subject, build_all, wanted
-from app.export.measure import batch_drift
-from app.export.publish import check_onnx_fits, publish, write_metadata
+from app.export.exporter import ExportParts, Quality, Report, sizes
+from app.export.measure import batch_drift, latency_ms
+from app.export.onnx_graph import batch_axes, write_onnx
 from app.runtime import artifact as art
 from app.train.checkpoint import LoadedCheckpoint
 
@@ -55,31 +51,62 @@ class Graph(nn.Module):
         return self.model.encode_text(*inputs)
 
 
-def export_retrieval(
-    config: Config, loaded: LoadedCheckpoint, checkpoint_uri: str
-) -> dict[str, Any]:
-    """Both encoders exported, quantized, gated and published as one artifact."""
-    from app.evaluate.held_out import verify_dataset
+def held_out(config: Config, loaded: LoadedCheckpoint) -> dict[str, np.ndarray]:
+    return sample_rows(config, require(loaded.preprocessor))
 
-    model, pre = loaded.model.eval(), require(loaded.preprocessor)
-    check_onnx_fits(model, checkpoint_uri)
-    verify_dataset(config, ("val",))
-    sample = sample_rows(config, pre)
-    with tempfile.TemporaryDirectory() as work:
-        methods = {}
-        for graph, names in GRAPHS.items():
-            fp32 = os.path.join(work, art.graph_file(graph, "fp32"))
-            export_graph(Graph(model, graph), names, sample, fp32, config.export.opset)
-            methods[graph] = quantize_graph(graph, fp32, work)
-        report = verified(config, model, pre, work, sample)
-        report["quantization"] = {"method": methods, "batch_independent": True}
-        gate(report, config)
-        programs = encoder_programs(config, model, pre, sample, work, report)
-        schema = schema_for(pre, loaded)
-        write_metadata(work, config, loaded, report, checkpoint_uri, schema, programs)
-        uri = publish(work, config.registry, config.artifact_name)
-    log.info("export: published %s", uri)
-    return {"stage": "export", "artifact": uri, "report": report}
+
+def write_graphs(
+    config: Config, loaded: LoadedCheckpoint, sample: dict[str, np.ndarray], work: str
+) -> None:
+    for graph, names in GRAPHS.items():
+        path = os.path.join(work, art.graph_file(graph, "fp32"))
+        export_graph(Graph(loaded.model.eval(), graph), names, sample, path, config.export.opset)
+
+
+def quantize(
+    config: Config, loaded: LoadedCheckpoint, sample: dict[str, np.ndarray], work: str
+) -> Report:
+    """Both graphs' int8 (`quantize_graph`), then both variants measured (`verified`)."""
+    methods = {graph: quantize_graph(graph, work) for graph in GRAPHS}
+    report = verified(config, loaded.model.eval(), require(loaded.preprocessor), work, sample)
+    report["quantization"] = {"method": methods, "batch_independent": True}
+    return report
+
+
+def programs(
+    config: Config,
+    loaded: LoadedCheckpoint,
+    sample: dict[str, np.ndarray],
+    work: str,
+    report: Report,
+) -> dict[str, Any]:
+    return encoder_programs(
+        config, loaded.model, require(loaded.preprocessor), sample, work, report
+    )
+
+
+def files(loaded: LoadedCheckpoint) -> dict[str, bytes]:
+    return {}  # the tokenizer and image processor travel in preprocessor.json
+
+
+def quality(report: Report) -> Quality:
+    """Val R@1, the mean of both directions."""
+    recall = report["recall"]
+
+    def r1(values: dict[str, float]) -> float:
+        return (values["i2t_r1"] + values["t2i_r1"]) / 2
+
+    latency = {
+        v: {f"{g} {b.replace('_', ' ')}": ms for g, by in graphs.items() for b, ms in by.items()}
+        for v, graphs in report["latency_ms"].items()
+    }
+    return Quality(
+        metric="val R@1 (%), mean of both directions",
+        key="recall_at_1",
+        values={"onnx_fp32": r1(recall["fp32"]), "onnx_int8": r1(recall["int8"])},
+        higher_is_better=True,
+        latency_ms=latency,
+    )
 
 
 def sample_rows(config: Config, pre: ImageText) -> dict[str, np.ndarray]:
@@ -102,31 +129,17 @@ def sample_rows(config: Config, pre: ImageText) -> dict[str, np.ndarray]:
 def export_graph(
     graph: nn.Module, names: list[str], sample: dict[str, np.ndarray], path: str, opset: int
 ) -> None:
-    args = tuple(torch.from_numpy(sample[n][:2]) for n in names)
-    axes = {n: {0: "batch"} for n in [*names, OUTPUT]}
-    for name in names:
-        if name != "pixels":
-            axes[name][1] = "sequence"
-    buffer = io.BytesIO()
-    torch.onnx.export(
-        graph.eval(),
-        args,
-        buffer,  # type: ignore[arg-type]  # file-like objects are accepted
-        input_names=names,
-        output_names=[OUTPUT],
-        dynamic_axes=axes,
-        opset_version=opset,
-        dynamo=False,
-        do_constant_folding=True,
-    )
-    Path(path).write_bytes(buffer.getvalue())
+    args = [torch.from_numpy(sample[n][:2]) for n in names]
+    axes = batch_axes([*names, OUTPUT], [n for n in names if n != "pixels"])
+    write_onnx(graph, args, path, names, [OUTPUT], axes, opset)
 
 
-def quantize_graph(graph: str, fp32: str, work: str) -> str:
+def quantize_graph(graph: str, work: str) -> str:
     """int8 of one graph: int8 weights (weight-only), so a row's embedding never depends on its
     batch mates. Static activation scales are not used: calibrated on the val sample, they
     collapsed a convolutional image tower's recall (the gate refused every such export)."""
-    q.quantize_weight_only(fp32, os.path.join(work, art.graph_file(graph, "int8")))
+    fp32, int8 = (os.path.join(work, art.graph_file(graph, v)) for v in ("fp32", "int8"))
+    q.quantize_weight_only(fp32, int8)
     return "weight_only"
 
 
@@ -152,7 +165,7 @@ def verify(
 
     sessions = {
         variant: {
-            g: art.create_session(Path(work, art.graph_file(g, variant)).read_bytes())
+            g: art.create_session(art.local_graph(os.path.join(work, art.graph_file(g, variant))))
             for g in GRAPHS
         }
         for variant in art.VARIANTS
@@ -190,13 +203,12 @@ def verify(
             }
             for d in ("i2t", "t2i")
         },
-        "size_bytes": {
-            v: sum(os.path.getsize(os.path.join(work, art.graph_file(g, v))) for g in GRAPHS)
-            for v in art.VARIANTS
-        },
+        **sizes(work, {v: [art.graph_file(g, v) for g in GRAPHS] for v in art.VARIANTS}),
         "latency_ms": {
             v: {
-                g: latency(sessions[v][g], pick(sample, g), config.export.latency_repeats)
+                g: latency_ms(
+                    sessions[v][g], pick(sample, g), config.export.latency_repeats, OUTPUT
+                )
                 for g in GRAPHS
             }
             for v in art.VARIANTS
@@ -245,7 +257,7 @@ class EncoderCheck:
         encode = dict(zip(GRAPHS, torch_encoders(model), strict=True))
         self.torch = {g: encode[g](pick(sample, g)) for g in GRAPHS}
         onnx = {
-            g: art.create_session(Path(work, art.graph_file(g, "fp32")).read_bytes())
+            g: art.create_session(art.local_graph(os.path.join(work, art.graph_file(g, "fp32"))))
             for g in GRAPHS
         }
         self.fp32_recall, self.fp32_hits = self.recall(onnx)
@@ -271,9 +283,12 @@ class EncoderCheck:
                 g: min_cosine(self.torch[g], run(sessions[g], pick(self.sample, g))) for g in GRAPHS
             },
             "recall": recalls,
-            "batch_drift": max(batch_drift(sessions[g], pick(self.sample, g)) for g in GRAPHS),
+            "batch_drift": max(
+                batch_drift(sessions[g], pick(self.sample, g), output=OUTPUT) for g in GRAPHS
+            ),
             "latency_ms": {
-                g: latency(sessions[g], pick(self.sample, g), e.latency_repeats) for g in GRAPHS
+                g: latency_ms(sessions[g], pick(self.sample, g), e.latency_repeats, OUTPUT)
+                for g in GRAPHS
             },
         }
         return m, self.refusal(variant, m, hits)
@@ -316,38 +331,25 @@ def min_cosine(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.where(np.isfinite(cosine), cosine, -1.0).min())
 
 
-def latency(session: Any, sample: dict[str, np.ndarray], repeats: int) -> dict[str, float]:
-    out = {}
-    for batch in (1, 32):
-        inputs = {k: np.resize(v, (batch, *v.shape[1:])) for k, v in sample.items()}
-        run(session, inputs)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run(session, inputs)
-            times.append(1000 * (time.perf_counter() - start))
-        out[f"batch_{batch}"] = statistics.median(times)
-    return out
-
-
-def gate(report: dict[str, Any], config: Config) -> None:
+def refusal(report: Report, config: Config) -> str | None:
+    """fp32 ONNX embeddings against torch's (cosine, per graph), then int8's val recall against
+    fp32's (a drop beyond chance flips)."""
     e = config.export
     for graph, cosine in report["parity"]["min_cosine"].items():
         if not cosine >= e.min_cosine:
-            raise GateError(
-                f"export refused: the fp32 ONNX {graph} encoder's embeddings reach cosine "
-                f"{cosine:.5f} with torch's, below export.min_cosine={e.min_cosine}",
-                report,
+            return (
+                f"the fp32 ONNX {graph} encoder's embeddings reach cosine {cosine:.5f} with "
+                f"torch's, below export.min_cosine={e.min_cosine}"
             )
     for direction, drop in report["recall_drop"].items():
         changes = report["recall_changes"][direction]
         if drop > e.max_recall_drop and significant(changes["lost"], changes["gained"]):
-            raise GateError(
-                f"export refused: int8 loses {drop:.2f} points of val {direction} R@1 against "
-                f"fp32 ({changes['lost']} queries lost, {changes['gained']} gained), more than "
-                f"export.max_recall_drop={e.max_recall_drop:g}; nothing was published",
-                report,
+            return (
+                f"int8 loses {drop:.2f} points of val {direction} R@1 against fp32 "
+                f"({changes['lost']} queries lost, {changes['gained']} gained), more than "
+                f"export.max_recall_drop={e.max_recall_drop:g}; nothing was published"
             )
+    return None
 
 
 def significant(lost: int, gained: int, z: float = 1.96) -> bool:
@@ -358,10 +360,8 @@ def significant(lost: int, gained: int, z: float = 1.96) -> bool:
     return lost - gained > z * math.sqrt(lost + gained)
 
 
-def schema_for(pre: ImageText, loaded: LoadedCheckpoint) -> dict[str, Any]:
-    from app.registry import run_task
-
-    task = run_task(loaded.config.train.task, pre.kind).name
+def schema(loaded: LoadedCheckpoint, task: str) -> dict[str, Any]:
+    pre = require(loaded.preprocessor)
     model: Any = loaded.model
     width = int(model.image_proj.out_features)
     return {
@@ -373,3 +373,16 @@ def schema_for(pre: ImageText, loaded: LoadedCheckpoint) -> dict[str, Any]:
         "embed_dim": width,
         "feature_columns": pre.feature_columns[:2],
     }
+
+
+EXPORT_PARTS = ExportParts(
+    splits=("val",),
+    held_out=held_out,
+    write_graphs=write_graphs,
+    quantize=quantize,
+    refusal=refusal,
+    programs=programs,
+    schema=schema,
+    files=files,
+    quality=quality,
+)

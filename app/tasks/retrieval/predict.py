@@ -28,7 +28,7 @@ from app.data.kinds.image_text import (
 from app.data.pictures import PictureReader
 from app.data.preprocess import Column
 from app.errors import UserError
-from app.predict.actor import ArtifactBatches, good_values, outputs_table
+from app.predict.actor import ArtifactBatches, PredictInput, good_values, outputs_table
 from app.predict.row_checks import CheckedBatch, InputSpec, check_batch
 from app.runtime.vector_index import THUMBNAIL
 
@@ -41,33 +41,39 @@ def _folder(uri: str) -> str:
 
 class EmbeddingPredictor(ArtifactBatches):
     @staticmethod
-    def input_spec(
-        schema: dict[str, Any],
-        id_column: str,
-        fmt: str,
-        present: list[str],
-        config: Config,
-        source: str,
-    ) -> InputSpec:
+    def input_spec(request: PredictInput) -> InputSpec:
         """The column embedded: the image column if the input has it (a folder of pictures
         is one), else the caption column (JSON Lines, which has no header, carries captions).
         Pictures named by path are read under the input's folder or `data.image_roots`."""
+        schema, fmt, present, id_column = (
+            request.schema,
+            request.format,
+            request.present,
+            request.id_column,
+        )
         image, caption = schema["feature_columns"][:2]
         column = image if image in present or fmt == "pictures" else caption
         if column == id_column:
             raise UserError(f"--id-column {id_column!r} is the column to embed")
         width = PICTURES if column == image else CAPTIONS
         rest = tuple(c for c in present if c not in (id_column, image, column))
-        data = config.data
+        data, source = request.config.data, request.source
         settings = {
             "base": source if not storage.is_file(source) else _folder(source),
             "image_roots": data.image_roots,
             "max_image_bytes": data.max_image_bytes,
             "max_image_aspect": data.max_image_aspect,
-            "thumbnail": thumbnail_settings(config) if width == PICTURES else None,
+            "thumbnail": thumbnail_settings(request.config) if width == PICTURES else None,
         }
-        kind, text = schema["kind"], json.dumps(settings)
-        return InputSpec(kind, (column,), width, id_column, fmt, rest, (), text)  # type: ignore[arg-type]
+        return InputSpec(
+            kind=schema["kind"],
+            feature_columns=(column,),
+            num_features=width,
+            id_column=id_column,
+            format=fmt,
+            passthrough=rest,
+            settings=json.dumps(settings),
+        )
 
     def __init__(self, artifact_uri: str, variant: str, threads: int, spec: InputSpec):
         super().__init__(artifact_uri, spec)

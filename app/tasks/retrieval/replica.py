@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -23,11 +22,11 @@ from ray import serve
 
 from app.config import ServeConfig
 from app.data.kinds.image_text import BadPicture, ImageText, PictureLimits, blank_png, require
-from app.runtime.artifact import Artifact, open_artifact
-from app.runtime.types import EmbedRequest, EmbedResult, InferRequest, ModelInfo, RequestError
+from app.runtime.artifact import Artifact
+from app.runtime.types import EmbedRequest, EmbedResult, RequestError
 from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.apps import SelfServing
-from app.serve.replicas.model_server import model_info
+from app.serve.replicas.base import Replica
 
 log = logging.getLogger("ray.serve")
 OUTPUT = "embedding"
@@ -110,33 +109,28 @@ def picture_limits(cfg: ServeConfig) -> PictureLimits:
     )
 
 
-class EmbeddingServer:
+class EmbeddingServer(Replica):
+    ROUTE = "embeds: POST /v1/embeddings"
+
     def __init__(self, artifact_uri: str, cfg: ServeConfig):
-        self.artifact = open_artifact(artifact_uri)
-        self.cfg = cfg
-        self.threads = max(1, math.floor(cfg.replica_cpus))
-        self.variant = self.artifact.choose_variant(cfg.variant)
-        self.encoders = Encoders(self.artifact, self.variant, self.threads)
+        super().__init__(artifact_uri, cfg)  # the artifact, its variant's encoders (`load`)
         self.limits = picture_limits(cfg)
         self.pool = ThreadPoolExecutor(
             cfg.batching.max_concurrent_batches, thread_name_prefix="onnx"
         )
         self.metrics = RetrievalMetrics(self.artifact.name)
-        log.info("retrieval model %s version %s loaded", self.artifact.name, self.artifact.version)
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        variant = self.artifact.choose_variant(user_config.get("variant", "int8"))
-        if variant != self.variant:
-            self.encoders, self.variant = Encoders(self.artifact, variant, self.threads), variant
+    def describe(self) -> str:
+        return f"retrieval model {self.artifact.name}"
+
+    def load(self, variant: str) -> None:
+        self.encoders = Encoders(self.artifact, variant, self.threads)
 
     async def check_health(self) -> None:
         await self._embedded(EmbedRequest(("health check", blank_png(8))))
 
-    async def info(self) -> ModelInfo:
-        return model_info(self.artifact, self.variant, embeds=True)
-
-    async def infer(self, request: InferRequest) -> Any:
-        raise RequestError(400, f"model {self.artifact.name!r} embeds: POST /v1/embeddings")
+    def details(self) -> dict[str, Any]:
+        return {"embeds": True}
 
     async def embed(self, request: EmbedRequest) -> EmbedResult:
         started = time.perf_counter()

@@ -11,7 +11,7 @@ from app.registry import Task
 from app.serve.control.builders import SERVER
 from app.serve.http.api import ROUTES
 from app.tasks.retrieval.evaluate import evaluate_retrieval
-from app.tasks.retrieval.export import export_retrieval
+from app.tasks.retrieval.export import EXPORT_PARTS
 from app.tasks.retrieval.http.router import router
 from app.tasks.retrieval.predict import EmbeddingPredictor
 from app.tasks.retrieval.replica import EmbeddingApp
@@ -34,7 +34,7 @@ def spec() -> Task:
                 VALIDATE.of(validate_retrieval),
                 HEADLINE.of(headline),
                 EVALUATE.of(evaluate_retrieval),
-                EXPORT.of(export_retrieval),
+                EXPORT.of(EXPORT_PARTS),
                 SERVER.of(EmbeddingApp),
                 ROUTES.of(router),
                 PREDICTOR.of(EmbeddingPredictor),

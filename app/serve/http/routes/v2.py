@@ -3,7 +3,7 @@ format (JSON and the binary tensor extension: `decode_v2` into a typed request, 
 an `InferResult`), without Ray.
 
 A v2 inference, end to end: `Gate` (app/serve/http/gate.py) -> `infer` -> `body` (gate) ->
-`decode_v2` -> `Models.infer` (clients) -> `ModelServer.infer` (the replica: row checks,
+`decode_v2` -> `Models.infer` (clients) -> `ClassifierServer.infer` (the replica: row checks,
 preprocess, batch, ONNX Runtime) -> `encode_v2`.
 
 Every problem with a request is a `RequestError` naming the field; nothing here raises anything

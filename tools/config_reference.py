@@ -1,5 +1,5 @@
 """docs/config.md, written from app/config/ (a module per section): every key, its type, default and the comment above
-it. `python -m tests.config_reference > docs/config.md` rewrites it; a unit test checks it is
+it. `python -m tools.config_reference > docs/config.md` rewrites it; a unit test checks it is
 current, so the reference and the code never disagree."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SOURCES = sorted((Path(__file__).resolve().parents[1] / "app" / "config").glob("
 
 def field_comments() -> dict[tuple[str, str], str]:
     """(class name, field) -> the comment lines just above the field, or on its line."""
-    out = {}
+    out: dict[tuple[str, str], str] = {}
     for source in SOURCES:
         out |= module_comments(source.read_text())
     return out
@@ -28,17 +28,18 @@ def field_comments() -> dict[tuple[str, str], str]:
 
 def module_comments(text: str) -> dict[tuple[str, str], str]:
     lines = text.splitlines()
-    out = {}
+    out: dict[tuple[str, str], str] = {}
     for node in ast.walk(ast.parse(text)):
         if not isinstance(node, ast.ClassDef):
             continue
         for item in node.body:
             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                above, row = [], item.lineno - 2
+                above: list[str] = []
+                row = item.lineno - 2
                 while row >= 0 and lines[row].strip().startswith("#"):
                     above.insert(0, lines[row].strip().lstrip("# "))
                     row -= 1
-                inline = lines[item.end_lineno - 1].partition("  # ")[2]
+                inline = lines[(item.end_lineno or item.lineno) - 1].partition("  # ")[2]
                 if inline.startswith(("type:", "noqa")):
                     inline = ""
                 text = " ".join([*above, inline]).strip()
@@ -93,7 +94,7 @@ def render() -> str:
         "",
         "Every key of a config file (`section.key: value`, or `section.key=value` on the command",
         "line), its type, its default and what it does. Written from `app/config/` by",
-        "`python -m tests.config_reference > docs/config.md`; a unit test keeps it current.",
+        "`python -m tools.config_reference > docs/config.md`; a unit test keeps it current.",
         "",
         "| key | type | default | what it does |",
         "| --- | --- | --- | --- |",
