@@ -24,6 +24,19 @@ MAX_CHARS = 1_000_000  # characters one rendering may produce
 TEMPLATE_FILE = "<template>"  # the file name Jinja compiles a template from a string under
 
 
+# The template of a model that brings none: each message as `<role>: <content>` on its own line,
+# an assistant's ended by the end-of-text token (what a model trained on chats learns to stop
+# at), then `assistant:` for the model to continue.
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+
+
 class TemplateRefused(ValueError):
     """A template that does not compile, raised, or went past a bound (one line)."""
 

@@ -34,7 +34,7 @@ SMOLLM2 = {
     "tie_word_embeddings": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
 }
-SMOKE = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96}
+SMOKE = {"hidden_size": 72, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 8192}
 
 
 def llama_folder(work: Path, smoke: bool) -> str:
@@ -51,7 +51,7 @@ def llama_folder(work: Path, smoke: bool) -> str:
 def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     bench = Bench(ID, GOAL, WHAT, out, smoke, doc=__doc__)
     folder = llama_folder(work, smoke)
-    overrides = [f"model.pretrained={folder}", *FULL]
+    overrides = [f"model.pretrained={folder}", *FULL, "data.val_fraction=0.2"]
     if smoke:
         overrides += ["train.epochs=2", "train.max_steps_per_epoch=2", "model.max_length=64"]
     steps = 2 if smoke else STEPS

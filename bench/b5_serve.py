@@ -120,6 +120,7 @@ def start_ht_child(
     log: Path,
     name: str = "digits",
     root: Path = REPO,
+    cpus: int = 2,
 ) -> subprocess.Popen:
     """bench.serve_child from the source tree `root` (first on the PYTHONPATH of the child, its
     Ray and its replicas)."""
@@ -141,7 +142,9 @@ def start_ht_child(
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         }
     )
-    cmd = server_command("bench.serve_child", artifact, port, cfg, "--name", name)
+    cmd = server_command(
+        "bench.serve_child", artifact, port, cfg, "--name", name, "--num-cpus", str(cpus)
+    )
     with open(log, "wb") as err:
         pipe = subprocess.PIPE  # READY comes on stdout; closing stdin stops the child
         return subprocess.Popen(

@@ -21,6 +21,7 @@ from bench.common import server_parser
 def main(argv=None) -> None:
     p = server_parser(__doc__)
     p.add_argument("--name", default="digits", help="the model's name (the artifact's)")
+    p.add_argument("--num-cpus", type=int, default=2, help="the private Ray's logical CPUs")
     args = p.parse_args(argv)
 
     import ray
@@ -30,7 +31,7 @@ def main(argv=None) -> None:
     from bench.load import wait_ready
 
     start = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     ray_init_s = time.perf_counter() - start
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})

@@ -9,6 +9,8 @@ line of its code blocks, and which test runs each.
 - `LATER`: run by `make test-all` (tests/e2e/test_readme_commands.py, marked slow), each with
   the overrides it maps to.
 - `SEEDED`: run by `make test-all` once per seed (`train.seed=S`), its summary checked.
+- `SHIPPED`: run as shown (only where its outputs go changed) by the e2e tier in `make test`,
+  by the test named beside it.
 - `SKIPPED`: not run, with the reason.
 
 A README command in none of them fails tests/unit/test_readme_commands.py, and so does an
@@ -52,6 +54,8 @@ PRETRAINED = {
     "bert": "python -m jobs.pipeline --config configs/bert-text.yaml"
     " model.pretrained=models/bert-base-uncased",
     "vit": "python -m jobs.pipeline --config configs/vit-images.yaml",
+    "chat": "python -m jobs.pipeline --config configs/chat-sft.yaml"
+    " model.pretrained=models/qwen2.5-0.5b-instruct data.path=my_chats.jsonl train.lr=2e-5",
     "clip": "python -m jobs.pipeline --config configs/clip-finetune.yaml",
     "dual": "python -m jobs.pipeline --config configs/dual-encoder.yaml",
 }
@@ -67,6 +71,9 @@ LATER = {
 # Run once per seed by `make test-all` (tests/e2e/test_readme_commands.py, slow): the bar of
 # configs/retrieval.yaml (R@5 >= 50 both ways) must hold for each, not for a lucky one.
 SEEDED = {"python -m jobs.pipeline --config configs/retrieval.yaml": (0, 1, 2)}
+SHIPPED = {
+    "python -m jobs.pipeline --config configs/chat-sft.yaml": "tests/e2e/test_decoder_pipeline.py"
+}
 SKIPPED: dict[str, str] = {}
 
 COMMAND = re.compile(r"^(python -m jobs\.|ray job submit)")

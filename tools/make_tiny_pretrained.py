@@ -251,9 +251,14 @@ LLAMA3_SPECIALS = [
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def byte_level_tokenizer(specials: list[str], vocab_size: int = 384, bos: str | None = None):
-    """Byte-level BPE (Llama 3's and Qwen's kind) with these special tokens, trained on some
-    standard-library files; `bos` is put before every text the tokenizer encodes."""
+def byte_level_tokenizer(
+    specials: list[str],
+    vocab_size: int = 384,
+    bos: str | None = None,
+    texts: list[str] | None = None,
+):
+    """Byte-level BPE (Llama 3's and Qwen's kind) with these special tokens, trained on `texts`
+    (default: some standard-library files); `bos` is put before every text it encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -265,7 +270,10 @@ def byte_level_tokenizer(specials: list[str], vocab_size: int = 384, bos: str | 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train(stdlib_files(), trainer)
+    if texts is None:
+        tokenizer.train(stdlib_files(), trainer)
+    else:
+        tokenizer.train_from_iterator(texts, trainer)
     if bos:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
@@ -327,10 +335,10 @@ def byte_fallback_tokenizer(vocab_size: int = 384):
 
 # model_type -> (tokenizer, bos, eos, end ids for generation_config.json, chat template, config)
 def decoder_recipe(
-    model_type: str, vocab: int
+    model_type: str, vocab: int, texts: list[str] | None = None
 ) -> tuple[Any, str | None, str, list[str], str, dict]:
     if model_type == "llama":
-        tokenizer = byte_level_tokenizer(LLAMA3_SPECIALS, vocab, bos="<|begin_of_text|>")
+        tokenizer = byte_level_tokenizer(LLAMA3_SPECIALS, vocab, "<|begin_of_text|>", texts)
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
         rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
         rope["original_max_position_embeddings"] = 64
@@ -346,7 +354,7 @@ def decoder_recipe(
     if model_type == "mistral":
         tokenizer = byte_fallback_tokenizer(vocab)
         return tokenizer, "<s>", "</s>", ["</s>"], MISTRAL_TEMPLATE, {"sliding_window": None}
-    tokenizer = byte_level_tokenizer(QWEN_SPECIALS, vocab)
+    tokenizer = byte_level_tokenizer(QWEN_SPECIALS, vocab, texts=texts)
     ends = ["<|im_end|>", "<|endoftext|>"]
     if model_type == "qwen2":  # Qwen2.5's small models tie their head to the embedding
         extra: dict = {"tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}}
@@ -362,12 +370,14 @@ def make_decoder(
     sizes: dict | None = None,
     vocab: int = 384,
     legacy_rope: bool = False,
+    texts: list[str] | None = None,
     **config: Any,
 ) -> str:
     """A Llama-style decoder's folder (`model_type` llama, mistral, qwen2 or qwen3), its norms'
     weights drawn around 1 (transformers starts them at exactly 1, which would hide a norm
     applied twice or not at all). `sizes` and `config`: config.json keys over the tiny
-    defaults; `legacy_rope`: config.json rewritten in the spelling most downloaded folders
+    defaults; `texts`: what a byte-level tokenizer is trained on (default: some standard-library
+    files); `legacy_rope`: config.json rewritten in the spelling most downloaded folders
     carry (`rope_theta` and `rope_scaling` instead of transformers 5's `rope_parameters`)."""
     import torch
     from transformers import (
@@ -378,7 +388,7 @@ def make_decoder(
     )
 
     torch.manual_seed(seed)
-    tok, bos, eos, ends, template, extra = decoder_recipe(model_type, vocab)
+    tok, bos, eos, ends, template, extra = decoder_recipe(model_type, vocab, texts)
     unk = "<unk>" if model_type == "mistral" else None
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, unk_token=unk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -19,6 +20,7 @@ SOURCES = (
     "text_files",
     "image_text",
     "synthetic_image_text",
+    "chat",
 )
 
 
@@ -109,11 +111,28 @@ class DataConfig(Section):
     # refusal naming its row, or, when set, skipped and counted in the prepare summary.
     skip_bad_rows: bool = False
     captions_per_image: int = Field(2, ge=1, le=5)  # synthetic_image_text
+    # chat (app/data/chat_source.py): JSON Lines of conversations, rendered by the pretrained
+    # folder's chat template. `train_on`: the tokens the loss counts (the assistant turns with
+    # their end-of-turn tokens, or every token); `pack`: several conversations to a row, kept
+    # apart by the attention mask (off: one a row, padded); `truncate`: cut a conversation
+    # longer than model.max_length instead of refusing it; `chat_date`: the day a template's
+    # strftime_now renders (Llama 3's "Today Date"), fixed so that prepared shards repeat.
+    train_on: Literal["assistant", "all"] = "assistant"
+    pack: bool = True
+    truncate: bool = False
+    chat_date: str = "2026-01-01"
 
     @model_validator(mode="after")
     def _fractions(self) -> DataConfig:
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% for training")
-        if self.source in ("imagefolder", "table", "text_files", "image_text") and not self.path:
+        if (
+            self.source in ("imagefolder", "table", "text_files", "image_text", "chat")
+            and not self.path
+        ):
             raise ValueError(f"data.path is required for source {self.source!r}")
+        try:
+            date.fromisoformat(self.chat_date)
+        except ValueError:
+            raise ValueError(f"chat_date {self.chat_date!r} is not a date (YYYY-MM-DD)") from None
         return self

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from app.config.data_config import DataConfig
 from app.config.export_config import ExportConfig
@@ -40,6 +40,15 @@ class Config(Section):
     predict: PredictConfig = Field(default_factory=PredictConfig)
     tune: TuneSection | None = None  # only jobs.tune reads it
     index: IndexConfig = Field(default_factory=IndexConfig)
+
+    @model_validator(mode="after")
+    def _packed_rows_stay_whole(self) -> Config:
+        if self.data.source == "chat" and self.data.pack and self.train.strategy == "pipeline":
+            raise ValueError(
+                "train.strategy=pipeline cannot train packed chat rows (the mask that keeps "
+                "their conversations apart does not cross stages): set data.pack=false"
+            )
+        return self
 
     @property
     def data_output(self) -> str:

@@ -129,11 +129,19 @@ class Planner(Protocol):
 def planner_for(cfg: DataConfig, bases: PretrainedLookup) -> Planner:
     """How a source is cut into pieces, by `data.source` (one piece: a source one task makes).
     A corpus is encoded with the pretrained model's tokenizer when there is one."""
-    from app.data import image_folder, image_text_source, sources, table_source, text_files
+    from app.data import (
+        chat_source,
+        image_folder,
+        image_text_source,
+        sources,
+        table_source,
+        text_files,
+    )
 
     planners: dict[str, Planner] = {
         "table": table_source.planned,
         "text_files": functools.partial(text_files.planned, bases=bases),
+        "chat": functools.partial(chat_source.planned, bases=bases),
         "imagefolder": image_folder.planned,
         "image_text": image_text_source.planned,
         **{name: sources.planned for name in sources.MAKERS},

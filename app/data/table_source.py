@@ -110,22 +110,27 @@ def plan(cfg: DataConfig) -> tuple[TableSpec, list[Piece]]:
 
 
 def table_files(path: str | None) -> list[str]:
+    files = [p for p in listed_files(path, "table") if p.lower().endswith(TABLE_EXTENSIONS)]
+    if not files:
+        raise UserError(f"{path}: no CSV, JSONL or Parquet files")
+    return files
+
+
+def listed_files(path: str | None, source: str) -> list[str]:
+    """The file `path` names, or every file under the folder it names (local or an object
+    store), sorted."""
     if not path:
-        raise UserError("data.path is required for source 'table'")
+        raise UserError(f"data.path is required for source {source!r}")
     if storage.is_local(path):
         if not os.path.exists(path):
             raise UserError(f"data.path {path!r} does not exist")
         if os.path.isfile(path):
             return [path]
         found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-    elif storage.is_file(path):
+        return sorted(p for p in found if os.path.isfile(p))
+    if storage.is_file(path):
         return [path]
-    else:
-        found = [storage.join(path, name) for name, _, _ in storage.list_files(path)]
-    files = sorted(p for p in found if p.lower().endswith(TABLE_EXTENSIONS))
-    if not files:
-        raise UserError(f"{path}: no CSV, JSONL or Parquet files")
-    return files
+    return sorted(storage.join(path, name) for name, _, _ in storage.list_files(path))
 
 
 def file_pieces(path: str, number: int, rows_per_piece: int = ROWS_PER_PIECE) -> list[Piece]:

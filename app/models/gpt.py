@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.models.causal import TokenLoss, chunked_token_loss
+
 # One block's cached keys and values, each [batch, heads, past_length, head_dim].
 KeyValue = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,8 +40,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(
-        self, x: torch.Tensor, past: KeyValue | None = None
+        self, x: torch.Tensor, past: KeyValue | None = None, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, KeyValue]:
+        """`mask`: the keys each query sees ([batch, 1, tokens, tokens], packed sequences);
+        None: causal after `past`."""
         b, t, d = x.shape
         q, k, v = (
             self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
@@ -50,10 +54,10 @@ class CausalSelfAttention(nn.Module):
             q,
             k,
             v,
-            attn_mask=causal_mask(t, k.shape[2], x.device),
+            attn_mask=causal_mask(t, k.shape[2], x.device) if mask is None else mask,
             dropout_p=self.dropout if self.training else 0.0,
             # SDPA's own causal mask is aligned top-left, which is only right without a past.
-            is_causal=k.shape[2] == t and t > 1,
+            is_causal=mask is None and k.shape[2] == t and t > 1,
         )
         return self.resid_dropout(self.proj(out.transpose(1, 2).reshape(b, t, d))), (k, v)
 
@@ -85,9 +89,9 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, past: KeyValue | None = None
+        self, x: torch.Tensor, past: KeyValue | None = None, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, KeyValue]:
-        attended, present = self.attn(self.norm1(x), past)
+        attended, present = self.attn(self.norm1(x), past, mask)
         x = x + attended
         return x + self.mlp(self.norm2(x)), present
 
@@ -132,9 +136,31 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[batch, time] token ids -> [batch, time, vocab] next-token logits."""
-        return self.decode(input_ids)[0]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor | TokenLoss:
+        """[batch, time] token ids -> [batch, time, vocab] next-token logits, or given `targets`
+        (the next ids, IGNORE where untrained) the loss (app/models/causal.py). Packed rows
+        bring each token's `position_ids` and the boolean [batch, 1, time, time]
+        `attention_mask` of the keys each query sees."""
+        if position_ids is None and attention_mask is None and targets is None:
+            return self.decode(input_ids)[0]
+        if input_ids.shape[1] > self.block_size:
+            raise ValueError(
+                f"sequence of {input_ids.shape[1]} tokens exceeds the block size {self.block_size}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.dropout(self.tokens(input_ids) + self.positions(position_ids))
+        for block in self.blocks:
+            x = block(x, None, attention_mask)[0]
+        if targets is None:
+            return self.logits(x)
+        return chunked_token_loss(x, self.logits, targets, self.tokens.num_embeddings)
 
     def decode(
         self, input_ids: torch.Tensor, past: list[KeyValue] | None = None

@@ -5,8 +5,8 @@ Token embedding, pre-norm blocks (RMSNorm; grouped-query attention with rotary p
 SwiGLU MLP), a final RMSNorm and the LM head `lm_head`: its own matrix, or the token embedding's
 (`tied`: one shared Parameter, as GPT-2's, so an optimizer step, a checkpoint and an exported
 graph see one table).
-`forward(input_ids, position_ids, attention_mask)` gives next-token logits for every position;
-`step(...)` is the same computation on a KV cache with explicit positions and mask, written for
+`forward(input_ids, position_ids, attention_mask)` gives next-token logits for every position
+(and with `targets`, the loss in chunks, app/models/causal.py); `step(...)` is the same computation on a KV cache with explicit positions and mask, written for
 tracing (the exported graph, app/tasks/lm/export.py) and shared with GPT's contract
 (app/models/gpt.py).
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.errors import ConfigError
+from app.models.causal import TokenLoss, chunked_token_loss
 from app.pretrained import attention_window
 
 # The rotary scalings implemented (transformers' `rope_type`): the others are refused by key.
@@ -360,8 +361,10 @@ class LlamaLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[batch, tokens] ids -> [batch, tokens, vocab] logits. `position_ids` default to
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor | TokenLoss:
+        """[batch, tokens] ids -> [batch, tokens, vocab] logits, or given `targets` (the next
+        ids, IGNORE where untrained) the loss (app/models/causal.py). `position_ids` default to
         0, 1, ...; `attention_mask` is [batch, tokens] (1 real, 0 padding), or a boolean
         [batch, 1, tokens, tokens] of which keys each query sees (packed sequences)."""
         if position_ids is None:
@@ -371,7 +374,9 @@ class LlamaLM(nn.Module):
         x = self.tokens(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        return self.logits(x)
+        if targets is None:
+            return self.logits(x)
+        return chunked_token_loss(x, self.logits, targets, self.args.vocab_size)
 
     def step(
         self,

@@ -16,6 +16,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import REPO
 from tests.e2e.conftest import SERVE, collect_jobs, live_models, start_jobs, undeploy
 from tests.readme_commands import PRETRAINED, fill
 from tools.make_tiny_pretrained import MAKERS
@@ -28,13 +29,16 @@ CONFIGS = {
     "qwen2": "gpt2-finetune",
     "bert": "bert-text",
     "vit": "vit-images",
+    "chat": "chat-sft",
 }
+FOLDERS = {"chat": "qwen2"}  # the tiny folder a family's run starts from (default: its own)
 CORPUS = ["data.path={stdlib}/email/*.py", "data.val_fraction=0.2", "model.max_length=64"]
 DATA = {  # small data: each run is seconds of training
     "gpt2": CORPUS,
     "qwen2": [*CORPUS, "train.lora_rank=4"],  # LoRA on the decoder's projections, merged
     "bert": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
     "vit": ["data.num_rows=400", "train.freeze=backbone", "train.lr=0.01"],
+    "chat": [f"data.path={REPO}/examples/chat/word_rules.jsonl", "model.max_length=128"],
 }
 
 
@@ -47,7 +51,7 @@ def pipelines(cluster, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("pretrained")
     runs = {}
     for family, config in CONFIGS.items():
-        folder = MAKERS[family](str(root / "folders" / family))
+        folder = MAKERS[FOLDERS.get(family, family)](str(root / "folders" / family))
         readme = fill(PRETRAINED[family], {})  # the README's command, then this run's budget
         assert readme[3:5] == ["--config", f"configs/{config}.yaml"]
         base = [
@@ -154,6 +158,25 @@ def test_a_qwen2_folder_is_fine_tuned_with_lora_and_chats_in_its_own_template(pi
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     expected = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert chat.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_the_readme_chat_fine_tune_of_a_qwen2_folder_answers_on_the_chat_route(pipelines):
+    """configs/chat-sft.yaml on a tiny random Qwen2 folder and the example conversations: the
+    pipeline's sample request is a chat, the gate passes, an answer ends at the turn's end or
+    its length."""
+    run = pipelines["chat"]
+    summary = run["summary"]
+    assert summary["stages"]["prepare"]["rows"]["train"] > 0
+    assert summary["sample_request"]["endpoint"].endswith("/v1/chat/completions")
+    assert summary["stages"]["export"]["report"]["greedy"]["token_agreement"] >= 0.9
+    messages = [{"role": "user", "content": "Which word is a tool: cat saw red bread?"}]
+    chat = requests.post(
+        f"{SERVE}/v1/chat/completions",
+        json={"model": "pt-chat", "messages": messages, "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_bert_folder_with_a_trained_head_answers_as_transformers_computes(pipelines):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.runtime.types import RequestError
-from app.tasks.lm.chat import ChatTemplate, plain_template
+from app.tasks.lm.chat import ChatTemplate
 
 pytestmark = pytest.mark.unit
 
@@ -77,10 +77,14 @@ def test_a_template_cannot_reach_python_and_its_own_errors_are_a_400_naming_mess
 
 
 def test_a_model_without_a_template_gets_the_plain_one():
-    plain = ChatTemplate(None)
-    assert plain.name == "plain"
-    assert plain.render(MESSAGES[:2]) == plain_template(MESSAGES[:2])
-    assert plain_template(MESSAGES[:2]) == "system: Be brief.\nuser: What is 2 + 2?\nassistant:"
+    plain = ChatTemplate(None, {"eos_token": "<|endoftext|>"})
+    assert plain.name == "plain" and not plain.writes_specials
+    assert plain.render(MESSAGES[:2]) == "system: Be brief.\nuser: What is 2 + 2?\nassistant:"
+    turns = [*MESSAGES[:2], {"role": "assistant", "content": "4"}, MESSAGES[1]]
+    assert plain.render(turns) == (  # an answer ends with the end of text, as trained
+        "system: Be brief.\nuser: What is 2 + 2?\nassistant: 4<|endoftext|>\n"
+        "user: What is 2 + 2?\nassistant:"
+    )
 
 
 # transformers' template environment: loop controls, the generation block, strftime_now and

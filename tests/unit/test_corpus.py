@@ -139,7 +139,9 @@ def test_a_pretrained_folders_corpus_ends_documents_with_its_own_end_of_text(
     manifest = read_manifest(config.data_output)
     tokenizer = Tokenizer.from_file(f"{folder}/tokenizer.json")
     im_end, endoftext = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
-    ids = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "train"))))
+    ids = np.concatenate(
+        [b["input_ids"] for b in token_rows(split_files(config.data_output, manifest, "train"))]
+    )
     assert (ids == im_end).any() and not (ids == endoftext).any()
     assert fit_preprocessor(config, manifest).end_ids == [im_end, endoftext]
 
@@ -153,7 +155,8 @@ def test_packing_makes_every_token_but_the_first_a_target_once():
 
 def val_text(config, manifest) -> str:
     """The val split's rows decoded back into text (consecutive rows overlap by one token)."""
-    rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))
+    files = split_files(config.data_output, manifest, "val")
+    rows = np.concatenate([b["input_ids"] for b in token_rows(files)])
     ids = [*rows[0].tolist(), *rows[1:, 1:].ravel().tolist()]
     return fit_preprocessor(config, manifest).tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -213,7 +216,16 @@ def test_unigram_perplexity_is_the_vocabulary_size_for_uniform_counts():
 
 def test_target_counts_skip_each_rows_first_token():
     rows = np.array([[5, 1, 1], [1, 2, 0]])
-    assert target_counts([rows], 6).tolist() == [1, 2, 1, 0, 0, 0]
+    assert target_counts([{"input_ids": rows}], 6).tolist() == [1, 2, 1, 0, 0, 0]
+    trained = np.array([[0, 1, 0], [0, 0, 1]])  # a chat row counts its trained targets only
+    assert target_counts([{"input_ids": rows, "trained": trained}], 6).tolist() == [
+        1,
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]
 
 
 def test_a_language_model_is_ranked_by_a_metric_it_reports(config_factory):

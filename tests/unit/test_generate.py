@@ -32,6 +32,7 @@ from app.runtime.decoding import (
 )
 from app.runtime.kv import KVDecoder, greedy, prefill
 from app.tasks.lm.export import (
+    HeldOut,
     decode_parity,
     export_kv_onnx,
     greedy_agreement,
@@ -376,7 +377,8 @@ def test_int8_graph_scores_like_fp32_and_fp32_like_torch(exported):
     model, sessions = exported
     decoders = {v: KVDecoder(s) for v, s in sessions.items()}
     rows = np.random.default_rng(1).integers(0, model.tokens.num_embeddings, (4, 33))
-    fp32, int8 = perplexity(decoders["fp32"], rows), perplexity(decoders["int8"], rows)
+    held = HeldOut.text(rows)
+    fp32, int8 = perplexity(decoders["fp32"], held), perplexity(decoders["int8"], held)
     assert abs(int8 / fp32 - 1) < 0.05
     with torch.no_grad():
         logits = model(torch.from_numpy(rows[:, :-1]))
@@ -384,6 +386,13 @@ def test_int8_graph_scores_like_fp32_and_fp32_like_torch(exported):
             logits.flatten(0, 1), torch.from_numpy(rows[:, 1:]).flatten()
         )
     assert fp32 == pytest.approx(float(expected.exp()), rel=1e-4)
+    # A chat row counts its trained targets only: here the second half of each row.
+    half = HeldOut(rows, held.trained & (np.arange(33) >= 17))
+    with torch.no_grad():
+        second = torch.nn.functional.cross_entropy(
+            logits[:, 16:].flatten(0, 1), torch.from_numpy(rows[:, 17:]).flatten()
+        )
+    assert perplexity(decoders["fp32"], half) == pytest.approx(float(second.exp()), rel=1e-4)
     agreement = greedy_agreement(decoders, [r[:4].tolist() for r in rows], 8)
     assert 0 <= agreement["prefix_agreement"] <= agreement["token_agreement"] <= 1
 

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+from tests.conftest import REPO
 from tests.readme_commands import (
     CHAIN,
     LATER,
     PRETRAINED,
     SEEDED,
+    SHIPPED,
     SKIPPED,
     fill,
     readme_commands,
@@ -22,10 +24,12 @@ pytestmark = pytest.mark.unit
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
     commands = readme_commands()
-    known = [*CHAIN, *PRETRAINED.values(), *LATER, *SEEDED, *SKIPPED]
+    known = [*CHAIN, *PRETRAINED.values(), *LATER, *SEEDED, *SHIPPED, *SKIPPED]
     assert [c for c in commands if c not in known] == [], "a README command no test runs"
     assert [c for c in known if c not in commands] == [], "listed, but gone from the README"
     assert all(reason.strip() for reason in SKIPPED.values())
+    for command, test in SHIPPED.items():  # its test runs the README's command itself
+        assert "SHIPPED" in (REPO / test).read_text(), (command, test)
 
 
 def test_commands_are_read_across_continuation_lines_without_comments():

@@ -1,6 +1,8 @@
 """Token rows: a corpus tokenized and packed at prepare (app/data/text_files.py), `block_size + 1`
-ids a row (inputs and targets in one: the loss shifts them). Not fitted: the preprocessor only
-carries the dataset's tokenizer (for generation) and its sequence length."""
+ids a row (inputs and targets in one: the loss shifts them); chat rows (app/data/chat_source.py)
+also carry which tokens are trained and which conversation each belongs to. Not fitted: the
+preprocessor only carries the dataset's tokenizer, its chat template and end ids (for
+generation) and its sequence length."""
 
 from __future__ import annotations
 
@@ -46,10 +48,15 @@ class Tokens(Preprocessor):
         state["end_ids"] = base.end_ids() if base else trained_end_ids(state["tokenizer"])
         if base is not None:
             state["pretrained"] = base.record()
-            # Serving renders chat messages with it (app/tasks/lm/chat.py).
+            # Serving renders chat messages with them (app/tasks/lm/chat.py).
+            state["chat_special_tokens"] = base.special_tokens()
             if (template := base.chat_template()) is not None:
                 state["chat_template"] = template
-                state["chat_special_tokens"] = base.special_tokens()
+                # A chat model ends its answer with the template's end of turn, which may not
+                # be the folder's eos (Qwen2.5's base models: <|endoftext|> vs <|im_end|>).
+                turn_end = template_turn_end(template, state)
+                state["end_ids"] += [turn_end] if turn_end is not None else []
+                state["end_ids"] = list(dict.fromkeys(state["end_ids"]))
         return cls(state)
 
     @property
@@ -70,7 +77,9 @@ class Tokens(Preprocessor):
         return int(self.state["block_size"])
 
     def row_bytes(self) -> int:
-        return 8 * (self.block_size + 1)  # int64 ids, no label
+        # int64 ids; a chat row's trained flags (1 byte) and segments (4 bytes) beside them
+        per_token = {"input_ids": 8, "trained": 1, "segments": 4}
+        return sum(per_token.get(c, 8) for c in self.feature_columns) * (self.block_size + 1)
 
     def input_names(self) -> list[str]:
         return ["input_ids"]
@@ -78,10 +87,27 @@ class Tokens(Preprocessor):
     def features(self, raw: Any) -> dict[str, np.ndarray]:
         return {"input_ids": np.asarray(raw, dtype=np.int64)}
 
+    def transform_batch(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows of shards -> the ids as int64, and a chat row's trained flags and segments."""
+        out = self.features(self.raw_features(batch))
+        for column in self.feature_columns[1:]:
+            values = np.asarray(batch[column])
+            out[column] = np.stack(list(values)) if values.dtype == object else values
+        return out
+
     @classmethod
     def arrow_column(cls, name: str, values: pd.Series) -> pa.Array:
         flat = np.stack(values.to_list()).astype(np.int32)
         return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+
+
+def template_turn_end(template: str, state: dict[str, Any]) -> int | None:
+    from tokenizers import Tokenizer
+
+    from app.data.chat_render import turn_end_token
+
+    tokenizer = Tokenizer.from_str(state["tokenizer"])
+    return turn_end_token(template, state["chat_special_tokens"], tokenizer)
 
 
 def trained_end_ids(tokenizer_json: str) -> list[int]:

@@ -1,8 +1,10 @@
 """Chat messages into one prompt. A model whose tokenizer carries a chat template (Hugging Face's
 `chat_template`, kept in the artifact's preprocessor) renders it as transformers does, in a
 bounded immutable sandbox (app/chat_template.py), with `messages`, `add_generation_prompt=True`
-and the tokenizer's `bos_token` and `eos_token`. A model without one gets the plain template:
-each message as `<role>: <content>` on its own line, then `assistant:` for the model to continue.
+and the tokenizer's `bos_token` and `eos_token`. A model without one gets the plain template
+(app/chat_template.py `PLAIN_TEMPLATE`, which chat fine-tuning renders with too): each message as
+`<role>: <content>` on its own line, an assistant's ended by the end-of-text token, then
+`assistant:` for the model to continue.
 """
 
 from __future__ import annotations
@@ -10,15 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.chat_template import TemplateRefused, compile_template, render
+from app.chat_template import PLAIN_TEMPLATE, TemplateRefused, compile_template, render
 from app.runtime.types import RequestError
 
 Messages = Sequence[dict[str, str]]
-
-
-def plain_template(messages: Messages) -> str:
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join([*lines, "assistant:"])
 
 
 class ChatTemplate:
@@ -27,21 +24,19 @@ class ChatTemplate:
     def __init__(self, template: str | None, special_tokens: dict[str, str] | None = None):
         self.source = template
         self.special_tokens = special_tokens or {}
-        self._template = compile_template(template) if template else None
+        self._template = compile_template(template or PLAIN_TEMPLATE)
 
     @property
     def name(self) -> str:
-        return "model" if self._template is not None else "plain"
+        return "model" if self.source else "plain"
 
     @property
     def writes_specials(self) -> bool:
         """Whether a rendering holds the model's special tokens itself (its own template
         writes its BOS), so the tokenizer must not add its own around it."""
-        return self._template is not None
+        return bool(self.source)
 
     def render(self, messages: Messages) -> str:
-        if self._template is None:
-            return plain_template(messages)
         try:
             return render(
                 self._template,
@@ -55,5 +50,9 @@ class ChatTemplate:
 
 
 def from_preprocessor(state: dict[str, Any]) -> ChatTemplate:
-    """The artifact's template (`chat_template`, `chat_special_tokens`), or the plain one."""
-    return ChatTemplate(state.get("chat_template"), state.get("chat_special_tokens"))
+    """The artifact's template (`chat_template`, `chat_special_tokens`), or the plain one (its
+    turns ended by the trained tokenizer's end of text when no folder names one)."""
+    from app.data.kinds.tokens import EOS
+
+    specials = state.get("chat_special_tokens") or {"eos_token": EOS}
+    return ChatTemplate(state.get("chat_template"), specials)

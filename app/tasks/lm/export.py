@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -38,7 +39,7 @@ from app.export.compile_programs import not_for_task
 from app.export.exporter import ExportParts, Quality, Report, parity_refusal, sizes
 from app.export.onnx_graph import write_onnx
 from app.export.quantize import WEIGHT_BLOCK, quantize_weight_only
-from app.models.causal import CausalLM, causal_lm, empty_cache
+from app.models.causal import IGNORE, CausalLM, causal_lm, empty_cache
 from app.runtime import artifact as art
 from app.runtime.kv import (
     KEY_MASK,
@@ -60,9 +61,38 @@ TOKENIZER_FILE = "tokenizer.json"  # the artifact's copy, usable by any `tokeniz
 LOGITS_BUDGET_BYTES = 64 * 2**20  # per ONNX Runtime call while scoring perplexity
 
 
-def held_out(config: Config, loaded: LoadedCheckpoint) -> np.ndarray:
-    """The validation rows the gate scores (`validation_rows`), once the model is known to keep
-    the causal LM contract the graph is written for (app/models/causal.py)."""
+@dataclass(frozen=True)
+class HeldOut:
+    """Validation sequences the gate scores, one a row ([n, width], padded at the end; a chat
+    dataset's packed rows taken apart) and which of their tokens are counted targets."""
+
+    rows: np.ndarray  # int64 ids
+    trained: np.ndarray  # bool; never a row's first token
+
+    @classmethod
+    def text(cls, rows: np.ndarray) -> HeldOut:
+        """Rows of a text corpus: every token but a row's first is a target."""
+        trained = np.ones(rows.shape, dtype=bool)
+        trained[:, 0] = False
+        return cls(rows, trained)
+
+    def targets(self) -> int:
+        return int(self.trained.sum())
+
+    def prompts(self, count: int, longest: int, text_tokens: int) -> list[list[int]]:
+        """Greedy-decoding prompts: a chat sequence up to its first trained token (what the
+        model answers), a text row's first `text_tokens`; at most `longest` tokens each."""
+        out = []
+        for row, trained in zip(self.rows[:count], self.trained[:count], strict=True):
+            first = int(np.argmax(trained))  # a text row's is 1: every token after the first
+            end = first if first > 1 else text_tokens
+            out.append(row[: max(1, min(end, longest))].tolist())
+        return out
+
+
+def held_out(config: Config, loaded: LoadedCheckpoint) -> HeldOut:
+    """The validation sequences the gate scores (`validation_rows`), once the model is known to
+    keep the causal LM contract the graph is written for (app/models/causal.py)."""
     if causal_lm(loaded.model) is None:
         raise UserError(
             f"export of task lm: {type(loaded.model).__name__} does not keep the causal LM "
@@ -75,12 +105,12 @@ def model_of(loaded: LoadedCheckpoint) -> CausalLM:
     return cast(CausalLM, loaded.model)
 
 
-def write_graphs(config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str) -> None:
+def write_graphs(config: Config, loaded: LoadedCheckpoint, rows: HeldOut, work: str) -> None:
     path = os.path.join(work, art.MODEL_FILES["fp32"])
     export_kv_onnx(model_of(loaded), path, config.export.opset, config.export.external_data_bytes)
 
 
-def quantize(config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str) -> Report:
+def quantize(config: Config, loaded: LoadedCheckpoint, rows: HeldOut, work: str) -> Report:
     """int8 weights (weight-only; the LM head's too), then both variants measured on the
     validation rows."""
     fp32, int8 = (os.path.join(work, art.MODEL_FILES[v]) for v in ("fp32", "int8"))
@@ -89,7 +119,7 @@ def quantize(config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: s
 
 
 def programs(
-    config: Config, loaded: LoadedCheckpoint, rows: np.ndarray, work: str, report: Report
+    config: Config, loaded: LoadedCheckpoint, rows: HeldOut, work: str, report: Report
 ) -> dict[str, Any]:
     report["programs"] = not_for_task(config, "lm", WHY_ONNX_ONLY)
     return {}
@@ -204,34 +234,46 @@ def export_kv_onnx(
 # --- held-out data ------------------------------------------------------------------------------
 
 
-def validation_rows(config: Config, loaded: LoadedCheckpoint, limit: int) -> np.ndarray:
-    """Up to `limit` packed validation rows [n, block + 1], spread evenly over the split."""
+def validation_rows(config: Config, loaded: LoadedCheckpoint, limit: int) -> HeldOut:
+    """Up to `limit` validation sequences, spread evenly over the split."""
+    from app.data.packing import padded, unpacked
     from app.data.prepare import read_manifest, split_files
-    from app.tasks.lm.train import token_rows
+    from app.tasks.lm.train import SEGMENTS_KEY, TOKENS_KEY, TRAINED_KEY, token_rows
 
     manifest = read_manifest(config.data_output)
-    rows = np.concatenate(list(token_rows(split_files(config.data_output, manifest, "val"))))
-    if not len(rows):
+    batches = list(token_rows(split_files(config.data_output, manifest, "val")))
+    if not batches:
         raise UserError(f"{config.data_output}: the val split is empty; nothing to gate on")
-    picked = np.linspace(0, len(rows) - 1, num=min(limit, len(rows))).round().astype(int)
-    return rows[np.unique(picked)]
+    rows = np.concatenate([b[TOKENS_KEY] for b in batches])
+    if TRAINED_KEY in batches[0]:  # chat rows: each conversation alone
+        trained = np.concatenate([b[TRAINED_KEY] for b in batches])
+        segments = np.concatenate([b[SEGMENTS_KEY] for b in batches])
+        sequences = list(unpacked(rows, trained, segments))
+        picked = spread(len(sequences), limit)
+        ids, flags = padded([sequences[i] for i in picked], rows.shape[1], 0)
+        return HeldOut(ids.astype(np.int64), flags.astype(bool))
+    return HeldOut.text(rows[spread(len(rows), limit)])
+
+
+def spread(count: int, limit: int) -> np.ndarray:
+    return np.unique(np.linspace(0, count - 1, num=min(limit, count)).round().astype(int))
 
 
 # --- verification -------------------------------------------------------------------------------
 
 
-def measure(config: Config, model: CausalLM, fp32: str, int8: str, rows: np.ndarray) -> Report:
+def measure(config: Config, model: CausalLM, fp32: str, int8: str, rows: HeldOut) -> Report:
     e = config.export
     decoders = {
         v: KVDecoder(art.create_session(art.local_graph(p)))
         for v, p in (("fp32", fp32), ("int8", int8))
     }
-    parity = decode_parity(model, decoders["fp32"], rows)
+    parity = decode_parity(model, decoders["fp32"], rows.rows)
     ppl = {v: perplexity(d, rows) for v, d in decoders.items()}
     with torch.no_grad():
         ppl["torch_fp32"] = math.exp(torch_loss(model, rows))
-    prompt_len = max(1, min(e.greedy_prompt_tokens, model.block_size - e.greedy_tokens))
-    prompts = [row[:prompt_len].tolist() for row in rows[: e.greedy_prompts]]
+    longest = max(1, model.block_size - e.greedy_tokens)
+    prompts = rows.prompts(e.greedy_prompts, longest, e.greedy_prompt_tokens)
     agreement = greedy_agreement(decoders, prompts, e.greedy_tokens)
     size = sizes(
         os.path.dirname(fp32),
@@ -247,8 +289,8 @@ def measure(config: Config, model: CausalLM, fp32: str, int8: str, rows: np.ndar
     return {
         "parity": parity,
         "perplexity": ppl,
-        "perplexity_rows": int(len(rows)),
-        "perplexity_tokens": int(len(rows) * (rows.shape[1] - 1)),
+        "perplexity_rows": int(len(rows.rows)),
+        "perplexity_tokens": rows.targets(),
         "perplexity_increase": ppl["int8"] / ppl["fp32"] - 1,
         "greedy": agreement,
         **size,
@@ -302,32 +344,32 @@ def decode_parity(model: CausalLM, decoder: KVDecoder, rows: np.ndarray, steps: 
     }
 
 
-def perplexity(decoder: KVDecoder, rows: np.ndarray) -> float:
-    """exp(mean next-token cross entropy) over every target of `rows`, the prompt path (no
-    cache), in slices whose logits stay under LOGITS_BUDGET_BYTES."""
+def perplexity(decoder: KVDecoder, held: HeldOut) -> float:
+    """exp(mean next-token cross entropy) over every counted target of `held`, the prompt path
+    (no cache), in slices whose logits stay under LOGITS_BUDGET_BYTES."""
+    rows, trained = held.rows, held.trained
     per_row = 4 * (rows.shape[1] - 1) * decoder.vocab_size
     chunk = max(1, LOGITS_BUDGET_BYTES // per_row)
-    total, count = 0.0, 0
+    total = 0.0
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         logits, _ = decoder.step(part[:, :-1], decoder.empty_cache(len(part)))
-        total += float(cross_entropy_sum(logits, part[:, 1:]))
-        count += part[:, 1:].size
-    return math.exp(min(total / count, 50.0))
+        total += cross_entropy_sum(logits, part[:, 1:], trained[start : start + chunk, 1:])
+    return math.exp(min(total / max(held.targets(), 1), 50.0))
 
 
-def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> float:
-    z = logits.astype(np.float64)
+def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray, counted: np.ndarray) -> float:
+    z = logits[counted].astype(np.float64)
     z -= z.max(axis=-1, keepdims=True)
     log_norm = np.log(np.exp(z).sum(axis=-1))
-    picked = np.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    picked = np.take_along_axis(z, targets[counted][..., None], axis=-1)[..., 0]
     return float((log_norm - picked).sum())
 
 
-def torch_loss(model: CausalLM, rows: np.ndarray) -> float:
-    ids = torch.from_numpy(rows)
-    logits = model(ids[:, :-1])
-    return float(F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()))
+def torch_loss(model: CausalLM, held: HeldOut) -> float:
+    ids = torch.from_numpy(held.rows)
+    targets = torch.where(torch.from_numpy(held.trained[:, 1:]), ids[:, 1:], IGNORE)
+    return float(model(ids[:, :-1], targets=targets).mean)
 
 
 def greedy_agreement(

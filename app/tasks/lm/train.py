@@ -23,6 +23,8 @@ from torch import nn
 
 from app.data.feed import unpadded
 from app.data.kinds.tokens import tokens_of
+from app.models.causal import IGNORE, TokenLoss, packed_inputs, takes_targets
+from app.train.checkpoint import unwrap
 from app.train.steps import all_reduce, autocast
 
 if TYPE_CHECKING:  # driver-side types; workers import this module too
@@ -32,27 +34,66 @@ if TYPE_CHECKING:  # driver-side types; workers import this module too
 
 log = logging.getLogger(__name__)
 TOKENS_KEY = "input_ids"
+TRAINED_KEY = "trained"  # chat rows: 1 where the token is a target the loss counts
+SEGMENTS_KEY = "segments"  # packed rows: each token's sequence in its row (0: padding)
+
+
+def model_inputs(
+    batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A batch of rows -> the model's inputs (each row's first `block_size` ids; for packed
+    rows each token's position in its own sequence and the mask that keeps the sequences apart)
+    and its targets (the next ids; IGNORE where a chat row does not train them)."""
+    ids = batch[TOKENS_KEY].to(device)
+    targets = ids[:, 1:]
+    if TRAINED_KEY in batch:
+        trained = batch[TRAINED_KEY].to(device)[:, 1:].bool()
+        targets = torch.where(trained, targets, torch.full_like(targets, IGNORE))
+    inputs = {"input_ids": ids[:, :-1]}
+    if SEGMENTS_KEY in batch:
+        positions, mask = packed_inputs(batch[SEGMENTS_KEY].to(device)[:, :-1])
+        inputs |= {"position_ids": positions, "attention_mask": mask}
+    return inputs, targets
+
+
+def scored(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> TokenLoss:
+    """The batch's loss as sums: computed in the model's forward (in chunks, where the head
+    weight is gathered under FSDP) when it keeps the causal-LM contract, else from its logits."""
+    inputs, targets = model_inputs(batch, device)
+    if takes_targets(unwrap(model)):
+        return model(**inputs, targets=targets)
+    return logits_loss(model(**inputs), targets)
 
 
 def next_token_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross entropy of a batch of rows, and its rows."""
-    ids = batch[TOKENS_KEY].to(device)
-    return token_loss(model(input_ids=ids[:, :-1]), ids[:, 1:]), len(ids)
+    """Mean next-token cross entropy over a batch's trained targets, and its rows."""
+    return scored(model, batch, device).mean, len(batch[TOKENS_KEY])
 
 
 def shifted(
     batch: dict[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A batch's model inputs (each row's first `block_size` ids) and targets (the next ids)."""
-    ids = batch[TOKENS_KEY]
-    return {"input_ids": ids[:, :-1]}, ids[:, 1:]
+    """A pipeline's batch: the model inputs (each row's first `block_size` ids) and targets
+    (the next ids, IGNORE where untrained). Packed rows cannot cross stages (their masks are
+    not part of a stage's state): the driver refuses that pairing."""
+    inputs, targets = model_inputs(batch, torch.device("cpu"))
+    return {"input_ids": inputs["input_ids"]}, targets
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of [batch, time, vocab] logits against [batch, time] token ids."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean cross entropy of [batch, time, vocab] logits against [batch, time] token ids, over
+    the trained targets (0 when there are none)."""
+    return logits_loss(logits, targets).mean
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> TokenLoss:
+    flat, goal = logits.flatten(0, 1).float(), targets.flatten()
+    trained = goal != IGNORE
+    total = F.cross_entropy(flat, goal, ignore_index=IGNORE, reduction="sum")
+    correct = ((flat.argmax(-1) == goal) & trained).sum()
+    return TokenLoss(total, trained.sum(), correct)
 
 
 @torch.no_grad()
@@ -63,23 +104,20 @@ def validate_lm(
     precision: str,
     reference: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Loss, perplexity and top-1 accuracy over every target token of `batches`, summed over
+    """Loss, perplexity and top-1 accuracy over every trained target of `batches`, summed over
     ranks; `reference` (the driver's baseline) is reported beside them."""
     model.eval()
     loss_sum, correct, tokens = 0.0, 0.0, 0.0
     for batch in batches:
         batch, padding = unpadded(batch)
-        ids = batch[TOKENS_KEY].to(device)
-        targets = ids[:, 1:]
         with autocast(device, precision):
-            logits = model(input_ids=ids[:, :-1])
-        if padding:  # a forward pass to match the other ranks'; nothing to count
-            continue
-        loss_sum += F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
-        ).item()
-        correct += (logits.argmax(-1) == targets).sum().item()
-        tokens += targets.numel()
+            if padding:  # a forward pass to match the other ranks'; nothing to count
+                model(**model_inputs(batch, device)[0])
+                continue
+            out = scored(model, batch, device)
+        loss_sum += out.total.item()
+        correct += out.correct.item()
+        tokens += out.tokens.item()
     loss_sum, correct, tokens = all_reduce([loss_sum, correct, tokens], device)
     loss = loss_sum / max(tokens, 1)
     return {
@@ -111,26 +149,43 @@ def reference_metrics(
 # --- reading token rows (driver side, no Ray) ----------------------------------------------------
 
 
-def token_rows(files: list[str], batch_rows: int = 256) -> Iterator[np.ndarray]:
-    """[rows, block_size + 1] int64 arrays, shard by shard, `batch_rows` at a time."""
+def token_rows(files: list[str], batch_rows: int = 256) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of rows, shard by shard, `batch_rows` at a time: [rows, block_size + 1] int64
+    ids, and for chat rows their `trained` and `segments` columns."""
     import pyarrow.parquet as pq
 
     from app import storage
 
     for uri in files:
         fs, path = storage.filesystem(uri)
-        column = pq.read_table(path, filesystem=fs, columns=[TOKENS_KEY]).column(TOKENS_KEY)
-        flat = column.combine_chunks().flatten().to_numpy()
-        rows = flat.reshape(len(column), -1).astype(np.int64)
-        for start in range(0, len(rows), batch_rows):
-            yield rows[start : start + batch_rows]
+        table = pq.read_table(path, filesystem=fs)
+        columns = {
+            name: _fixed_rows(table.column(name), np.int64 if name == TOKENS_KEY else np.int32)
+            for name in (TOKENS_KEY, TRAINED_KEY, SEGMENTS_KEY)
+            if name in table.column_names
+        }
+        for start in range(0, table.num_rows, batch_rows):
+            yield {name: rows[start : start + batch_rows] for name, rows in columns.items()}
 
 
-def target_counts(rows: Iterable[np.ndarray], vocab_size: int) -> np.ndarray:
-    """How often each token id is a target (every row's ids after the first)."""
+def _fixed_rows(column: Any, dtype: Any) -> np.ndarray:
+    flat = column.combine_chunks().flatten().to_numpy()
+    return flat.reshape(len(column), -1).astype(dtype)
+
+
+def trained_targets(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """The ids the loss counts: every row's ids after the first, of a chat row its trained ones."""
+    targets = batch[TOKENS_KEY][:, 1:]
+    if TRAINED_KEY in batch:
+        return targets[batch[TRAINED_KEY][:, 1:].astype(bool)]
+    return targets.ravel()
+
+
+def target_counts(batches: Iterable[dict[str, np.ndarray]], vocab_size: int) -> np.ndarray:
+    """How often each token id is a trained target."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for batch in rows:
-        counts += np.bincount(batch[:, 1:].ravel(), minlength=vocab_size)[:vocab_size]
+    for batch in batches:
+        counts += np.bincount(trained_targets(batch), minlength=vocab_size)[:vocab_size]
     return counts
 
 
@@ -165,21 +220,20 @@ def evaluate_lm(
     from app.data.prepare import read_manifest, split_files
 
     manifest = read_manifest(config.data_output)
-    pre = tokens_of(preprocessor)
-    vocab = pre.vocab_size
+    files = split_files(config.data_output, manifest, split)
     batches = (
-        {TOKENS_KEY: torch.from_numpy(rows)}
-        for rows in token_rows(split_files(config.data_output, manifest, split), batch_rows)
+        {name: torch.from_numpy(rows) for name, rows in batch.items()}
+        for batch in token_rows(files, batch_rows)
     )
     scored = validate_lm(model, batches, torch.device("cpu"), "fp32")
-    tokens = manifest.rows[split] * pre.block_size
+    vocab = tokens_of(preprocessor).vocab_size
     return {
         "split": split,
         "loss": scored["val_loss"],
         "perplexity": scored["val_perplexity"],
         "token_accuracy": scored["val_token_accuracy"],
         "baseline_perplexity": baseline_perplexity(config, manifest, vocab, split),
-        "tokens": int(tokens),
+        "tokens": int(sum(len(trained_targets(b)) for b in token_rows(files))),
     }
 
 
