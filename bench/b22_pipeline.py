@@ -78,7 +78,7 @@ def _trainer(strategy: str, size: dict, ids, rank: int):
     import torch
 
     from app.config import TrainConfig
-    from app.tasks.lm.train import token_loss
+    from app.tasks.lm.train import next_token_loss, token_loss
     from app.train.parallel import parallelize
     from app.train.pipelining import Mesh, Pipeline
 
@@ -86,8 +86,8 @@ def _trainer(strategy: str, size: dict, ids, rank: int):
         model = parallelize(build(size), TrainConfig(strategy=strategy), torch.device("cpu"))
         share = ids.chunk(WORLD)[rank]  # data parallel: each rank half the batch
 
-        def step() -> None:
-            token_loss(model(share[:, :-1]), share[:, 1:]).backward()
+        def step() -> None:  # the task's loss, as a Train worker computes it
+            next_token_loss(model, {"input_ids": share}, torch.device("cpu"))[0].backward()
 
         return step, list(model.parameters()), dict
 

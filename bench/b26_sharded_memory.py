@@ -10,7 +10,9 @@ worker runs: DDP builds the model whole, loads the folder and wraps it (app.trai
 FSDP and pipeline build it on the meta device and materialise only the rank's part, reading
 only its slices of the folder (app.train.worker.sharded_model); then 3 AdamW steps on 2 rows of
 32 tokens, then the consolidated `model.safetensors` (DDP: rank 0's `save_model`; sharded:
-written tensor by tensor, app.train.consolidate). `fsdp-whole` is the path sharded runs took
+written tensor by tensor, app.train.consolidate). FSDP keeps the embedding table, tied to the
+head, sharded by rows (app/train/vocab_parallel.py); `fsdp-gathered-vocab` lets FSDP2 gather it
+whole like any parameter (`train.shard_vocab=false`); `fsdp-whole` is the path sharded runs took
 before: every rank builds the whole model and loads every weight, then shards, and saves by
 gathering a full state dict into a plain copy. The figure is each rank process's peak resident
 memory over the whole run (VmHWM; the largest rank counts), with the peak after each
@@ -39,7 +41,7 @@ WHAT = "sharded run's peak memory per rank: 350M GPT-2 from a folder, 2 ranks"
 WORLD, SEED, STEPS, ROWS, TOKENS = 2, 0, 3, 2, 32
 MEDIUM = {"n_embd": 1024, "n_layer": 24, "n_head": 16}  # GPT-2 medium, 50,257-row vocabulary
 SMALL = {"n_embd": 384, "n_layer": 4, "n_head": 6, "vocab_size": 8192}  # about 10M
-STRATEGIES = ("ddp", "fsdp", "pipeline", "fsdp-whole")
+STRATEGIES = ("ddp", "fsdp", "pipeline", "fsdp-gathered-vocab", "fsdp-whole")
 
 
 def make_folder(folder: str, sizes: dict[str, int]) -> str:
@@ -111,11 +113,12 @@ def _model(strategy: str, folder: str):
                 load_pretrained(model, pre)  # type: ignore[arg-type]
         return model
 
-    kind = strategy.removesuffix("-whole")
+    kind = strategy.removesuffix("-whole").removesuffix("-gathered-vocab")
     pipeline = {"stages": WORLD, "schedule": "1f1b", "microbatches": ROWS}
     t = TrainConfig(
-        strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline, lr=1e-5
-    )
+        strategy=kind, seed=SEED, num_workers=WORLD, batch_size=ROWS, pipeline=pipeline, lr=1e-5,
+        shard_vocab=not strategy.endswith("-gathered-vocab"),
+    )  # fmt: skip
     scoring = Scoring(shifted, token_loss)
     cpu = torch.device("cpu")
     if kind == "ddp" or strategy.endswith("-whole"):
@@ -124,13 +127,16 @@ def _model(strategy: str, folder: str):
 
 
 def _step(model, strategy: str, ids, rank: int) -> None:
-    from app.tasks.lm.train import token_loss
+    """The task's loss and backward, as a Train worker runs them."""
+    import torch
+
+    from app.tasks.lm.train import next_token_loss
 
     if strategy == "pipeline":
         model.train_step({"input_ids": ids}, sync=True)
         return
     share = ids.chunk(WORLD)[rank]  # data parallel: each rank half the batch
-    token_loss(model(share[:, :-1]), share[:, 1:]).backward()
+    next_token_loss(model, {"input_ids": share}, torch.device("cpu"))[0].backward()
 
 
 def _save(model, strategy: str, build, path: str, rank: int) -> None:
@@ -181,7 +187,8 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
     summary = (
         f"{parameters / 1e6:.0f}M-parameter GPT-2 from a folder, {WORLD} ranks, peak RSS per "
         f"rank: DDP {gib['ddp']:.2f} GiB, FSDP {gib['fsdp']:.2f}, pipeline {gib['pipeline']:.2f} "
-        f"(before: FSDP building and loading the whole model {gib['fsdp-whole']:.2f}); training "
+        f"(FSDP gathering the vocabulary table {gib['fsdp-gathered-vocab']:.2f}, building and "
+        f"loading the whole model {gib['fsdp-whole']:.2f}); training "
         f"state {state / 2**30:.2f} GiB; x{value:.2f} of the allowance"
     )
     details = {

@@ -79,6 +79,10 @@ class TrainConfig(Section):
     # splits a transformer's blocks into `train.pipeline.stages` stages, one a rank (rows of
     # stages when there are more workers: data parallel across rows), sharded checkpoints too.
     strategy: Literal["ddp", "fsdp", "pipeline"] = "ddp"
+    # fsdp: a causal LM's token embedding and LM head (one table when tied) stay sharded by rows
+    # and are never gathered; activations cross ranks instead (app/train/vocab_parallel.py).
+    # false: FSDP2 gathers them like any parameter (the whole table and its gradient per rank).
+    shard_vocab: bool = True
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block (or the whole model if it has no blocks)

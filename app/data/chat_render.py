@@ -58,8 +58,11 @@ class ChatFormat:
 
 def turn_end_token(template: str, special_tokens: dict[str, str], tokenizer: Any) -> int | None:
     """The special token the template closes an assistant turn with (the first special token
-    after the content), or None when it writes none there."""
+    after the content of a one-question conversation), or None when it writes none there.
+    TemplateRefused when the template refuses that conversation."""
     text = _render(compile_template(template), PROBE, False, special_tokens, "2026-01-01")
+    if SENTINEL not in text:
+        return None
     tail = text[text.index(SENTINEL) + len(SENTINEL) :]
     specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     ids = tokenizer.encode(tail, add_special_tokens=False).ids

@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from app import storage
-from app.chat_template import PLAIN_TEMPLATE
+from app.chat_template import PLAIN_TEMPLATE, TemplateRefused
 from app.config import Config
 from app.data.chat_render import ROLES, ChatFormat, Renderer, RowRefused, turn_end_token
 from app.data.kinds.tokens import Tokens
@@ -112,7 +112,12 @@ def chat_format(config: Config, base: Pretrained, width: int) -> ChatFormat:
     template = base.chat_template()
     specials = base.special_tokens()
     tokenizer = base.tokenizer_json()
-    turn_end = turn_end_token(template or PLAIN_TEMPLATE, specials, Tokenizer.from_str(tokenizer))
+    try:
+        turn_end = turn_end_token(
+            template or PLAIN_TEMPLATE, specials, Tokenizer.from_str(tokenizer)
+        )
+    except TemplateRefused as e:
+        raise base.fail(f"its chat template refuses a one-question conversation ({e})") from None
     if turn_end is None:
         raise base.fail(
             "its chat template closes an assistant turn with no special token, so a model "

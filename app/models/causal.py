@@ -7,6 +7,7 @@ same computation on a KV cache written for tracing (`step`), whose cache is `kv_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -19,8 +20,10 @@ from torch.utils.checkpoint import checkpoint
 @runtime_checkable
 class CausalLM(Protocol):
     block_size: int  # the longest sequence it computes exactly
+    tokens: nn.Embedding  # the token embedding
     blocks: nn.ModuleList
     norm: nn.Module  # the final norm, before the LM head
+    vocab_loss: nn.Module  # (hidden, norm, head weight, targets) -> TokenLoss: `VocabLoss`
 
     @property
     def kv_heads(self) -> int: ...
@@ -64,9 +67,10 @@ def empty_cache(model: CausalLM, batch: int = 1) -> list[torch.Tensor]:
 # --- the loss every causal LM computes inside its forward when given targets ---------------------
 
 IGNORE = -100  # a target that is not trained: a prompt token, padding, a row's first token
-# fp32 logits one loss chunk holds at once (64 MiB): a 151,936-token vocabulary's logits of
-# 4 x 1,024 tokens would be 2.3 GiB, and as much again for their gradient.
-LOSS_CHUNK_ELEMENTS = 1 << 24
+# fp32 logits one loss chunk holds at once (256 MiB): a 151,936-token vocabulary's logits of
+# 4 x 1,024 tokens would be 2.3 GiB, and as much again for their gradient. Smaller chunks save
+# little more and cost time: each adds the head's whole weight gradient once (bench/B28).
+LOSS_CHUNK_ELEMENTS = 1 << 26
 
 
 class TokenLoss(NamedTuple):
@@ -106,6 +110,23 @@ def chunked_token_loss(
     if not len(t):  # keep every parameter in the graph: DDP and FSDP expect their gradients
         total = total + 0.0 * logits(hidden.flatten(0, 1)[:1]).float().sum()
     return TokenLoss(total, trained.sum(), correct)
+
+
+class VocabLoss(nn.Module):
+    """The loss at a causal LM's head: `chunked_token_loss` of the normed hidden states against
+    the head's rows. A module without parameters (checkpoints and FSDP see nothing of it), so
+    that a sharded run can put its own in its place (app/train/vocab_parallel.py)."""
+
+    def forward(
+        self, hidden: torch.Tensor, norm: nn.Module, weight: torch.Tensor, targets: torch.Tensor
+    ) -> TokenLoss:
+        return chunked_token_loss(
+            hidden, functools.partial(_head, norm, weight), targets, weight.shape[0]
+        )
+
+
+def _head(norm: nn.Module, weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    return F.linear(norm(hidden), weight)
 
 
 def _chunk_loss(

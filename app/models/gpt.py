@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.causal import TokenLoss, chunked_token_loss
+from app.models.causal import TokenLoss, VocabLoss
 
 # One block's cached keys and values, each [batch, heads, past_length, head_dim].
 KeyValue = tuple[torch.Tensor, torch.Tensor]
@@ -119,6 +119,7 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tokens.weight  # tied: one matrix embeds and un-embeds
+        self.vocab_loss = VocabLoss()
         self.depth = layers
         for name, module in self.named_modules():
             self.init_module(name, module)
@@ -160,7 +161,7 @@ class GPT(nn.Module):
             x = block(x, None, attention_mask)[0]
         if targets is None:
             return self.logits(x)
-        return chunked_token_loss(x, self.logits, targets, self.tokens.num_embeddings)
+        return self.vocab_loss(x, self.norm, self.head_weight(), targets)
 
     def decode(
         self, input_ids: torch.Tensor, past: list[KeyValue] | None = None

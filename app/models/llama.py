@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.errors import ConfigError
-from app.models.causal import TokenLoss, chunked_token_loss
+from app.models.causal import TokenLoss, VocabLoss
 from app.pretrained import attention_window
 
 # The rotary scalings implemented (transformers' `rope_type`): the others are refused by key.
@@ -341,6 +341,7 @@ class LlamaLM(nn.Module):
         self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
         if a.tied:  # one matrix embeds and un-embeds
             self.lm_head.weight = self.tokens.weight
+        self.vocab_loss = VocabLoss()
 
     @property
     def kv_heads(self) -> int:
@@ -376,7 +377,7 @@ class LlamaLM(nn.Module):
             x = block(x, cos, sin, mask)
         if targets is None:
             return self.logits(x)
-        return chunked_token_loss(x, self.logits, targets, self.args.vocab_size)
+        return self.vocab_loss(x, self.norm, self.head_weight(), targets)
 
     def step(
         self,

@@ -65,7 +65,7 @@ def parallelize(
     if not meta:
         model.to(device)
     if t.strategy == "fsdp":
-        shard(model, blocks, device, t.precision)
+        shard(model, blocks, device, t.precision, t.shard_vocab)
         if meta:
             made = materialise_sharded(model, ties, device, t.seed)
             log.info("materialised this rank's shards: %s", made)
@@ -108,20 +108,30 @@ def precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def shard(model: nn.Module, blocks: list[nn.Module], device: torch.device, precision: str) -> None:
+def shard(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    device: torch.device,
+    precision: str,
+    vocab_rows: bool = True,
+) -> None:
     """FSDP2: `fully_shard` each block, then the root (which takes every parameter left:
-    embeddings, norms, the head). A model built on the meta device is sharded as it is and
-    each rank then materialises its own shards (app/train/materialise.py); one built whole
-    holds the same weights on every rank (one seed), so each keeps its slice and nothing is
-    broadcast."""
+    embeddings, norms, the head), except, with `vocab_rows`, a causal LM's embedding and head
+    tables, which are sharded by rows and never gathered (app/train/vocab_parallel.py). A model built on the meta
+    device is sharded as it is and each rank then materialises its own shards
+    (app/train/materialise.py); one built whole holds the same weights on every rank (one
+    seed), so each keeps its slice and nothing is broadcast."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from app.train.vocab_parallel import shard_vocab
+
     mesh = init_device_mesh(device.type, (world_size(),))
     policy = precision_policy(precision)
+    tables = shard_vocab(model, mesh) if vocab_rows and world_size() > 1 else set()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=tables)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -379,3 +379,19 @@ def test_packed_chat_rows_cannot_cross_pipeline_stages(config_factory, folders, 
         chat_config(config_factory, folders["qwen2"], path, "train.strategy=pipeline")
     unpacked = "data.pack=false"
     assert chat_config(config_factory, folders["qwen2"], path, "train.strategy=pipeline", unpacked)
+
+
+def test_a_template_refusing_an_answered_conversation_is_refused_naming_the_folder(
+    config_factory, folders, tmp_path
+):
+    import shutil
+
+    folder = tmp_path / "no-answers"
+    shutil.copytree(folders["qwen2"], folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[-1]['role'] == 'assistant' %}{{ raise_exception('no answers') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    path = write_lines(tmp_path / "chats.jsonl", chats(3))
+    with pytest.raises(ConfigError, match="no-answers.*refuses a one-question conversation"):
+        prepare(chat_config(config_factory, str(folder), path), InProcess())

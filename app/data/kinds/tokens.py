@@ -102,12 +102,17 @@ class Tokens(Preprocessor):
 
 
 def template_turn_end(template: str, state: dict[str, Any]) -> int | None:
+    """The template's end of turn (None where a one-question conversation finds none)."""
     from tokenizers import Tokenizer
 
+    from app.chat_template import TemplateRefused
     from app.data.chat_render import turn_end_token
 
     tokenizer = Tokenizer.from_str(state["tokenizer"])
-    return turn_end_token(template, state["chat_special_tokens"], tokenizer)
+    try:
+        return turn_end_token(template, state["chat_special_tokens"], tokenizer)
+    except TemplateRefused:
+        return None
 
 
 def trained_end_ids(tokenizer_json: str) -> list[int]:

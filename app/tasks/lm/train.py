@@ -56,20 +56,26 @@ def model_inputs(
     return inputs, targets
 
 
-def scored(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> TokenLoss:
-    """The batch's loss as sums: computed in the model's forward (in chunks, where the head
-    weight is gathered under FSDP) when it keeps the causal-LM contract, else from its logits."""
+def scored(
+    model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+) -> TokenLoss | None:
+    """The batch's loss as sums: computed in the model's forward (in chunks, where a sharded
+    run has its head) when it keeps the causal-LM contract, else from its logits; None on a
+    pipeline rank that does not hold the last stage."""
     inputs, targets = model_inputs(batch, device)
     if takes_targets(unwrap(model)):
         return model(**inputs, targets=targets)
-    return logits_loss(model(**inputs), targets)
+    logits = model(**inputs)
+    return None if logits is None else logits_loss(logits, targets)
 
 
 def next_token_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Mean next-token cross entropy over a batch's trained targets, and its rows."""
-    return scored(model, batch, device).mean, len(batch[TOKENS_KEY])
+    out = scored(model, batch, device)
+    assert out is not None, "a pipeline trains through its schedule, not this loss"
+    return out.mean, len(batch[TOKENS_KEY])
 
 
 def shifted(
@@ -111,10 +117,9 @@ def validate_lm(
     for batch in batches:
         batch, padding = unpadded(batch)
         with autocast(device, precision):
-            if padding:  # a forward pass to match the other ranks'; nothing to count
-                model(**model_inputs(batch, device)[0])
-                continue
             out = scored(model, batch, device)
+        if padding or out is None:  # a pass to match the other ranks' collectives only
+            continue
         loss_sum += out.total.item()
         correct += out.correct.item()
         tokens += out.tokens.item()
