@@ -110,6 +110,9 @@ class DataConfig(Section):
     # A picture that cannot be read (missing, corrupt, a decompression bomb): a one-line
     # refusal naming its row, or, when set, skipped and counted in the prepare summary.
     skip_bad_rows: bool = False
+    # A prepare stage whose tasks show no sign of life this long (no CPU used, no function
+    # returned, no result delivered) fails naming them and their nodes instead of waiting.
+    stall_timeout_s: float = Field(300.0, gt=0)
     captions_per_image: int = Field(2, ge=1, le=5)  # synthetic_image_text
     # chat (app/data/chat_source.py): JSON Lines of conversations, rendered by the pretrained
     # folder's chat template. `train_on`: the tokens the loss counts (the assistant turns with

@@ -25,6 +25,7 @@ import pandas as pd
 from app import storage
 from app.config import DataConfig
 from app.data.kinds.image_text import MAX_PIXELS, BadPicture, PictureLimits
+from app.data.reasons import shown
 
 PICTURE_EXTENSIONS = (".png", ".jpg", ".jpeg")  # what a folder of pictures is read for
 IMAGE, CAPTION, IMAGE_ID, TWIN, SPLIT = "image", "caption", "image_id", "twin", "split"
@@ -77,17 +78,18 @@ class PictureReader:
             data = self._bytes(where) if where else None
             if data is None:
                 return None, (
-                    f"image {image[:60]!r}: cannot read (missing, not a regular file, or not "
+                    f"image {shown(image)}: cannot read (missing, not a regular file, or not "
                     "under the table's folder or data.image_roots)"
                 )
             if len(data) > self.max_bytes:
                 return None, (
-                    f"image {image[:60]!r}: more than data.max_image_bytes={self.max_bytes} bytes"
+                    f"image {shown(image)}: more than data.max_image_bytes={self.max_bytes} bytes"
                 )
         else:
             return None, f"image: expected a path or bytes, got {type(image).__name__}"
         problem = None if self.decoded_after else check_picture(data, self.limits)
-        return (None, f"image {str(image)[:60]!r}: {problem}") if problem else (data, None)
+        where = shown(image) if isinstance(image, str) else "bytes"
+        return (None, f"image {where}: {problem}") if problem else (data, None)
 
     def where(self, image: str) -> str | None:
         """The picture's normalised path or URI, or None when it is under no allowed root. A

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from app import storage
+from app.data.reasons import Reasons
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -203,14 +204,19 @@ class PieceResult:
     problem: str | None = None  # the piece cannot be read as the source says: always fatal
     first_bad: str | None = None  # "<file> row <n>: why", the piece's lowest bad row
     examples: list[str] = field(default_factory=list)
+    reasons: Reasons = field(default_factory=Reasons)  # bad rows by reason
     labels: list[str] = field(default_factory=list)
     shards: list[ShardRecord] = field(default_factory=list)
     peak_rss_mib: float = 0.0  # of the process that ran the piece, when it finished
 
     def note_bad(self, count: int, problems: dict[int, str], limit: int) -> None:
         """`count` bad rows of one batch, `problems` saying why by row in the source (the
-        lowest among them): counted, the first kept, examples up to `limit`."""
+        lowest among them): counted (by reason), the first kept, examples up to `limit`."""
         self.bad += count
+        for row in sorted(problems):
+            self.reasons.add(problems[row])
+        if count > len(problems):  # a source that names fewer rows than it drops
+            self.reasons.add("a row of no stated reason", count - len(problems))
         if not problems:
             return
         if self.first_bad is None:

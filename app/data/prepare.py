@@ -41,6 +41,7 @@ from app.data.pieces import (
     split_rows_of,
 )
 from app.data.preprocess import PretrainedLookup
+from app.data.reasons import Reasons
 from app.data.sources import Kind
 from app.errors import UserError
 
@@ -116,7 +117,12 @@ def prepare_dataset(
     (default: Ray Data tasks on the cluster this job joins), a task a piece of the source.
     `bases`: the run's pretrained folders (app/models/families.py `Bases(config.model)`)."""
     bases.base()  # a bad pretrained folder fails before any data is read
-    return prepare_pieces(config, planner_for(config.data, bases), bases, tasks or ray_tasks())
+    return prepare_pieces(
+        config,
+        planner_for(config.data, bases),
+        bases,
+        tasks or ray_tasks(config.data.stall_timeout_s),
+    )
 
 
 class Planner(Protocol):
@@ -151,12 +157,12 @@ def planner_for(cfg: DataConfig, bases: PretrainedLookup) -> Planner:
     return planners[cfg.source]
 
 
-def ray_tasks() -> Tasks:
+def ray_tasks(stall_s: float) -> Tasks:
     from app.data.ray_tasks import RayTasks
     from app.ray_runtime import connect_ray
 
     connect_ray()
-    return RayTasks()
+    return RayTasks(stall_s=stall_s)
 
 
 def prepare_pieces(
@@ -200,9 +206,16 @@ def prepare_pieces(
         # The largest peak of a process that ran pieces (a Ray worker's high-water mark).
         "task_peak_rss_mib": round(max((r.peak_rss_mib for r in results), default=0.0), 1),
     }
-    log.info("prepare: wrote %s%s", rows, f", skipped {skipped}" if skipped else "")
+    reasons = bad_reasons(results)
+    log.info("prepare: wrote %s%s", rows, f", skipped {reasons.line()}" if skipped else "")
     examples = [e for r in results for e in r.examples][: plans[0].max_examples]
-    return summary | ({"skipped": skipped, "skipped_examples": examples} if skipped else {})
+    if not skipped:
+        return summary
+    return summary | {
+        "skipped": skipped,
+        "skipped_reasons": reasons.as_list(),
+        "skipped_examples": examples,
+    }
 
 
 def measured(piece: Any, run: Callable[..., PieceResult], target: Target) -> PieceResult:
@@ -215,12 +228,21 @@ def measured(piece: Any, run: Callable[..., PieceResult], target: Target) -> Pie
 def checked_results(results: list[PieceResult], plan: SourcePlan, source: str) -> list[str]:
     """The label set of the pieces' records; the first problem in source order refuses the
     source in one line (a bad row too, unless skipped), as do splits left empty."""
+    bad = bad_reasons(results)
     for result in results:
         if result.problem:
             raise UserError(result.problem)
         if result.first_bad and not plan.skip_bad_rows:
-            raise UserError(f"{result.first_bad} (data.skip_bad_rows=true skips such rows)")
+            counted = f"; {bad.total():,} bad rows in all: {bad.line()}" if bad.total() > 1 else ""
+            raise UserError(
+                f"{result.first_bad} (data.skip_bad_rows=true skips such rows){counted}"
+            )
     rows = sum(r.rows - r.bad for r in results)
+    if not rows and bad.total():
+        raise UserError(
+            f"data source {source!r}: {bad.total():,} of {sum(r.rows for r in results):,} rows "
+            f"skipped, none left: {bad.line()}"
+        )
     if not rows:
         raise UserError(f"data source {source!r} produced no rows")
     splits = split_rows_of([s for r in results for s in r.shards])
@@ -230,6 +252,15 @@ def checked_results(results: list[PieceResult], plan: SourcePlan, source: str) -
     if missing:
         raise UserError(plan.too_few.format(rows=rows, split=missing[0]))
     return sorted({label for r in results for label in r.labels})
+
+
+def bad_reasons(results: list[PieceResult]) -> Reasons:
+    """Every piece's bad rows by reason, in source order (each reason's first example is the
+    first in the source)."""
+    out = Reasons()
+    for result in results:
+        out.merge(result.reasons)
+    return out
 
 
 def write_files(files: dict[str, bytes], folder: str, prefix: str) -> dict[str, DataFile]:

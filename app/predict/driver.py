@@ -14,6 +14,7 @@ from typing import Any
 from app import storage
 from app.config import Config, PredictConfig
 from app.data.prepare import Shard
+from app.data.reasons import Reasons
 from app.errors import UserError
 from app.predict.actor import PREDICTOR, PredictInput, Scorer
 from app.predict.read import check_columns, header, input_files, pieces_of
@@ -43,15 +44,20 @@ class Tally:
     output: int = 0
     rejected: int = 0
     examples: list[dict[str, str]] = field(default_factory=list)
+    reasons: Reasons = field(default_factory=Reasons)
 
     def add(self, written: Written) -> None:
         self.output += written.output
         self.rejected += written.rejected
         room = max(self.max_examples - len(self.examples), 0)
         self.examples += written.examples[:room]
+        if written.reasons:
+            self.reasons.merge(Reasons(**written.reasons))
 
     def line(self) -> str:
-        return "; ".join(f"id {e['id']}: {e['reason']}" for e in self.examples)
+        """Rejected rows by reason, each with its first (`12 column 'x': null (first: id
+        7: column 'x': null)`)."""
+        return self.reasons.line()
 
 
 def predict(
@@ -111,6 +117,7 @@ def predict(
             files=parts,
             rejects=rejects,
             bad_row_examples=tally.examples,
+            bad_row_reasons=tally.reasons.as_list(),
         )
         commit(output, manifest, overwrite)  # last: the output counts only with it
     except BaseException:
@@ -118,19 +125,32 @@ def predict(
         raise
     elapsed = time.perf_counter() - started
     log.info("predict: %s in %.1f s", rows, elapsed)
+    rejects_at = storage.join(output, run, REJECTS) if tally.rejected else None
+    return _summary(output, rejects_at, artifact, variant, tally, elapsed)
+
+
+def _summary(
+    output: str, rejects: str | None, artifact: Any, variant: str, tally: Tally, elapsed: float
+) -> dict[str, Any]:
+    """The job's result: what was read, written and refused, and how fast."""
+    rows = tally.output + tally.rejected
     return {
         "stage": "predict",
         "output": output,
-        "rejects": storage.join(output, run, REJECTS) if tally.rejected else None,
+        "rejects": rejects,
         "artifact": artifact.uri,
         "model": artifact.name,
         "version": artifact.version,
         "variant": variant,
         # DESIGN's keys: rows read, rows rejected (the rest are predictions), rows a second.
-        "rows": rows["input"],
-        "rejected": rows["rejected"],
-        "rows_per_second": round(rows["input"] / elapsed, 1) if elapsed else None,
-        "bad_rows": {"count": tally.rejected, "examples": tally.examples},
+        "rows": rows,
+        "rejected": tally.rejected,
+        "rows_per_second": round(rows / elapsed, 1) if elapsed else None,
+        "bad_rows": {
+            "count": tally.rejected,
+            "reasons": tally.reasons.as_list(),
+            "examples": tally.examples,
+        },
         "elapsed_s": round(elapsed, 3),
     }
 

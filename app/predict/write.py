@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.data.prepare import Shard
+from app.data.reasons import Reasons
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class PredictionManifest(storage.Contract):
     files: list[Shard]  # relative to the output folder
     rejects: list[Shard]
     bad_row_examples: list[dict[str, str]] = []
+    bad_row_reasons: list[dict[str, Any]] = []  # each reason's rows and first example
 
 
 @dataclass
@@ -140,6 +142,7 @@ class Written:
     rejected: int = 0
     examples: list[dict[str, str]] = field(default_factory=list)
     schemas: list[str] = field(default_factory=list)
+    reasons: dict[str, Any] = field(default_factory=dict)  # app/data/reasons.py's, as a dict
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class PieceOutput:
         from app.predict.actor import split_predictions
 
         self.split, self.to, self.done = split_predictions, to, Written()
+        self.reasons = Reasons()
         tag = f"{piece:06d}"
         self.good = PartWriter(to.output, to.run, to.rows_per_file, tag)
         self.bad = PartWriter(to.output, f"{to.run}/{REJECTS}", to.rows_per_file, tag)
@@ -184,11 +188,14 @@ class PieceOutput:
         done.examples += [
             {"id": r["id"], "reason": r["reason"]} for r in bad.slice(0, room).to_pylist()
         ]
+        for r in bad.select(["id", "reason"]).to_pylist():
+            self.reasons.add(r["reason"], example=f"id {r['id']}: {r['reason']}")
         done.output += good.num_rows
         done.rejected += bad.num_rows
         return True
 
     def close(self) -> Written:
+        self.done.reasons = asdict(self.reasons)
         self.done.parts = [s.model_dump() for s in self.good.close()]
         self.done.rejects = [s.model_dump() for s in self.bad.close()]
         return self.done

@@ -218,6 +218,7 @@ def output_of(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         stream.seek(0)
         texts.append(stream.read())
         stream.close()
+    proc.stderr_text = texts[1]  # type: ignore[attr-defined]
     return texts[0], texts[1]
 
 
@@ -252,7 +253,7 @@ def readme_chain(cluster, tmp_path_factory) -> dict:
     command as shown, in order (`jobs.tune`, which needs only the prepared data, beside the
     steps after training), from the root of a checkout with the shipped config and its
     default paths, on the suite's cluster. Each summary by stage (`verify` for
-    `export --verify`), and `root`."""
+    `export --verify`), each command's standard error by stage (`stderr`), and `root`."""
     from tests.readme_commands import CHAIN, fill
 
     root = checkout_copy(tmp_path_factory.mktemp("checkout"))
@@ -267,7 +268,9 @@ def readme_chain(cluster, tmp_path_factory) -> dict:
         if command == tune and tuning is not None:
             state[stage] = finish_command(tuning, argv)
             continue
-        state[stage] = run_command(argv, root)
+        proc = start_command(argv, root)
+        state[stage] = finish_command(proc, argv)
+        state.setdefault("stderr", {})[stage] = proc.stderr_text  # type: ignore[attr-defined]
         if stage == "train":
             tuning = start_command(fill(tune, state), root)
     return state

@@ -38,6 +38,15 @@ def test_the_readme_chain_runs_as_shown_with_its_default_paths(readme_chain):
     assert get_json("/v2/models/digits", headers=API_KEY_HEADER)["name"] == "digits"
 
 
+def test_prepare_and_predict_tasks_return_records_ray_data_keeps_without_a_warning(readme_chain):
+    """Their tasks' records are plain columns: Ray Data stores them in Arrow, with no
+    conversion fallback printed from each task."""
+    for stage in ("prepare", "predict"):
+        err = readme_chain["stderr"][stage]
+        noise = [line for line in err.splitlines() if "Failed to convert column" in line]
+        assert not noise and "ArrowConversionError" not in err, (stage, noise[:2])
+
+
 @pytest.fixture(scope="module")
 def chain_alone(readme_chain) -> dict:
     """The README chain's state, with every model but the chain's own taken off the cluster:

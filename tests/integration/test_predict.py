@@ -68,6 +68,11 @@ def test_predict_matches_the_artifact_and_rejects_bad_rows(artifact, ray_local, 
     assert (summary["rows"], summary["rejected"]) == (3000, len(planted))
     assert summary["model"] == loaded.name and summary["version"] == loaded.version
     assert len(summary["bad_rows"]["examples"]) == config.predict.max_examples
+    by_reason = {r["reason"]: r for r in summary["bad_rows"]["reasons"]}  # counted by reason
+    nulls = sum(why == "null" for why in planted.values())
+    assert by_reason[f"column {columns[3]!r}: null"]["rows"] == nulls
+    assert sum(r["rows"] for r in by_reason.values()) == len(planted)
+    assert all(r["first"].startswith("id ") for r in by_reason.values())
     manifest = verify_output(out)  # every part's sha256 against the manifest
     assert manifest.rows == {"input": 3000, "output": 3000 - len(planted), "rejected": len(planted)}
     predictions = pa.concat_tables([pq.read_table(f"{out}/{s.file}") for s in manifest.files])

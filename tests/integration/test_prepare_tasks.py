@@ -6,6 +6,7 @@ counted."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -189,3 +190,42 @@ def test_a_text_corpus_is_tokenized_and_packed_in_tasks_like_one_process(
     assert ours["kind"] == "tokens" and ours["source"]["vocab_size"] == 400
     assert ours["files"]["tokenizer.json"]["sha256"] == theirs["files"]["tokenizer.json"]["sha256"]
     assert len({s["file"].split("-")[-2] for s in ours["splits"]["train"]["shards"]}) > 1  # pieces
+
+
+def stall_until(release: str) -> str:
+    """A task with no sign of life: it sleeps (no CPU) until `release` exists."""
+    import time
+
+    while not Path(release).exists():
+        time.sleep(0.05)
+    return "released"
+
+
+def busy_for(seconds: float) -> float:
+    """A long task that works throughout: CPU, no result until the end."""
+    import time
+
+    end, spins = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        spins += 1
+    return seconds
+
+
+def test_a_task_with_no_sign_of_life_fails_its_stage_naming_it(tmp_path, ray_local):
+    release = tmp_path / "release"
+    tasks = RayTasks(cpus=0.5, stall_s=3, beat_s=0.5)
+    try:
+        with pytest.raises(UserError) as stalled:
+            tasks.map(stall_until, [str(release)], "prepare: stall test")
+    finally:
+        release.touch()  # the task returns; its CPU is free for the next test
+    message = str(stalled.value)
+    assert "\n" not in message
+    assert message.startswith("prepare: stall test: no sign of life from its tasks in 3 s")
+    assert "data.stall_timeout_s" in message and "0 of 1 task(s) returned, 1 running" in message
+    assert re.search(r"task 0 on node [0-9a-f]{12} \(pid \d+\): no CPU used for \d+ s", message)
+
+
+def test_a_long_task_that_works_is_alive_however_long_it_takes(ray_local):
+    """Liveness is CPU, not completed tasks: a 6 s task outlives a 2 s stall limit."""
+    assert RayTasks(cpus=0.5, stall_s=2, beat_s=0.5).map(busy_for, [6.0], "busy") == [6.0]

@@ -292,9 +292,8 @@ def test_a_picture_outside_its_place_and_a_missing_one_get_the_same_refusal(tabl
     cfg = one_row_table(table_folder, image)
     with pytest.raises(UserError) as refused:
         prepared_rows(cfg, table_folder.parent / "out")
-    assert (
-        f"pairs.csv row 0: image {image[:60]!r}: cannot read (missing, not a regular file"
-        in str(refused.value)
+    assert f"pairs.csv row 0: image {image!r}: cannot read (missing, not a regular file" in str(
+        refused.value
     )
 
 
