@@ -6,7 +6,12 @@ Each is here because no public API gives the same: say which in its docstring.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+import traceback
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 RAY_VERSION = "2.60.0"
@@ -97,3 +102,64 @@ def data_tasks_running(executor: object) -> bool:
     private; an executor without one counts as idle)."""
     topology = getattr(executor, "_topology", None) or {}
     return any(op.num_active_tasks() for op in topology)
+
+
+def wait_for_job_actors(class_name: str, timeout_s: float = 30.0) -> list[str]:
+    """Wait until no actor of `class_name` created by this job is alive; returns the ids of any
+    still alive at the timeout.
+
+    Ray ends an actor whose handles are gone (Ray Train's TrainController, once `fit` returns)
+    in the background, so a `ray.shutdown()` right after could leave its process behind. The
+    public state API (`ray.util.state.list_actors`) needs the dashboard, which local Rays here
+    run without; the GCS actor table (`ray._private.state.actors`) does not.
+    """
+    import time
+
+    import ray
+    from ray._private.state import actors
+
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [
+            actor_id
+            for actor_id, info in actors(job_id=job, actor_state_name="ALIVE").items()
+            if info["ActorClassName"] == class_name
+        ]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def train_controller_released(wait: bool, timeout_s: float = 30.0) -> Iterator[None]:
+    """Around `TorchTrainer.fit()`: on the way out, drop the references Ray Train leaves to its
+    TrainController's handle, and (`wait`) return only once the actor has ended.
+
+    The controller never exits by itself: Ray ends it when its last handle goes, and `fit`
+    leaves two (Ray 2.60, `DataParallelTrainer._initialize_and_run_controller`): the SIGINT
+    handler it registers, a closure over the handle, and on failure the frames of the raised
+    error's traceback. No public API releases either.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    except BaseException as e:
+        _clear_frames(e)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, handler)
+        left = wait_for_job_actors("TrainController", timeout_s) if wait else []
+        if left:
+            log.warning("the run's TrainController %s still alive after %.0f s", left, timeout_s)
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Let go of the locals of the finished frames under `error` and the errors it chains."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__

@@ -61,6 +61,8 @@ def train(
     ASHA stops), so the run's placement group needs Ray Train's cleaner to be released."""
     import ray.train
 
+    from app.ray_private import train_controller_released
+
     run = plan_run(config)
     trainer = make_trainer(config, run, callbacks or [], pg_cleaner=job_outlives_run)
     t = config.train
@@ -70,18 +72,20 @@ def train(
         else f"{t.min_workers} workers"
     )
     log.info("train: run %s -> %s (%s, %s)", run.name, run.dir, workers, t.precision)
-    try:
-        result = trainer.fit()
-        summary = summarize(config, run.task, run.name, result, run.data.to_dict())
-        # Set when train.max_steps stopped the run short of one epoch of the training rows.
-        summary["short_budget"] = short_budget(run.manifest.rows["train"], config)
-    except ray.train.TrainingFailedError as e:
-        tracking.finish_mlflow_run(run.mlflow_run, None)
-        cause = startup_failure(config, e) or first_cause(e)
-        raise UserError(f"training run {run.name} failed: {cause}") from None
-    except BaseException:
-        tracking.finish_mlflow_run(run.mlflow_run, None)
-        raise
+    # A Tune trial's process may end before its run; other jobs return once theirs has ended.
+    with train_controller_released(wait=not job_outlives_run):
+        try:
+            result = trainer.fit()
+            summary = summarize(config, run.task, run.name, result, run.data.to_dict())
+            # Set when train.max_steps stopped the run short of one epoch of the training rows.
+            summary["short_budget"] = short_budget(run.manifest.rows["train"], config)
+        except ray.train.TrainingFailedError as e:
+            tracking.finish_mlflow_run(run.mlflow_run, None)
+            cause = startup_failure(config, e) or first_cause(e)
+            raise UserError(f"training run {run.name} failed: {cause}") from None
+        except BaseException:
+            tracking.finish_mlflow_run(run.mlflow_run, None)
+            raise
     tracking.finish_mlflow_run(run.mlflow_run, summary)
     return summary
 

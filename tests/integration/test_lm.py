@@ -50,6 +50,14 @@ def ray_local_module():
     ensure_local_ray()
 
 
+def test_a_finished_run_leaves_no_train_controller_behind(tiny_lm):
+    """train() returns once its TrainController is gone: a job that shuts Ray down right after
+    (every jobs.* entry point) leaves no process of it."""
+    from app.ray_private import wait_for_job_actors
+
+    assert wait_for_job_actors("TrainController", timeout_s=0) == []
+
+
 def test_tiny_lm_learns_beyond_the_unigram_start(tiny_lm):
     config, summary = tiny_lm
     metrics = summary["metrics"]

@@ -706,3 +706,22 @@ def test_a_generated_token_enters_few_project_functions(lm_artifact):
 # (sampler, text).
 MAX_FUNCTIONS_PER_TOKEN = 10
 MAX_MODULES_PER_TOKEN = 3
+
+
+def test_an_index_of_no_models_lists_none_with_a_200(lm_endpoint, lm_artifact):
+    """What `jobs.models undeploy` leaves after the last model: the index with an empty list,
+    as OpenAI's client expects it (not a 404)."""
+    from ray import serve
+
+    from app.serve.control.builders import applications, build_index_app, run_local
+
+    config, summary = lm_artifact
+    serve_config = config.serve.model_dump(mode="json")
+    [index] = applications([], serve_config)  # the index alone, listing no model
+    serve.run(build_index_app(index["args"]), name=index["name"], route_prefix="/")
+    try:
+        r = requests.get(f"{lm_endpoint}/v1/models", timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["data"] == [] and r.json()["models"] == []
+    finally:  # the module's index back
+        run_local([{"name": "tinylm", "artifact": summary["artifact"]}], serve_config)

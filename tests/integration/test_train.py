@@ -146,3 +146,6 @@ def test_workers_that_never_fit_fail_after_bounded_tries_naming_the_resources(
     assert "\n" not in message
     assert "8 workers did not start in 3 tries" in message
     assert "CPU 4 together" in message and re.search(r"CPU [\d.]+ free of 2\b", message)
+    from app.ray_private import wait_for_job_actors
+
+    assert wait_for_job_actors("TrainController", timeout_s=0) == []  # the failed run's ended

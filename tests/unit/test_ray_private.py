@@ -40,6 +40,9 @@ def test_each_private_api_used_is_still_there():
     from ray._private.worker import init  # ray.init itself (the unit tier wraps the public name)
 
     assert 'kwargs.pop("_system_config"' in inspect.getsource(init)
+    from ray._private.state import actors
+
+    assert {"job_id", "actor_state_name"} <= set(inspect.signature(actors).parameters)
 
 
 def test_no_module_but_ray_private_reaches_into_ray_internals():

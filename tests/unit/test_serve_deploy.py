@@ -248,7 +248,9 @@ def test_without_model_keeps_the_others_untouched():
     assert sorted(left) == ["models", "models-topics"]
     assert left["models-topics"] == apps["models-topics"]
     assert left["models"]["args"]["models"] == ["topics"]
-    assert deploy_mod.without_model(left, cfg, "topics") == {}
+    # The last model gone, the index stays, listing none (GET /v1/models: an empty list).
+    none_left = deploy_mod.without_model(left, cfg, "topics")
+    assert sorted(none_left) == ["models"] and none_left["models"]["args"]["models"] == []
 
 
 def test_deploying_one_model_leaves_the_others_applications_exactly_as_they_were():

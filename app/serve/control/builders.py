@@ -61,7 +61,7 @@ class ModelAppArgs(BaseModel):
 
 class IndexAppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    models: list[str] = Field(min_length=1)
+    models: list[str] = Field(default_factory=list)  # none: `GET /v1/models` lists none
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @field_validator("models")

@@ -120,8 +120,8 @@ def without_model(
     apps: dict[str, dict[str, Any]], cfg: ServeConfig, name: str
 ) -> dict[str, dict[str, Any]]:
     """A copy of `apps` without `name`'s application (the index then lists the others; with no
-    model left, no index either). The other models' applications are unchanged, so Serve leaves
-    their replicas alone."""
+    model left it stays, so that `GET /v1/models` answers an empty list). The other models'
+    applications are unchanged, so Serve leaves their replicas alone."""
     models = {n: a for n, a in served_models(apps, cfg).items() if n != name}
     return rebuilt(apps, cfg, models, changed=None)
 
@@ -133,8 +133,6 @@ def rebuilt(
     still in the one-application shape) built anew, the others' kept; the index rebuilt."""
     ours = {cfg.app_name} | {n for n, a in apps.items() if is_model_app(n, a, cfg)}
     result = {n: copy.deepcopy(a) for n, a in apps.items() if n not in ours}
-    if not models:
-        return result
     specs = [{"name": n, "artifact": a} for n, a in models.items()]
     for app in applications(specs, cfg.model_dump(mode="json")):
         name = app["name"]
