@@ -6,10 +6,13 @@ The data is 1,200 generated conversations (a system message in some, one or two 
 answers of 4 to 300 words drawn from a log-normal, words from a fixed list), rows of 512 tokens
 (the few longer conversations cut to a row, `data.truncate`).
 `packed` (`data.pack=true`, the default) puts several conversations in a row; `unpacked`
-(`data.pack=false`) one a row, padded. Both train on the same conversations per step: the
+(`data.pack=false`) one a row, padded, each batch cut after its longest row (no padding
+computed past it, as a collator that pads to the longest would). Both train on the same conversations per step: the
 unpacked batch is the packed one times the conversations a packed row holds on average, so a
 step sees the same conversations' tokens either way. Each run: 2 workers, 2 epochs of 4
-optimizer steps, fp32; steady step time = the second epoch's loop time / 4 (slowest rank, the
+optimizer steps, fp32, activation checkpointing on (the unpacked batch of seven rows of up to
+512 tokens keeps some 10 GiB of activations a worker without it, and two workers do not fit
+24 GiB beside each other); steady step time = the second epoch's loop time / 4 (slowest rank, the
 train summary's); the held-out figure is `val_loss` after the run (assistant tokens only: the
 same validation conversations either way). Median of 3 repeats, the two alternating after quiet
 windows. Goal: packed >= 1.5x unpacked's steps per second at equal validation loss (within 2%).
@@ -104,6 +107,7 @@ def run(smoke: bool, out: str, work: Path) -> dict[str, Any]:
         "train.lr=3e-4",
         "train.log_every_steps=0",
         "train.keep_checkpoints=1",
+        "train.activation_checkpointing=true",
     ]
     args, manifests = {}, {}
     for packing in ("packed", "unpacked"):

@@ -69,7 +69,7 @@ def test_a_changed_conversation_moves_neither_its_neighbours_logits_nor_their_lo
         batch = batch_of(r)
         from app.tasks.lm.train import model_inputs
 
-        inputs, _ = model_inputs(batch, torch.device("cpu"))
+        inputs, _ = model_inputs(batch, torch.device("cpu"), trim=False)
         with torch.no_grad():
             logits.append(model(**inputs))
             losses.append(per_conversation_losses(model, r))
@@ -83,7 +83,7 @@ def test_a_changed_conversation_moves_neither_its_neighbours_logits_nor_their_lo
 def per_conversation_losses(model: torch.nn.Module, rows) -> dict[int, float]:
     from app.tasks.lm.train import model_inputs
 
-    inputs, targets = model_inputs(batch_of(rows), torch.device("cpu"))
+    inputs, targets = model_inputs(batch_of(rows), torch.device("cpu"), trim=False)
     logits = model(**inputs)
     out = {}
     for number in (1, 2, 3):
@@ -107,6 +107,30 @@ def test_a_packed_batch_scores_as_its_conversations_one_a_row(model):
     )
     assert float(together.total) == pytest.approx(float(apart.total), rel=1e-5)
     assert int(together.correct) == int(apart.correct)
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "one-a-row"])
+def test_a_batch_cut_after_its_longest_row_has_the_same_loss_and_gradients(model, pack):
+    from app.tasks.lm.train import model_inputs
+
+    sequences = [conversation(seed, length) for seed, length in enumerate([7, 12, 9, 5])]
+    batch = batch_of(packed(sequences, WIDTH, 0, pack=pack))
+    used = int((batch[SEGMENTS_KEY] > 0).sum(1).max())
+    results = []
+    for trim in (True, False):
+        model.zero_grad()
+        inputs, targets = model_inputs(batch, torch.device("cpu"), trim=trim)
+        out = logits_loss(model(**inputs), targets)
+        out.mean.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((inputs["input_ids"].shape[1], out, grads, "attention_mask" in inputs))
+    (cut, short, short_grads, masked), (whole, full, full_grads, _) = results
+    assert (cut, whole) == (used - 1, WIDTH - 1)  # the padding every row ends in is gone
+    assert masked == pack  # one sequence a row needs no mask: causal attention suffices
+    assert int(short.tokens) == int(full.tokens) > 0
+    assert short.total.item() == pytest.approx(full.total.item(), rel=1e-5)
+    for a, b in zip(short_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_the_chunked_loss_has_the_whole_losss_value_and_gradients(model, monkeypatch):

@@ -39,21 +39,33 @@ SEGMENTS_KEY = "segments"  # packed rows: each token's sequence in its row (0: p
 
 
 def model_inputs(
-    batch: dict[str, torch.Tensor], device: torch.device
+    batch: dict[str, torch.Tensor], device: torch.device, trim: bool = True
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A batch of rows -> the model's inputs (each row's first `block_size` ids; for packed
     rows each token's position in its own sequence and the mask that keeps the sequences apart)
-    and its targets (the next ids; IGNORE where a chat row does not train them)."""
+    and its targets (the next ids; IGNORE where a chat row does not train them).
+
+    Chat rows end in padding: `trim` cuts the batch after its longest row (causal attention
+    never looks right, so the loss is the same), and rows of one sequence each need no mask."""
+    if trim and SEGMENTS_KEY in batch:
+        batch = trimmed(batch)
     ids = batch[TOKENS_KEY].to(device)
     targets = ids[:, 1:]
     if TRAINED_KEY in batch:
         trained = batch[TRAINED_KEY].to(device)[:, 1:].bool()
         targets = torch.where(trained, targets, torch.full_like(targets, IGNORE))
     inputs = {"input_ids": ids[:, :-1]}
-    if SEGMENTS_KEY in batch:
+    if SEGMENTS_KEY in batch and int(batch[SEGMENTS_KEY].max()) > 1:
         positions, mask = packed_inputs(batch[SEGMENTS_KEY].to(device)[:, :-1])
         inputs |= {"position_ids": positions, "attention_mask": mask}
     return inputs, targets
+
+
+def trimmed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch without the padding columns every row ends in (at least two columns kept)."""
+    used = (batch[SEGMENTS_KEY] > 0).any(0).nonzero()
+    width = max(2, int(used[-1]) + 1 if len(used) else 0)
+    return {k: v[:, :width] if v.dim() == 2 else v for k, v in batch.items()}
 
 
 def scored(
@@ -84,7 +96,7 @@ def shifted(
     """A pipeline's batch: the model inputs (each row's first `block_size` ids) and targets
     (the next ids, IGNORE where untrained). Packed rows cannot cross stages (their masks are
     not part of a stage's state): the driver refuses that pairing."""
-    inputs, targets = model_inputs(batch, torch.device("cpu"))
+    inputs, targets = model_inputs(batch, torch.device("cpu"), trim=False)  # stages: one shape
     return {"input_ids": inputs["input_ids"]}, targets
 
 
