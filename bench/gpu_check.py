@@ -6,7 +6,7 @@ On CUDA: fp32, bf16 and fp16 + GradScaler; on CPU: fp32 and bf16. For each model
 prints the median step time, the speedup over fp32 and the loss after N steps against fp32's
 (same initial weights, same batches), and writes `<out>/gpu_check_<device>.json`.
 
-It also records the serving batching ceiling of issue 11 (bench.b5b_batching's reference models
+It also records the serving batching ceiling (bench.b5b_batching's reference models
 in ONNX Runtime alone, ms/row at batch 1 vs batch 16): on CUDA with the CUDA execution provider
 and fp32 models, where batching is expected to pay several-fold; on CPU with int8, as B5b.
 `--no-serving` skips it.

@@ -4,9 +4,9 @@
       -> Ray Data read (only the id column and the artifact's feature or text columns)
       -> map_batches(Predictor) in an autoscaling actor pool (1 .. predict.max_actors);   actor.py
          per batch: check rows (row_checks.py) -> the artifact's preprocessor -> ONNX Runtime
-      -> the driver writes <output>/part-*.parquet (id, label, probabilities, model_name,
-         model_version), rejects/part-*.parquet (id, reason, row) and manifest.json LAST  write.py
-    driver.py runs the stage and tallies good and bad rows.
+      -> each batch's actor writes its Parquet parts under <output>/_run-<id>/ (id, label,
+         probabilities, model_name, model_version; rejects/: id, reason, row)       write.py
+      -> the driver tallies the parts' records and writes manifest.json LAST       driver.py
 
 Columns are matched by name to the artifact's `schema.json` (`feature_columns`; for text its one
 column). A column missing from a whole file fails the job at once, naming it. A malformed row

@@ -7,8 +7,9 @@ for the routes that span models. Three planes, each changing for its own reasons
   within bounds as strict JSON), routes/ (v2 with its wire format, v1), protocol.py (strict
   request bodies, one-line refusals), clients.py (how routes reach models: in-process or
   through a handle; 404, 503, 504).
-- replicas/: what runs a model. model_server.py (a classifier, and the base of the other tasks'
-  replicas in app/tasks/<task>/replica.py), batching.py, apps.py (the Serve deployment classes).
+- replicas/: what runs a model. base.py (the one replica base: start-up, variant choice,
+  reconfigure, info; each task's replica in app/tasks/<task>/replica.py), batching.py, apps.py
+  (the Serve deployment classes).
 - control/: what changes the cluster. builders.py (applications from config), deploy.py,
   deploy_lock.py, lifecycle.py (list, undeploy, prune).
 - metrics.py: the buffer (and flush thread) through which both planes record their metrics.

@@ -320,8 +320,8 @@ def _v2(datatype: str = "FP32", shape=(1, 64), data=None, **extra) -> bytes:
 
 INFER, PREDICT = "/v2/models/digits/infer", "/v1/models/digits:predict"
 NAMED = "'Z\u00c6' not found"
-# Issue 11, items 1-4: (what, method, path, body, status, fragment of the JSON error).
-ISSUE_11_REQUESTS = [
+# Malformed requests: (what, method, path, body, status, fragment of the JSON error).
+BAD_REQUESTS = [
     (
         "text [1, 5000]",
         "POST",
@@ -375,8 +375,8 @@ ISSUE_11_REQUESTS = [
 ]
 
 
-def test_issue_11_bad_requests_get_4xx_and_the_replica_survives(served):
-    """Every bad request of issue 11 (items 1-4) against the live endpoint, interleaved with good
+def test_bad_requests_get_4xx_and_the_replica_survives(served):
+    """Every malformed request above against the live endpoint, interleaved with good
     requests: each gets its 4xx with a JSON error naming the field, the good ones all succeed,
     and the same replica process answers before and after."""
     from concurrent.futures import ThreadPoolExecutor
@@ -389,9 +389,9 @@ def test_issue_11_bad_requests_get_4xx_and_the_replica_survives(served):
         return requests.request(method, f"{SERVE}{path}", data=body, headers=JSON, timeout=30)
 
     with ThreadPoolExecutor(4) as pool:
-        good = [pool.submit(infer, x) for _ in range(len(ISSUE_11_REQUESTS))]
-        answers = list(pool.map(send, ISSUE_11_REQUESTS))
-    for (what, _, _, _, status, fragment), r in zip(ISSUE_11_REQUESTS, answers, strict=True):
+        good = [pool.submit(infer, x) for _ in range(len(BAD_REQUESTS))]
+        answers = list(pool.map(send, BAD_REQUESTS))
+    for (what, _, _, _, status, fragment), r in zip(BAD_REQUESTS, answers, strict=True):
         assert r.status_code == status, f"{what}: {r.status_code} {r.text[:300]}"
         assert r.headers["content-type"].startswith("application/json"), what
         assert fragment in r.json()["error"], f"{what}: {r.json()}"

@@ -1,4 +1,4 @@
-"""Reliability 5 without Ray: pictures, query lists, recall, index metadata, picture paths,
+"""Hostile input without Ray: pictures, query lists, recall, index metadata, picture paths,
 reserved columns and rows that could take a replica's memory, fool the gate or read outside
 their place, each refused in one line naming what is wrong (tests/e2e/test_retrieval_serve.py
 sends the same through real HTTP)."""

@@ -4,6 +4,7 @@ names outside the task registry (a new task is a registry entry, not new branche
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -272,6 +273,52 @@ def test_the_readme_stays_short_and_nothing_reads_as_a_lab_notebook():
     assert found == []
 
 
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links and images in a Markdown file whose target does not exist (from the
+    file's own folder, as GitHub resolves them)."""
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:|#", target) or target.startswith('"'):
+                continue
+            if not (path.parent / target.split("#")[0]).exists():
+                out.append(f"{path.name}:{number}: {target}")
+    return out
+
+
+def test_the_link_check_sees_a_broken_link_and_skips_urls(tmp_path):
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("")
+    page.write_text("[a](there.md) [b](gone.md#x) ![c](https://x/y.png) [d](#top)\n")
+    assert broken_links(page) == ["page.md:1: gone.md#x"]
+
+
+def test_every_relative_link_and_image_in_the_docs_resolves():
+    repo = APP.parent
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), repo / "bench/README.md"]
+    assert [b for page in pages for b in broken_links(page)] == []
+
+
+def test_no_doc_or_docstring_names_an_issue():
+    """Issues live in the tracker, not in the repository: text says what the code does."""
+    repo = APP.parent
+    texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), repo / "bench/README.md"]
+    texts += [
+        p for d in ("app", "jobs", "tests", "bench", "tools") for p in (repo / d).rglob("*.py")
+    ]
+    named = re.compile(r"\b(issue \d+|issue #\d+|(reliability|structure) \d+\b)", re.IGNORECASE)
+    found = [
+        f"{p.relative_to(repo)}: {m.group(0)}"
+        for p in texts
+        for m in named.finditer(p.read_text())
+        if p.name != "test_structure.py"
+    ]
+    assert found == []
+
+
 def test_no_function_in_app_is_longer_than_80_lines():
     long = [
         f"{path.relative_to(APP)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
@@ -283,7 +330,7 @@ def test_no_function_in_app_is_longer_than_80_lines():
     assert long == []
 
 
-# --- a folder per task, one meaning per name (issue: structure 3) --------------------------------
+# --- a folder per task, one meaning per name --------------------------------------------------
 
 TASKS = APP / "tasks"
 # What a file name means wherever it repeats: a task folder's parts (inside app/tasks/ only), an
