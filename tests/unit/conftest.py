@@ -30,5 +30,5 @@ def _prepare_in_process():
     from app.data import pieces, prepare
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prepare, "ray_tasks", pieces.InProcess)
+        patch.setattr(prepare, "ray_tasks", lambda stall_s: pieces.InProcess())
         yield
