@@ -12,6 +12,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 RAY_VERSION = "2.60.0"
@@ -163,3 +164,30 @@ def _clear_frames(error: BaseException | None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
+
+
+def batching_outside_serve() -> None:
+    """Let `serve.batch` run outside a Serve replica (a replica class used in-process: tests,
+    bench.plain_server). Its queue checks `max_ongoing_requests` against the batch size when it
+    starts, for a warning, by asking for the replica context, which raises outside Serve
+    (Ray 2.60, `batching._BatchQueue`); there the check is skipped, inside it runs as before.
+    No public API turns the check off."""
+    from ray.serve import batching
+    from ray.serve.exceptions import RayServeException
+
+    queue: Any = batching._BatchQueue
+    check = queue._warn_if_max_batch_size_exceeds_max_ongoing_requests
+    if getattr(check, "outside_serve", False):
+        return
+
+    def checked(self: Any) -> None:
+        from ray import serve
+
+        try:
+            serve.get_replica_context()
+        except RayServeException:
+            return
+        check(self)
+
+    checked.outside_serve = True  # type: ignore[attr-defined]
+    queue._warn_if_max_batch_size_exceeds_max_ongoing_requests = checked

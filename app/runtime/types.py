@@ -167,7 +167,7 @@ class SearchQuery:
 
     text: str | None = None
     image: bytes | None = None
-    embedding: tuple[float, ...] | None = None
+    embedding: np.ndarray | None = None  # a vector, any float dtype
     id: str | None = None
 
 

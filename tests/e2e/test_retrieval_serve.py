@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.e2e.conftest import SERVE, ClosedLoop, run_job
+from tests.e2e.conftest import DASHBOARD, SERVE, ClosedLoop, run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -301,6 +301,21 @@ HOSTILE = [
     ("a zero vector", SEARCH, {"query": {"embedding": [0.0] * DIM}}, 400, "embedding"),
     ("a vector of strings", SEARCH, {"query": {"embedding": ["1"] * DIM}}, 400, "embedding"),
     ("unknown filter field", SEARCH, {"query": {"text": "a"}, "filter": {"nope": 1}}, 400, "nope"),
+    (
+        "base64 that does not decode",
+        SEARCH,
+        {"query": {"embedding": "!!!!"}, "encoding_format": "base64"},
+        400,
+        "does not decode",
+    ),
+    (
+        "base64 of no float32 vector",
+        SEARCH,
+        {"query": {"embedding": "YWJj"}, "encoding_format": "base64"},
+        400,
+        "not a float32 vector",
+    ),
+    ("a base64 string sent as floats", SEARCH, {"query": {"embedding": "AACAPw=="}}, 400, "base64"),
     (
         "a filter value that is a list",
         SEARCH,
@@ -600,6 +615,24 @@ def test_search_answers_texts_stored_ids_and_filters(served):
     filtered = requests.post(SEARCH, json=body, timeout=30).json()["results"][0]
     assert filtered and {h["metadata"]["caption"] for h in filtered} == {kept}
     assert r.json()["encoder_version"] == summary["stages"]["deploy"]["version"]
+
+
+def test_a_search_takes_one_hop_and_reads_base64_embeddings(served, cluster):
+    """The index's own application holds the `:search` path (Serve's proxy hands it straight to
+    the index's replicas), and a base64 float32 embedding finds what its floats find."""
+    headers = {"Authorization": f"Bearer {cluster['token']}"}
+    apps = requests.get(f"{DASHBOARD}/api/serve/applications/", headers=headers, timeout=10)
+    prefixes = {a["route_prefix"] for a in apps.json()["applications"].values()}
+    assert "/v1/models/retrieval-index:search" in prefixes
+    floats = requests.post(EMBED, json={"model": "retrieval", "input": "a red circle"}, timeout=30)
+    vector = np.asarray(floats.json()["data"][0]["embedding"], np.float32)
+    as_floats = {"query": {"embedding": vector.tolist()}, "top_k": 5}
+    packed = base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    as_base64 = {"query": {"embedding": packed}, "top_k": 5, "encoding_format": "base64"}
+    answers = [requests.post(SEARCH, json=b, timeout=30) for b in (as_floats, as_base64)]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    hits = [[h["id"] for h in a.json()["results"][0]] for a in answers]
+    assert hits[0] == hits[1] and len(hits[0]) == 5
 
 
 def test_the_openai_client_reads_the_embeddings_the_route_answers(served):

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.config import ServeConfig
-from app.runtime.types import SearchQuery, SearchRequest
+from app.runtime.types import RequestError, SearchQuery, SearchRequest
 from tests.integration.conftest import ensure_local_ray, workload_config
 
 pytestmark = pytest.mark.integration
@@ -107,19 +107,54 @@ def test_predict_embeds_a_corpus_and_the_index_finds_a_captions_picture(run, emb
     server = SearchServer(index["artifact"], ServeConfig(variant="fp32"))
     captions = table["caption"].to_pylist()
     ids = table["id"].to_pylist()
+    asyncio.run(searches(server, captions, ids))
+
+
+class CountedIndex:
+    """The faiss index, its `search` calls counted (everything else as it is)."""
+
+    def __init__(self, index):
+        self.index, self.searches = index, 0
+
+    def search(self, *args):
+        self.searches += 1
+        return self.index.search(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.index, name)
+
+
+async def searches(server, captions: list[str], ids: list[str]) -> None:
+    """One event loop for all (the replica's batcher belongs to the loop it started in)."""
     queries = tuple(SearchQuery(text=c) for c in captions)
-    result = asyncio.run(server.search(SearchRequest(queries, 10)))
+    result = await server.search(SearchRequest(queries, 10))
     hits = [ids[i] in [h["id"] for h in hits] for i, hits in enumerate(result.hits)]
     assert np.mean(hits) >= 3 * 10 / len(ids)  # well above chance at 10
     # A stored item's own id finds it first; a filter keeps only matching items.
-    first = asyncio.run(server.search(SearchRequest((SearchQuery(id=ids[0]),), 1))).hits[0]
+    first = (await server.search(SearchRequest((SearchQuery(id=ids[0]),), 1))).hits[0]
     assert first[0]["id"] == ids[0] and first[0]["metadata"]["caption"] == captions[0]
-    only = asyncio.run(
-        server.search(
-            SearchRequest((SearchQuery(text=captions[0]),), 5, (("caption", captions[1]),))
-        )
-    ).hits[0]
+    only_request = SearchRequest((SearchQuery(text=captions[0]),), 5, (("caption", captions[1]),))
+    only = (await server.search(only_request)).hits[0]
     assert only and all(h["metadata"]["caption"] == captions[1] for h in only)
+    # Requests that arrive together share one faiss call, each answered as if alone, a bad
+    # one refused on its own.
+    together = [
+        SearchRequest((SearchQuery(text=captions[0]),), 3),
+        SearchRequest((SearchQuery(id=ids[1]), SearchQuery(text=captions[2])), 7),
+        SearchRequest((SearchQuery(embedding=np.ones(server.vectors.dim)),), 1),
+        only_request,
+    ]
+    alone = [(await server.search(r)).hits for r in together]
+    server.vectors.index = counted = CountedIndex(server.vectors.index)
+    wrong = SearchRequest((SearchQuery(embedding=np.ones(3)),), 2)
+    answers = await asyncio.gather(
+        *(server.search(r) for r in [*together, wrong]), return_exceptions=True
+    )
+    assert [a.hits for a in answers[:-1]] == alone
+    assert isinstance(answers[-1], RequestError) and "3 values" in answers[-1].message
+    # The first, alone in the replica, ran at once; the others that came meanwhile were one
+    # batch, whose unfiltered requests shared one call.
+    assert counted.searches == 2
 
 
 def test_an_approximate_index_reports_its_recall_against_exact(run, embedded):

@@ -43,6 +43,15 @@ def test_each_private_api_used_is_still_there():
     from ray._private.state import actors
 
     assert {"job_id", "actor_state_name"} <= set(inspect.signature(actors).parameters)
+    from ray.serve import batching
+
+    check = inspect.getsource(
+        batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests
+    )
+    assert "serve.get_replica_context()" in check
+    assert "_warn_if_max_batch_size_exceeds_max_ongoing_requests()" in inspect.getsource(
+        batching._BatchQueue.__init__
+    )
 
 
 def test_no_module_but_ray_private_reaches_into_ray_internals():

@@ -4,6 +4,7 @@ every model, a version that does not come up is rolled back, the API key follows
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 
@@ -264,3 +265,21 @@ def test_deploying_one_model_leaves_the_others_applications_exactly_as_they_were
     assert after["models-digits"]["args"]["model"]["artifact"] == "/r/digits/3"
     assert after["models-digits"]["args"]["serve"]["api_key_env"] == "OTHER_KEY"
     assert after["models"]["args"]["models"] == ["digits", "topics"]
+
+
+def test_an_index_application_takes_the_search_path_as_its_route(tmp_path):
+    """A task's route_prefix part names its application's path: an index's is its one search
+    route, so the proxy hands a search straight to the index's replicas; a model of any other
+    task (or an artifact that cannot be read) keeps /v2/models/<name>."""
+    index = tmp_path / "notes-index" / "1"
+    index.mkdir(parents=True)
+    (index / "manifest.json").write_text("{}")
+    (index / "schema.json").write_text(json.dumps({"task": "index"}))
+    (index.parent / "latest").write_text("1")
+    apps = apps_with(("notes", str(index.parent / "latest")), ("digits", str(tmp_path / "none")))
+    routes = {a["name"]: a["route_prefix"] for a in apps}
+    assert routes == {
+        "models-notes": "/v1/models/notes:search",
+        "models-digits": "/v2/models/digits",
+        "models": "/",
+    }

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
 from app.config import NAME_PATTERN, ServeConfig, resolve_uri
+from app.errors import UserError
 from app.registry import Part, Task, task_of_schema
 from app.runtime.artifact import resolve
 from app.serve.replicas.apps import Index, model_app_name
@@ -72,8 +73,32 @@ class IndexAppArgs(BaseModel):
         return models
 
 
-def model_route(model: str) -> str:
+class RoutePrefix(Protocol):
+    """The path a model's application takes, by its name: a task whose traffic is one route
+    gives that route, so the proxy hands its requests straight to the model's replicas."""
+
+    def __call__(self, model: str, /) -> str: ...
+
+
+ROUTE_PREFIX = Part[RoutePrefix]("route_prefix")
+
+
+def model_route(model: str, artifact: str | None = None) -> str:
+    """`/v2/models/<name>`, or the prefix the artifact's task names (its ROUTE_PREFIX part)."""
+    if artifact is not None:
+        task = artifact_task(_pinned(artifact))
+        if task.has(ROUTE_PREFIX):
+            return task.part(ROUTE_PREFIX)(model)
     return f"/v2/models/{model}"
+
+
+def _pinned(artifact: str) -> str:
+    """The artifact's folder (a `latest` pointer followed); as given when it cannot be read
+    (its replica refuses it properly)."""
+    try:
+        return resolve(resolve_uri(artifact))
+    except (OSError, ValueError, UserError):
+        return artifact
 
 
 def artifact_task(artifact: str) -> Task:
@@ -152,7 +177,7 @@ def applications(models: list[dict[str, str]], serve_config: dict[str, Any]) -> 
     apps = [
         {
             "name": model_app_name(cfg, m.name),
-            "route_prefix": model_route(m.name),
+            "route_prefix": model_route(m.name, m.artifact),
             "import_path": MODEL_IMPORT_PATH,
             "args": {"model": m.model_dump(), "serve": dumped},
         }

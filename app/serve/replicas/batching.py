@@ -120,8 +120,12 @@ def takes_any_length(session: Any) -> bool:
 
 def serve_batcher(handler: Any, cfg: ServeConfig) -> Any:
     """Serve's dynamic batching around `handler`, its limits from config. Outside a Serve
-    replica (the bench's plain server) it is the same asyncio batcher."""
+    replica (tests, the bench's plain server) it is the same asyncio batcher."""
     from ray import serve
+
+    from app.ray_private import batching_outside_serve
+
+    batching_outside_serve()
 
     return serve.batch(
         max_batch_size=cfg.batching.max_batch_size,

@@ -36,6 +36,7 @@ from app.runtime.vector_index import VectorIndex, open_index, set_search_params
 from app.serve.metrics import RetrievalMetrics
 from app.serve.replicas.apps import SelfServing
 from app.serve.replicas.base import Replica
+from app.serve.replicas.batching import serve_batcher
 from app.tasks.retrieval.replica import Encoders, picture_limits
 
 log = logging.getLogger("ray.serve")
@@ -55,6 +56,8 @@ class SearchServer(Replica):
             self.vectors.index, self.vectors.schema["ef_search"], self.vectors.schema["nprobe"]
         )
         self.metrics = RetrievalMetrics(self.vectors.name, str(self.vectors.version))
+        self.search_batch = serve_batcher(self._search_batch, cfg)
+        self.in_flight = 0  # searches inside this replica: alone, one need not wait for mates
 
     def open(self, uri: str) -> VectorIndex:
         self.vectors: VectorIndex = open_index(uri)
@@ -114,13 +117,62 @@ class SearchServer(Replica):
         return data
 
     async def _answer(self, request: SearchRequest) -> SearchResult:
+        """Through the batcher, which waits up to batch_wait_timeout_s for mates; a search alone
+        in the replica runs at once (the searches arriving meanwhile fill the next batch)."""
         within_caps(request, self.cfg)
-        loop = asyncio.get_running_loop()
-        hits = await loop.run_in_executor(self.pool, self._search, request)
-        return SearchResult(hits, self.vectors.version, self.encoder.version, os.getpid())
+        alone = self.in_flight == 0
+        self.in_flight += 1
+        try:
+            if alone:
+                [answer] = await self._search_batch([request])
+            else:
+                answer = await self.search_batch(request)
+        finally:
+            self.in_flight -= 1
+        if isinstance(answer, RequestError):
+            raise answer
+        return answer
 
-    def _search(self, request: SearchRequest) -> list[list[dict[str, Any]]]:
-        queries = self._query_vectors(request.queries)
+    async def _search_batch(self, requests: list[SearchRequest]) -> list[Any]:
+        """Requests that arrived together, searched in one faiss call (each its SearchResult or
+        its own RequestError)."""
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(self.pool, self._search_all, requests)
+        return [
+            f if isinstance(f, RequestError) else SearchResult(f, *self.versions, os.getpid())
+            for f in found
+        ]
+
+    @property
+    def versions(self) -> tuple[Any, Any]:
+        return self.vectors.version, self.encoder.version
+
+    def _search_all(self, requests: list[SearchRequest]) -> list[Any]:
+        """Each request's hits (or its RequestError): those without a filter share one
+        `index.search` at the largest top_k, each cut to its own (a prefix: the same top k)."""
+        out: list[Any] = [None] * len(requests)
+        shared: list[tuple[int, np.ndarray]] = []
+        for i, request in enumerate(requests):
+            try:
+                queries = self._query_vectors(request.queries)
+                if request.filter:
+                    out[i] = self._search(request, queries)
+                else:
+                    shared.append((i, queries))
+            except RequestError as e:
+                out[i] = e
+        if shared:
+            k = max(requests[i].top_k for i, _ in shared)
+            scores, found = self._top(np.concatenate([q for _, q in shared]), k, None)
+            at = 0
+            for i, queries in shared:
+                top, n = requests[i].top_k, len(queries)
+                rows = zip(scores[at : at + n], found[at : at + n], strict=True)
+                out[i] = [self._hits(s[:top], f[:top]) for s, f in rows]
+                at += n
+        return out
+
+    def _search(self, request: SearchRequest, queries: np.ndarray) -> list[list[dict[str, Any]]]:
         rows = self._matching(request.filter)
         if rows is not None and not len(rows):
             return [[] for _ in request.queries]
@@ -194,7 +246,7 @@ class SearchServer(Replica):
         return out
 
 
-def unit_query(embedding: tuple[float, ...], dim: int, i: int) -> np.ndarray:
+def unit_query(embedding: np.ndarray, dim: int, i: int) -> np.ndarray:
     """A raw query vector of the index's dimension, scaled to unit length."""
     if len(embedding) != dim:
         raise RequestError(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from app.registry import Task
 from app.runtime.vector_index import INDEX_TASK
-from app.serve.control.builders import SERVER
+from app.serve.control.builders import ROUTE_PREFIX, SERVER
 from app.serve.http.api import ROUTES
-from app.tasks.index.http.router import router
+from app.tasks.index.http.router import router, search_route
 from app.tasks.index.replica import SearchApp
 
 
@@ -16,5 +16,7 @@ def spec() -> Task:
         name=INDEX_TASK,
         dataset_kinds=(),
         metrics=(),
-        parts=dict([SERVER.of(SearchApp), ROUTES.of(router)]),
+        # Its application takes the one path search traffic uses: the proxy hands a search
+        # straight to the index's replicas (thumbnails and the page go through `/`).
+        parts=dict([SERVER.of(SearchApp), ROUTES.of(router), ROUTE_PREFIX.of(search_route)]),
     )

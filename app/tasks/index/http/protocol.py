@@ -3,11 +3,13 @@ an optional exact filter on the metadata."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from app.serve.http.protocol import Number, Strict, TooLarge, prompt_text, serve_config, short
+
+B64_FLOATS = 4 * (65536 * 4 // 3 + 1)  # the base64 of 65,536 float32
 
 
 class Query(Strict):
@@ -15,7 +17,13 @@ class Query(Strict):
 
     text: str | None = None
     image: str | None = None
-    embedding: list[Number] | None = Field(None, min_length=1, max_length=65536)
+    # Numbers, or with the body's `encoding_format: "base64"` a string of little-endian
+    # float32 (what OpenAI's embeddings answer with it), read without a number at a time.
+    embedding: (
+        Annotated[list[Number], Field(min_length=1, max_length=65536)]
+        | Annotated[str, Field(min_length=1, max_length=B64_FLOATS)]
+        | None
+    ) = None
     id: str | int | None = None
 
     @model_validator(mode="after")
@@ -39,6 +47,7 @@ class SearchBody(Strict):
     query: Query | None = None
     top_k: int = Field(10, ge=1)  # at most serve.max_top_k
     filter: dict[str, str | int | float | bool] | None = None
+    encoding_format: Literal["float", "base64"] = "float"  # of the queries' embeddings
 
     @field_validator("queries", mode="before")
     @classmethod
@@ -60,6 +69,17 @@ class SearchBody(Strict):
     def _queries(self, info: ValidationInfo) -> SearchBody:
         if (self.queries is None) == (self.query is None):
             raise ValueError("queries: give `queries` (a list) or `query` (one), not both")
+        for i, query in enumerate(self.all_queries()):
+            if query.embedding is not None and isinstance(query.embedding, str) != (
+                self.encoding_format == "base64"
+            ):
+                want = (
+                    "a list, but encoding_format is 'base64' (send a base64 string of float32)"
+                    if self.encoding_format == "base64"
+                    else "a string, but encoding_format is 'float' (send numbers, or a base64 "
+                    "string with encoding_format 'base64')"
+                )
+                raise ValueError(f"queries[{i}].embedding: {want}")
         limit, results = serve_config(info).max_search_results, len(self.all_queries()) * self.top_k
         if results > limit:
             raise TooLarge(

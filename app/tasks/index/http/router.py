@@ -3,10 +3,13 @@ and the search page (`GET /search`: plain HTML and a script, no data in it; page
 
 from __future__ import annotations
 
+import base64
+import binascii
 from functools import cache
 from importlib import resources
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from app.runtime.types import SearchQuery, SearchRequest, bad
@@ -17,9 +20,14 @@ from app.tasks.index.http.protocol import SearchBody
 from app.tasks.retrieval.http.protocol import data_url_bytes
 
 router = APIRouter()
+SEARCH = "/v1/models/{name}:search"
 
 
-@router.post("/v1/models/{name}:search")
+def search_route(name: str) -> str:
+    return SEARCH.format(name=name)
+
+
+@router.post(SEARCH)
 async def search(name: str, request: Request, response: Response):
     parsed: SearchBody = read(await body(request), SearchBody, config(request))
     queries = tuple(search_query(q, i) for i, q in enumerate(parsed.all_queries()))
@@ -40,9 +48,21 @@ def search_query(query: Any, i: int) -> SearchQuery:
             return SearchQuery(image=data_url_bytes(query.image, f"queries[{i}].image"))
         except ValueError as e:
             raise bad(str(e)) from None
-    embedding = tuple(query.embedding) if query.embedding is not None else None
     item = str(query.id) if query.id is not None else None
-    return SearchQuery(text=query.text, embedding=embedding, id=item)
+    return SearchQuery(text=query.text, embedding=embedding_of(query.embedding, i), id=item)
+
+
+def embedding_of(value: list[Any] | str | None, i: int) -> np.ndarray | None:
+    """A query's raw embedding: numbers as they are, base64 as little-endian float32."""
+    if value is None or not isinstance(value, str):
+        return None if value is None else np.asarray(value, np.float64)
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"queries[{i}].embedding: the base64 data does not decode") from None
+    if not data or len(data) % 4:
+        raise bad(f"queries[{i}].embedding: {len(data)} bytes, not a float32 vector")
+    return np.frombuffer(data, "<f4")
 
 
 @router.get("/v1/models/{name}/thumbnails/{item:path}")
