@@ -321,7 +321,7 @@ def _v2(datatype: str = "FP32", shape=(1, 64), data=None, **extra) -> bytes:
 INFER, PREDICT = "/v2/models/digits/infer", "/v1/models/digits:predict"
 NAMED = "'Z\u00c6' not found"
 # Malformed requests: (what, method, path, body, status, fragment of the JSON error).
-BAD_REQUESTS = [
+MALFORMED_REQUESTS = [
     (
         "text [1, 5000]",
         "POST",
@@ -389,9 +389,9 @@ def test_bad_requests_get_4xx_and_the_replica_survives(served):
         return requests.request(method, f"{SERVE}{path}", data=body, headers=JSON, timeout=30)
 
     with ThreadPoolExecutor(4) as pool:
-        good = [pool.submit(infer, x) for _ in range(len(BAD_REQUESTS))]
-        answers = list(pool.map(send, BAD_REQUESTS))
-    for (what, _, _, _, status, fragment), r in zip(BAD_REQUESTS, answers, strict=True):
+        good = [pool.submit(infer, x) for _ in range(len(MALFORMED_REQUESTS))]
+        answers = list(pool.map(send, MALFORMED_REQUESTS))
+    for (what, _, _, _, status, fragment), r in zip(MALFORMED_REQUESTS, answers, strict=True):
         assert r.status_code == status, f"{what}: {r.status_code} {r.text[:300]}"
         assert r.headers["content-type"].startswith("application/json"), what
         assert fragment in r.json()["error"], f"{what}: {r.json()}"
