@@ -375,10 +375,10 @@ def test_the_shipped_example_is_what_its_tool_writes(tmp_path):
 
 def test_packed_chat_rows_cannot_cross_pipeline_stages(config_factory, folders, tmp_path):
     path = write_lines(tmp_path / "chats.jsonl", chats(3))
+    staged = ("train.strategy=pipeline", "train.num_workers=2")
     with pytest.raises(ConfigError, match="data.pack=false"):
-        chat_config(config_factory, folders["qwen2"], path, "train.strategy=pipeline")
-    unpacked = "data.pack=false"
-    assert chat_config(config_factory, folders["qwen2"], path, "train.strategy=pipeline", unpacked)
+        chat_config(config_factory, folders["qwen2"], path, *staged)
+    assert chat_config(config_factory, folders["qwen2"], path, *staged, "data.pack=false")
 
 
 def test_a_template_refusing_an_answered_conversation_is_refused_naming_the_folder(
