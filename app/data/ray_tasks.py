@@ -63,6 +63,8 @@ class RayTasks:
         results = sorted(done, key=lambda r: r["i"])
         self.nodes.update(r["node"] for r in results)
         log.info("%s: done on %d node(s)", what, len({r["node"] for r in results}))
+        # Bytes this job's own tasks pickled a moment ago (what Ray does to any task's return
+        # value); never an artifact or a checkpoint read from storage.
         return [pickle.loads(r["result"]) for r in results]
 
 
